@@ -1,0 +1,161 @@
+"""The Ray cluster m2flow runs on, and the devices it offers.
+
+A device is a CUDA GPU, or on a node without one a *CPU slot*: a fixed set of cores
+that a worker pins itself to. Devices are numbered globally, node by node, so a
+placement such as ``"0-3"`` means the same on one laptop and on many GPU nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+NAMESPACE = "m2flow"
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int  # global index, across nodes
+    kind: str  # "cuda" or "cpu"
+    node_id: str
+    node_rank: int
+    local_index: int  # GPU index on its node, or CPU slot index on its node
+    cores: tuple[int, ...] = ()  # CPU slots: indices into the node's usable cores
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.index}(node {self.node_rank})"
+
+
+@dataclass(frozen=True)
+class Node:
+    rank: int
+    node_id: str
+    address: str
+    num_cpus: float
+    num_gpus: int
+    devices: tuple[Device, ...] = field(default=())
+
+
+class Cluster:
+    """Starts an embedded local Ray, or attaches to a running one, and lists devices.
+
+    ``address=None`` starts a private local Ray (dashboard off, loopback, temp dir under
+    ``run_dir``); ``"auto"`` or ``"host:port"`` attaches to an existing cluster.
+    ``cpu_slots`` sets the number of CPU slots per GPU-less node (default: one per
+    ``cores_per_slot`` cores); it may exceed the cores present, slots then share cores.
+    ``node_groups`` names sets of nodes, so that a placement can say ``"sim:0-3"``.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        num_cpus: int | None = None,
+        cpu_slots: int | None = None,
+        cores_per_slot: int = 1,
+        node_groups: dict[str, list[int]] | None = None,
+        run_dir: str | os.PathLike = ".m2flow",
+        **ray_init_kwargs: Any,
+    ):
+        if cores_per_slot < 1:
+            raise ValueError(f"cores_per_slot must be >= 1, got {cores_per_slot}")
+        if cpu_slots is not None and cpu_slots < 1:
+            raise ValueError(f"cpu_slots must be >= 1, got {cpu_slots}")
+        self.run_dir = Path(run_dir).resolve()
+        self.session = uuid.uuid4().hex[:8]
+        self._started_ray = False
+        if not ray.is_initialized():
+            self._init_ray(address, num_cpus, ray_init_kwargs)
+        self._cpu_slots = cpu_slots
+        self._cores_per_slot = cores_per_slot
+        self.nodes = self._discover_nodes()
+        self.devices: tuple[Device, ...] = tuple(d for n in self.nodes for d in n.devices)
+        self.node_groups = self._check_node_groups(node_groups or {})
+
+    # -- start-up --------------------------------------------------------------
+    def _init_ray(self, address: str | None, num_cpus: int | None, kwargs: dict) -> None:
+        if address is None:
+            temp_dir = Path(os.environ.get("M2FLOW_RAY_TMP", "/tmp")) / f"m2flow-ray-{os.getpid()}"
+            kwargs = {
+                "num_cpus": num_cpus if num_cpus is not None else os.cpu_count(),
+                "include_dashboard": False,
+                "_temp_dir": str(temp_dir),
+                "_node_ip_address": "127.0.0.1",
+                "log_to_driver": True,
+                **kwargs,
+            }
+        else:
+            kwargs = {"address": address, **kwargs}
+        ray.init(namespace=NAMESPACE, **kwargs)
+        self._started_ray = True
+
+    def _discover_nodes(self) -> tuple[Node, ...]:
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        # Head node first, then by address: a stable order, so device indices are stable.
+        alive.sort(key=lambda n: (not n["Resources"].get("node:__internal_head__"), n["NodeManagerAddress"], n["NodeID"]))
+        nodes = []
+        index = 0
+        for rank, n in enumerate(alive):
+            res = n["Resources"]
+            num_gpus = int(res.get("GPU", 0))
+            num_cpus = res.get("CPU", 0.0)
+            devices = []
+            if num_gpus:
+                for g in range(num_gpus):
+                    devices.append(Device(index, "cuda", n["NodeID"], rank, g))
+                    index += 1
+            else:
+                slots = self._cpu_slots or max(1, int(num_cpus) // self._cores_per_slot)
+                for s in range(slots):
+                    cores = tuple(range(s * self._cores_per_slot, (s + 1) * self._cores_per_slot))
+                    devices.append(Device(index, "cpu", n["NodeID"], rank, s, cores))
+                    index += 1
+            nodes.append(Node(rank, n["NodeID"], n["NodeManagerAddress"], num_cpus, num_gpus, tuple(devices)))
+        if not nodes:
+            raise RuntimeError("the Ray cluster has no live node")
+        return tuple(nodes)
+
+    def _check_node_groups(self, groups: dict[str, list[int]]) -> dict[str, tuple[int, ...]]:
+        checked = {"all": tuple(range(len(self.nodes)))}
+        for name, ranks in groups.items():
+            bad = [r for r in ranks if not 0 <= r < len(self.nodes)]
+            if bad:
+                raise ValueError(f"node group {name!r} names nodes {bad}, but the cluster has {len(self.nodes)} node(s)")
+            checked[name] = tuple(ranks)
+        return checked
+
+    # -- queries ----------------------------------------------------------------
+    def group_devices(self, group: str) -> tuple[Device, ...]:
+        """Devices of a named node group, in global order; ``"all"`` is every device."""
+        if group not in self.node_groups:
+            raise KeyError(f"unknown device group {group!r}; known: {sorted(self.node_groups)}")
+        return tuple(d for r in self.node_groups[group] for d in self.nodes[r].devices)
+
+    @property
+    def device_kind(self) -> str:
+        return "cuda" if any(d.kind == "cuda" for d in self.devices) else "cpu"
+
+    def describe(self) -> str:
+        lines = [f"Ray cluster, {len(self.nodes)} node(s), {len(self.devices)} device(s):"]
+        for n in self.nodes:
+            kinds = ", ".join(str(d) for d in n.devices)
+            lines.append(f"  node {n.rank} {n.address} cpus={n.num_cpus:g} gpus={n.num_gpus}: {kinds}")
+        return "\n".join(lines)
+
+    # -- shutdown ---------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stops the Ray this cluster started (an attached cluster is left running)."""
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+        self._started_ray = False
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

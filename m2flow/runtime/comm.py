@@ -1,0 +1,348 @@
+"""Point-to-point communication between workers, with the transport chosen per pair.
+
+A payload (a tensor, a nested dict/list/tuple/dataclass of tensors, or any picklable
+object) is split into a skeleton and its tensors. The skeleton rides on a Ray actor call
+to the receiver's mailbox; the tensors take the cheapest path for that pair:
+
+  handoff       same process: the objects themselves, no copy
+  rpc           small CPU payloads (< INLINE_BYTES): pickled into the actor call
+  shm           same node, CPU tensors: one copy into a pooled shared-memory segment,
+                mapped copy-on-write by the receiver
+  object_store  different nodes, CPU tensors: Ray's object store, one hop
+  cuda_ipc      same GPU: a CUDA IPC handle, no copy
+  nccl          different GPUs: NCCL send/recv over a pairwise communicator
+
+The transport used is recorded on the returned work handle, in the worker's
+``comm_log`` and in trace spans.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from m2flow.runtime import payload, shm
+from m2flow.runtime.trace import get_tracer
+
+INLINE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    node_id: str
+    pid: int
+    gpus: tuple[str, ...]  # physical GPU UUIDs visible to the peer, in device order
+
+
+@dataclass
+class Packed:
+    """A payload ready to cross a process boundary."""
+
+    skeleton: Any
+    transport: str
+    data: Any  # list of tensors (rpc), ShmRef, list of ObjectRefs, IPC handles, or NCCL metadata
+    nbytes: int
+    cpu_index: list[int] = field(default_factory=list)  # tensor positions of a mixed CPU/GPU payload
+    cpu_part: Packed | None = None
+
+
+@dataclass
+class Envelope:
+    src: tuple[str, int]
+    tag: Hashable
+    packed: Packed
+    sent_at: float
+
+
+# -- process-wide state ----------------------------------------------------------
+_POOL: shm.ShmPool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def process_pool() -> shm.ShmPool:
+    """This process's shared-memory pool; its segments are named after the session so
+    that the cluster can remove leftovers of crashed processes."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = shm.ShmPool(f"m2flow-{os.environ.get('M2FLOW_SESSION', 'default')}")
+        return _POOL
+
+
+def node_id() -> str:
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
+def local_peer_info() -> PeerInfo:
+    gpus: tuple[str, ...] = ()
+    if torch.cuda.is_available():
+        gpus = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
+    return PeerInfo(node_id(), os.getpid(), gpus)
+
+
+# -- packing -----------------------------------------------------------------------
+def pack(obj: Any, *, same_process: bool = False, same_node: bool = True, readers: int = 1,
+         same_gpu: bool = False) -> Packed:
+    if same_process:  # the object itself, not even flattened
+        return Packed(obj, "handoff", None, 0)
+    return pack_flat(*payload.flatten(obj), same_node=same_node, readers=readers, same_gpu=same_gpu)
+
+
+def pack_flat(skeleton: Any, tensors: list[torch.Tensor], *, same_node: bool = True, readers: int = 1,
+              same_gpu: bool = False) -> Packed:
+    """Chooses the transport for CPU and CUDA tensors; NCCL needs a live pair and is
+    handled by ``Communicator``, so here a CUDA payload to another GPU is marked "nccl"."""
+    nbytes = payload.nbytes(tensors)
+    if any(t.is_cuda for t in tensors):
+        cpu_index = [i for i, t in enumerate(tensors) if not t.is_cuda]
+        cuda = [t for t in tensors if t.is_cuda]
+        cpu_part = _pack_cpu(None, [tensors[i] for i in cpu_index], same_node, readers) if cpu_index else None
+        if same_gpu:
+            handles = [torch.multiprocessing.reductions.reduce_tensor(t.contiguous()) for t in cuda]
+            return Packed(skeleton, "cuda_ipc", handles, nbytes, cpu_index, cpu_part)
+        meta = [(tuple(t.shape), t.dtype) for t in cuda]
+        return Packed(skeleton, "nccl", meta, nbytes, cpu_index, cpu_part)
+    return _pack_cpu(skeleton, tensors, same_node, readers)
+
+
+def _pack_cpu(skeleton: Any, tensors: list[torch.Tensor], same_node: bool, readers: int) -> Packed:
+    nbytes = payload.nbytes(tensors)
+    if nbytes < INLINE_BYTES:
+        return Packed(skeleton, "rpc", [t.contiguous() for t in tensors], nbytes)
+    if same_node:
+        return Packed(skeleton, "shm", process_pool().write(tensors, readers=readers), nbytes)
+    return Packed(skeleton, "object_store", [ray.put(t.contiguous()) for t in tensors], nbytes)
+
+
+def unpack(p: Packed, reader: int = 0, nccl_tensors: list[torch.Tensor] | None = None) -> Any:
+    if p.transport == "handoff":
+        return p.skeleton
+    if p.transport == "cuda_ipc":
+        cuda = [fn(*args) for fn, args in p.data]
+    elif p.transport == "nccl":
+        cuda = nccl_tensors or []
+    else:
+        return payload.unflatten(p.skeleton, _cpu_tensors(p, reader))
+    tensors: list[torch.Tensor] = [None] * (len(cuda) + len(p.cpu_index))  # type: ignore[list-item]
+    cpu = _cpu_tensors(p.cpu_part, reader) if p.cpu_part else []
+    for i, t in zip(p.cpu_index, cpu):
+        tensors[i] = t
+    it = iter(cuda)
+    tensors = [t if t is not None else next(it) for t in tensors]
+    return payload.unflatten(p.skeleton, tensors)
+
+
+def _cpu_tensors(p: Packed, reader: int) -> list[torch.Tensor]:
+    if p.transport == "rpc":
+        return p.data
+    if p.transport == "shm":
+        return shm.open_tensors(p.data, reader)
+    if p.transport == "object_store":
+        return ray.get(p.data)
+    raise ValueError(f"unknown transport {p.transport!r}")
+
+
+# -- work handles --------------------------------------------------------------------
+class CommWork:
+    """An asynchronous send or receive; ``wait()`` returns the received object (or None)."""
+
+    def __init__(self, transport: str, future: Future | None = None, refs: list | None = None, value: Any = None):
+        self.transport = transport
+        self._future, self._refs, self._value = future, refs, value
+
+    def done(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        if self._refs:
+            return len(ray.wait(self._refs, num_returns=len(self._refs), timeout=0)[0]) == len(self._refs)
+        return True
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._future is not None:
+            return self._future.result(timeout)
+        if self._refs:
+            ray.get(self._refs, timeout=timeout)
+        return self._value
+
+
+@dataclass
+class CommRecord:
+    op: str
+    peer: tuple[str, int]
+    transport: str
+    nbytes: int
+    seconds: float
+
+
+class Communicator:
+    """One per worker process: sends, a mailbox for receives, pairwise NCCL groups."""
+
+    def __init__(self, address: tuple[str, int]):
+        self.address = address
+        self.info = local_peer_info()
+        self.log: deque[CommRecord] = deque(maxlen=1024)
+        self._peers: dict[tuple[str, int], tuple[Any, PeerInfo]] = {}
+        self._mail: dict[tuple, deque[Envelope]] = defaultdict(deque)
+        self._mail_cv = threading.Condition()
+        self._nccl: dict[tuple[str, int], Any] = {}
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="m2flow-comm")
+
+    # -- peers -----------------------------------------------------------------
+    def peer(self, address: tuple[str, int]) -> tuple[Any, PeerInfo]:
+        if address not in self._peers:
+            from m2flow.runtime.cluster import NAMESPACE
+
+            try:
+                actor = ray.get_actor(f"{address[0]}:{address[1]}", namespace=NAMESPACE)
+            except ValueError:
+                raise LookupError(f"no worker {address[0]} rank {address[1]} is running") from None
+            self._peers[address] = (actor, ray.get(actor._m2flow_peer_info.remote()))
+        return self._peers[address]
+
+    def _pack_for(self, flat: tuple[Any, list[torch.Tensor]], dst: PeerInfo, readers: int = 1) -> Packed:
+        skeleton, tensors = flat
+        same_node = dst.node_id == self.info.node_id
+        same_gpu = False
+        cuda = [t for t in tensors if t.is_cuda]
+        if cuda and same_node and self.info.gpus and dst.gpus:
+            same_gpu = self.info.gpus[cuda[0].device.index] == dst.gpus[0]
+        return pack_flat(skeleton, tensors, same_node=same_node, readers=readers, same_gpu=same_gpu)
+
+    # -- send ------------------------------------------------------------------
+    def isend(self, obj: Any, dst: tuple[str, int], tag: Hashable = 0) -> CommWork:
+        start = time.time()
+        if dst == self.address:  # the object itself, not even flattened
+            packed = Packed(obj, "handoff", None, 0)
+            self.deliver(Envelope(self.address, tag, packed, start))
+            self._record("send", dst, packed, start)
+            return CommWork(packed.transport)
+        actor, info = self.peer(dst)
+        flat = payload.flatten(obj)
+        packed = self._pack_for(flat, info)
+        refs = [actor._m2flow_deliver.remote(Envelope(self.address, tag, packed, start))]
+        if packed.transport == "nccl":
+            self._nccl_send(dst, flat[1])
+        self._record("send", dst, packed, start)
+        return CommWork(packed.transport, refs=refs)
+
+    def send(self, obj: Any, dst: tuple[str, int], tag: Hashable = 0, timeout: float | None = None) -> str:
+        """Returns once the payload sits in the receiver's mailbox; gives the transport."""
+        work = self.isend(obj, dst, tag)
+        work.wait(timeout)
+        return work.transport
+
+    def broadcast(self, obj: Any, src: tuple[str, int], dst: list[tuple[str, int]], tag: Hashable = 0,
+                  timeout: float | None = None) -> Any:
+        """Collective: ``src`` sends ``obj`` to every address in ``dst``; receivers get it.
+        Same-node receivers share one shared-memory copy (copy-on-write each)."""
+        btag = ("broadcast", tag)
+        if self.address != src:
+            return self.recv(src, btag, timeout)
+        start = time.time()
+        flat = payload.flatten(obj)
+        others = [d for d in dst if d != src]
+        peers = [self.peer(d) for d in others]
+        # Same-node receivers of a CPU payload share one packed copy, one reader slot each.
+        local = [i for i, (_, info) in enumerate(peers) if info.node_id == self.info.node_id and info.pid != self.info.pid]
+        shared = None
+        if local and not any(t.is_cuda for t in flat[1]):
+            shared = self._pack_for(flat, peers[local[0]][1], readers=len(local))
+        refs = []
+        for i, (d, (actor, info)) in enumerate(zip(others, peers)):
+            if shared is not None and i in local:
+                packed, reader = shared, local.index(i)
+            else:
+                packed, reader = self._pack_for(flat, info), 0
+            refs.append(actor._m2flow_deliver.remote(Envelope(src, btag, packed, start), reader))
+            if packed.transport == "nccl":
+                self._nccl_send(d, flat[1])
+            self._record("broadcast", d, packed, start)
+        ray.get(refs, timeout=timeout)
+        return obj
+
+    # -- receive ---------------------------------------------------------------
+    def deliver(self, env: Envelope, reader: int = 0) -> None:
+        with self._mail_cv:
+            self._mail[(env.src, env.tag)].append((env, reader))
+            self._mail_cv.notify_all()
+
+    def recv(self, src: tuple[str, int], tag: Hashable = 0, timeout: float | None = None) -> Any:
+        start = time.time()
+        key = (tuple(src), tag)
+        with self._mail_cv:
+            if not self._mail_cv.wait_for(lambda: self._mail.get(key), timeout):
+                raise TimeoutError(f"{self.address[0]}:{self.address[1]} got nothing from {src[0]}:{src[1]} (tag {tag!r}) in {timeout}s")
+            env, reader = self._mail[key].popleft()
+        packed = env.packed
+        nccl = self._nccl_recv(tuple(src), packed.data) if packed.transport == "nccl" else None
+        obj = unpack(packed, reader, nccl)
+        self._record("recv", tuple(src), packed, start)
+        return obj
+
+    def irecv(self, src: tuple[str, int], tag: Hashable = 0, timeout: float | None = None) -> CommWork:
+        return CommWork("pending", future=self._executor.submit(self.recv, src, tag, timeout))
+
+    @property
+    def last_transport(self) -> str | None:
+        return self.log[-1].transport if self.log else None
+
+    def _record(self, op: str, peer: tuple[str, int], packed: Packed, start: float) -> None:
+        end = time.time()
+        self.log.append(CommRecord(op, peer, packed.transport, packed.nbytes, end - start))
+        get_tracer().record(f"{op} {peer[0]}:{peer[1]}", start, end, cat="recv" if op == "recv" else "send",
+                            transport=packed.transport, bytes=packed.nbytes)
+
+    # -- NCCL between two GPUs ----------------------------------------------------
+    def _nccl_group(self, peer: tuple[str, int], initiator: bool, store_addr: tuple[str, int] | None = None):
+        """A two-rank NCCL process group for this pair, outside torch.distributed's world
+        so that any two workers of any groups can pair up."""
+        import torch.distributed as dist
+
+        if peer not in self._nccl:
+            if initiator:
+                from m2flow.runtime.worker import free_port
+
+                host, port = ray.util.get_node_ip_address(), free_port()
+                store = dist.TCPStore(host, port, 2, is_master=True, wait_for_workers=False)
+                actor, _ = self.peer(peer)
+                actor._m2flow_nccl_join.remote(self.address, (host, port))
+            else:
+                store = dist.TCPStore(store_addr[0], store_addr[1], 2, is_master=False)
+            rank = 0 if initiator else 1
+            self._nccl[peer] = (dist.ProcessGroupNCCL(dist.PrefixStore("m2flow-p2p", store), rank, 2), 1 - rank, store)
+        return self._nccl[peer]
+
+    def nccl_join(self, peer: tuple[str, int], store_addr: tuple[str, int]) -> None:
+        self._nccl_group(peer, initiator=False, store_addr=store_addr)
+
+    def _nccl_send(self, dst: tuple[str, int], tensors: list[torch.Tensor]) -> None:
+        pg, peer_rank, _ = self._nccl_group(dst, initiator=dst not in self._nccl)
+        for t in tensors:
+            if t.is_cuda:
+                pg.send([t.contiguous()], peer_rank, 0).wait()
+
+    def _nccl_recv(self, src: tuple[str, int], meta: list) -> list[torch.Tensor]:
+        deadline = time.monotonic() + 60
+        while src not in self._nccl:  # the sender's join request may still be in flight
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no NCCL pair with {src} after 60 s")
+            time.sleep(0.001)
+        pg, peer_rank, _ = self._nccl[src]
+        out = []
+        for shape, dtype in meta:
+            t = torch.empty(shape, dtype=dtype, device="cuda")
+            pg.recv([t], peer_rank, 0).wait()
+            out.append(t)
+        return out
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,289 @@
+"""Device locks: components placed on the same device take turns on it (context switching).
+
+Each device index has one lock, a named async Ray actor ``m2flow-lock-{device}`` created on
+first use (get-or-create). Requests are granted strictly in arrival order. A ``DeviceLock``
+handle acquires several devices in ascending index order, so components whose device sets
+overlap cannot deadlock each other.
+
+Lock actors are not detached: they live as long as the process that created them first.
+Create them from the driver (``lock_actor(device)`` or any ``DeviceLock(...)`` there) before
+starting workers, so that a worker dying does not take the locks down with it.
+
+A holder that dies must not block its devices forever: every acquire registers the calling
+process (pid and node) and, inside a Ray actor, that actor's handle. While others wait, the
+lock actor checks about once a second whether the holder is still alive and, if not, passes
+the lock on with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import ActorDiedError
+
+from m2flow.runtime.trace import get_tracer
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_CHECK_INTERVAL_S = 1.0
+
+
+class LockTimeout(TimeoutError):
+    """A device lock was not granted within the timeout."""
+
+
+def lock_name(device: int) -> str:
+    return f"m2flow-lock-{device}"
+
+
+@dataclass
+class _Request:
+    holder: str
+    pid: int
+    node_id: str
+    actor: ActorHandle | None
+    granted: asyncio.Future[None]
+    arrived: float = field(default_factory=time.monotonic)
+    # At most one outstanding ``__ray_ready__`` call to the holder actor: it fails with
+    # ActorDiedError once the actor is dead, and merely stays pending while the actor is busy.
+    probe: asyncio.Future[Any] | None = None
+
+
+class _DeviceLockActor:
+    """One device's lock. All methods run on one event loop, so no further locking is needed."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._owner: _Request | None = None
+        self._waiting: deque[_Request] = deque()  # invariant: non-empty only while owned
+        self._watcher: asyncio.Task[None] | None = None
+        self._acquisitions = 0
+        self._total_wait_s = 0.0
+
+    async def acquire(
+        self, holder: str, timeout: float | None, pid: int, node_id: str, actor: ActorHandle | None
+    ) -> tuple[str, str | None]:
+        """Returns (status, holder in the way): status is "granted", "timeout", "reentrant" or
+        "withdrawn" (the request was dropped, see ``withdraw``)."""
+        for existing in [self._owner, *self._waiting]:
+            if existing is not None and existing.holder == holder:
+                # A dead earlier self (e.g. an actor that Ray restarted) must not lock itself out.
+                if self._why_dead(existing) is None:
+                    return "reentrant", holder
+                self._forget(holder)
+                break
+        request = _Request(holder, pid, node_id, actor, asyncio.get_running_loop().create_future())
+        if self._owner is None:
+            self._grant(request)
+        else:
+            self._waiting.append(request)
+            if self._watcher is None or self._watcher.done():
+                self._watcher = asyncio.create_task(self._watch_owner())
+            # asyncio.wait, unlike wait_for, never cancels the future, so a grant that races
+            # with the timeout is seen below instead of being lost.
+            await asyncio.wait([request.granted], timeout=timeout)
+            if not request.granted.done():
+                self._waiting.remove(request)
+                return "timeout", self._owner.holder if self._owner else None
+            if request.granted.cancelled():
+                return "withdrawn", None
+        return "granted", None
+
+    async def release(self, holder: str) -> str | None:
+        """Returns None, or why ``holder`` may not release."""
+        if self._owner is None or self._owner.holder != holder:
+            current = self._owner.holder if self._owner else "nobody"
+            return f"{holder!r} cannot release {self._name}: it is held by {current!r}"
+        self._pass_on()
+        return None
+
+    async def withdraw(self, holder: str) -> None:
+        """Forget ``holder`` whether it is waiting or was granted the lock meanwhile: used when
+        an acquire was interrupted on the client and nobody will ever release it."""
+        self._forget(holder)
+
+    def _forget(self, holder: str) -> None:
+        if self._owner is not None and self._owner.holder == holder:
+            self._pass_on()
+        for request in [r for r in self._waiting if r.holder == holder]:
+            self._waiting.remove(request)
+            request.granted.cancel()  # ends its pending acquire() call
+
+    async def state(self) -> dict[str, Any]:
+        return {
+            "name": self._name,
+            "holder": self._owner.holder if self._owner else None,
+            "waiting": [r.holder for r in self._waiting],
+            "acquisitions": self._acquisitions,
+            "total_wait_s": self._total_wait_s,
+        }
+
+    def _grant(self, request: _Request) -> None:
+        self._owner = request
+        self._acquisitions += 1
+        self._total_wait_s += time.monotonic() - request.arrived
+        request.granted.set_result(None)
+
+    def _pass_on(self) -> None:
+        if self._owner is not None and self._owner.probe is not None:
+            self._owner.probe.cancel()
+        self._owner = None
+        if self._waiting:
+            self._grant(self._waiting.popleft())
+
+    async def _watch_owner(self) -> None:
+        while self._waiting:
+            assert self._owner is not None
+            reason = self._why_dead(self._owner)
+            if reason is None:
+                await asyncio.sleep(LIVENESS_CHECK_INTERVAL_S)
+                continue
+            logger.warning("%s: holder %r %s; passing the lock to %r",
+                           self._name, self._owner.holder, reason, self._waiting[0].holder)
+            self._pass_on()
+
+    def _why_dead(self, owner: _Request) -> str | None:
+        # A pid only means something on the node it came from.
+        if owner.node_id == self._node_id:
+            try:
+                os.kill(owner.pid, 0)
+            except ProcessLookupError:
+                return f"(pid {owner.pid}) has exited"
+            except PermissionError:
+                pass  # exists, owned by another user
+        if owner.actor is not None:
+            probe = owner.probe
+            if probe is not None and probe.done():
+                if isinstance(probe.exception(), ActorDiedError):
+                    return "is a dead actor"
+                probe = None
+            if probe is None:
+                owner.probe = asyncio.wrap_future(owner.actor.__ray_ready__.remote().future())
+        return None
+
+
+_LockActor = ray.remote(num_cpus=0)(_DeviceLockActor)
+
+# Ray garbage-collects a non-detached actor, named or not, once its creator drops the last
+# handle; keeping every handle for the life of the process keeps the locks (and their queues)
+# alive. Keyed by node id too, because a later ray.init() in this process is a new cluster.
+_lock_actors: dict[tuple[str, str | None, int], ActorHandle] = {}
+
+
+def lock_actor(device: int, namespace: str | None = None) -> ActorHandle:
+    """Get or create the lock actor of ``device`` (in the current namespace by default)."""
+    key = (ray.get_runtime_context().get_node_id(), namespace, device)
+    if key not in _lock_actors:
+        name = lock_name(device)
+        _lock_actors[key] = _LockActor.options(
+            name=name, namespace=namespace, get_if_exists=True, lifetime=None).remote(name)
+    return _lock_actors[key]
+
+
+def lock_state(device: int, namespace: str | None = None) -> dict[str, Any]:
+    """Current holder, waiting holders in order, number of acquisitions and their total wait."""
+    return ray.get(lock_actor(device, namespace).state.remote())
+
+
+class DeviceLock:
+    """A holder's handle on the locks of a set of devices: ``with DeviceLock([0, 1], "rollout:0"):``.
+
+    ``last_wait_s`` / ``last_hold_s`` are the wait and hold time of the latest acquire; both
+    are also recorded as "lock" spans on the process tracer.
+    """
+
+    def __init__(self, devices: Iterable[int], holder: str, namespace: str | None = None) -> None:
+        self.devices = sorted(set(devices))
+        if not self.devices:
+            raise ValueError(f"DeviceLock for {holder!r} needs at least one device")
+        self.holder = holder
+        self._actors = {d: lock_actor(d, namespace) for d in self.devices}
+        ctx = ray.get_runtime_context()
+        actor = ctx.current_actor if ctx.get_actor_id() is not None else None
+        self._liveness = (os.getpid(), ctx.get_node_id(), actor)
+        self._held_since: float | None = None
+        self.last_wait_s = 0.0
+        self.last_hold_s = 0.0
+
+    @property
+    def held(self) -> bool:
+        return self._held_since is not None
+
+    def acquire(self, timeout: float | None = None) -> float:
+        """Block until all devices are held (ascending order); returns the seconds waited."""
+        if self.held:
+            raise RuntimeError(f"{self.holder!r} already holds device lock(s) {self.devices}; "
+                               "device locks are not re-entrant")
+        start, granted = time.time(), False
+        try:
+            self._acquire_in_order(timeout)
+            granted = True
+        finally:
+            # Recorded on failure too: a wait that ends in a timeout is what one looks for.
+            end = time.time()
+            get_tracer().record(f"wait devices {self.devices}", start, end, cat="lock",
+                                holder=self.holder, devices=self.devices, granted=granted)
+        self._held_since = end
+        self.last_wait_s = end - start
+        return self.last_wait_s
+
+    def _acquire_in_order(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        acquired: list[int] = []
+        for device in self.devices:
+            actor = self._actors[device]
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ref = actor.acquire.remote(self.holder, remaining, *self._liveness)
+            try:
+                status, other = ray.get(ref)
+            except BaseException:
+                # Interrupted (or the lock actor failed) while queued: the request may still be
+                # waiting or granted, and nobody would ever release it.
+                actor.withdraw.remote(self.holder)
+                self._release_devices(acquired)
+                raise
+            if status == "granted":
+                acquired.append(device)
+                continue
+            self._release_devices(acquired)
+            if status == "timeout":
+                raise LockTimeout(f"{self.holder!r} timed out after {timeout} s waiting for "
+                                  f"{lock_name(device)}, held by {other!r}")
+            if status == "reentrant":
+                raise RuntimeError(f"{self.holder!r} already holds or waits for {lock_name(device)} "
+                                   "through another handle; device locks are not re-entrant")
+            raise RuntimeError(f"{self.holder!r}'s request for {lock_name(device)} was withdrawn "
+                               "by a newer request under the same holder name")
+
+    def release(self) -> None:
+        if self._held_since is None:
+            raise RuntimeError(f"{self.holder!r} cannot release device lock(s) {self.devices}: "
+                               "it does not hold them")
+        errors = self._release_devices(self.devices)
+        end = time.time()
+        self.last_hold_s = end - self._held_since
+        get_tracer().record(f"hold devices {self.devices}", self._held_since, end, cat="lock",
+                            holder=self.holder, devices=self.devices)
+        self._held_since = None
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    def _release_devices(self, devices: list[int]) -> list[str]:
+        results = ray.get([self._actors[d].release.remote(self.holder) for d in devices])
+        return [r for r in results if r is not None]
+
+    def __enter__(self) -> DeviceLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()

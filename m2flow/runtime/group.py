@@ -1,0 +1,213 @@
+"""WorkerGroup: N ranks of one component, launched by placement, called as one.
+
+``group.generate(batch)`` runs ``generate`` on every rank (or ``ranks=[...]``) and returns
+a ``GroupHandle`` at once; ``handle.wait()`` gives the gathered result, or raises a
+``WorkerError`` naming the group, the rank and the remote traceback. A rank whose process
+died surfaces as ``WorkerDiedError`` as soon as Ray notices, not at a time-out.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from m2flow.runtime.cluster import NAMESPACE
+from m2flow.runtime.placement import ComponentPlacement
+from m2flow.runtime.worker import WorkerInfo, actor_class
+
+# Every worker gets a sliver of a CPU: Ray must not refuse to place the third actor on a
+# 2-core node; the real CPU share is the slot the worker pins itself to.
+ACTOR_CPUS = 0.01
+# Arguments sent to several ranks above this size go through the object store once.
+_SHARE_BYTES = 100 * 1024
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class WorkerError(RuntimeError):
+    def __init__(self, group: str, rank: int, method: str, detail: str, cause: BaseException | None = None):
+        super().__init__(f"{group} rank {rank} failed in {method}():\n{detail}")
+        self.group, self.rank, self.method, self.cause = group, rank, method, cause
+
+
+class WorkerDiedError(WorkerError):
+    pass
+
+
+class GroupHandle:
+    """The pending result of a group call."""
+
+    def __init__(self, group: WorkerGroup, method: str, ranks: list[int], refs: list, gather: str):
+        self.group, self.method, self.ranks, self._refs, self._gather = group, method, ranks, refs, gather
+        self._results: list | None = None
+        self.durations: dict[int, float] = {}
+
+    def done(self) -> bool:
+        if self._results is not None:
+            return True
+        ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
+        return len(ready) == len(self._refs)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._results is None:
+            self._results = self._collect(timeout)
+        return _gather(self._results, self._gather)
+
+    @property
+    def results(self) -> list:
+        """One result per called rank, in rank order (waits if needed)."""
+        self.wait()
+        return self._results
+
+    def _collect(self, timeout: float | None) -> list:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rank_of = {ref: rank for ref, rank in zip(self._refs, self.ranks)}
+        outputs: dict[int, Any] = {}
+        pending = list(self._refs)
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            # One ready ref at a time: the first failure is raised without waiting for the rest.
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                missing = sorted(rank_of[r] for r in pending)
+                raise TimeoutError(f"{self.group.name}.{self.method}() not finished after {timeout}s on rank(s) {missing}")
+            ref = ready[0]
+            rank = rank_of[ref]
+            try:
+                value, seconds = ray.get(ref)
+            except RayTaskError as e:
+                detail = f"{e.cause!r}\nremote traceback:\n{_ANSI.sub('', str(e)).strip()}"
+                raise WorkerError(self.group.name, rank, self.method, detail, e.cause) from None
+            except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
+                raise WorkerDiedError(self.group.name, rank, self.method, f"the worker process died: {e}", e) from None
+            outputs[rank] = value
+            self.durations[rank] = seconds
+        return [outputs[r] for r in self.ranks]
+
+
+class WorkerGroup:
+    """Launches one Ray actor per rank of a component placement."""
+
+    def __init__(self, cls: type, placement: ComponentPlacement, *, args: tuple = (), kwargs: Mapping | None = None,
+                 name: str | None = None, session: str = "default", init_timeout_s: float = 300.0):
+        self.cls = cls
+        self.name = name or placement.component
+        self.placement = placement
+        self.world_size = placement.world_size
+        remote_cls = actor_class(cls)
+        ranks = placement.ranks()
+        self.actors = [
+            remote_cls.options(
+                name=f"{self.name}:{r.rank}",
+                namespace=NAMESPACE,
+                num_cpus=ACTOR_CPUS,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(r.node_id, soft=False),
+            ).remote()
+            for r in ranks
+        ]
+        master_addr, master_port = ray.get(self.actors[0]._m2flow_address.remote(), timeout=init_timeout_s)
+        node_order: dict[str, list[int]] = {}
+        for r in ranks:
+            node_order.setdefault(r.node_id, []).append(r.rank)
+        refs = []
+        for r, actor in zip(ranks, self.actors):
+            info = WorkerInfo(self.name, r.rank, self.world_size, r.devices, node_order[r.node_id].index(r.rank),
+                              master_addr, master_port, session)
+            refs.append(actor._m2flow_call.remote("_m2flow_init", info, tuple(args), dict(kwargs or {})))
+        try:
+            GroupHandle(self, "__init__", list(range(self.world_size)), refs, "list").wait(init_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    # -- calls -----------------------------------------------------------------
+    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> GroupHandle:
+        fn = getattr(self.cls, method, None)
+        if not callable(fn):
+            raise AttributeError(f"{self.cls.__name__} has no method {method!r}")
+        split, gather = getattr(fn, "_m2flow_dispatch", ("all", "list"))
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise IndexError(f"{self.name} has ranks 0-{self.world_size - 1}, asked for {bad}")
+        per_rank = _split(args, kwargs, len(ranks), split)
+        refs = [self.actors[r]._m2flow_call.remote(method, *a, **k) for r, (a, k) in zip(ranks, per_rank)]
+        return GroupHandle(self, method, ranks, refs, gather)
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda *args, **kwargs: self.call(method, *args, **kwargs)
+
+    def init_process_group(self, backend: str | None = None) -> None:
+        self.call("init_process_group", backend).wait()
+
+    def trace_events(self) -> list[dict]:
+        return [e for events in ray.get([a._m2flow_trace.remote() for a in self.actors]) for e in events]
+
+    def pids(self) -> list[int]:
+        return ray.get([a._m2flow_ping.remote() for a in self.actors])
+
+    def kill(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+
+
+# -- split and gather ---------------------------------------------------------------
+def _split(args: tuple, kwargs: dict, n: int, mode: str) -> list[tuple[tuple, dict]]:
+    if mode == "all":
+        if n > 1:  # one copy in the object store instead of one per rank
+            args = tuple(_share(a) for a in args)
+            kwargs = {k: _share(v) for k, v in kwargs.items()}
+        return [(args, kwargs)] * n
+    if mode == "per_rank":
+        for v in (*args, *kwargs.values()):
+            if not isinstance(v, Sequence) or len(v) != n:
+                raise ValueError(f"per_rank dispatch needs one entry per called rank ({n}), got {type(v).__name__}")
+        return [(tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()}) for i in range(n)]
+    chunks_a = [_chunks(a, n) for a in args]
+    chunks_k = {k: _chunks(v, n) for k, v in kwargs.items()}
+    return [(tuple(c[i] for c in chunks_a), {k: c[i] for k, c in chunks_k.items()}) for i in range(n)]
+
+
+def _share(value: Any) -> Any:
+    nbytes = value.nbytes if isinstance(value, (torch.Tensor, np.ndarray)) else 0
+    return ray.put(value) if nbytes > _SHARE_BYTES else value
+
+
+def _chunks(value: Any, n: int) -> list:
+    if isinstance(value, torch.Tensor):
+        return list(torch.tensor_split(value, n))
+    if isinstance(value, np.ndarray):
+        return np.array_split(value, n)
+    if isinstance(value, (list, tuple)):
+        bounds = np.linspace(0, len(value), n + 1).round().astype(int)
+        return [value[bounds[i] : bounds[i + 1]] for i in range(n)]
+    if isinstance(value, dict):
+        per_key = {k: _chunks(v, n) for k, v in value.items()}
+        return [{k: c[i] for k, c in per_key.items()} for i in range(n)]
+    return [value] * n
+
+
+def _gather(results: list, mode: str) -> Any:
+    if mode == "list":
+        return results
+    if mode == "first":
+        return results[0]
+    first = results[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(results)
+    if isinstance(first, np.ndarray):
+        return np.concatenate(results)
+    if isinstance(first, (list, tuple)):
+        return type(first)(x for r in results for x in r)
+    if isinstance(first, dict):
+        return {k: _gather([r[k] for r in results], "concat") for k in first}
+    raise TypeError(f"cannot concatenate results of type {type(first).__name__}")

@@ -1,0 +1,216 @@
+"""Worker: the base class of every component process (one Ray actor per rank).
+
+A subclass is an ordinary class; ``WorkerGroup`` turns it into Ray actors placed on
+devices. Before the subclass's ``__init__`` runs, the worker knows its group, rank,
+world size and devices, has pinned itself to its CPU cores (or sees only its GPUs),
+and has the torch.distributed environment variables set.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from collections.abc import Hashable
+from typing import Any, Callable
+
+import ray
+
+from m2flow.runtime.cluster import NAMESPACE, Device
+from m2flow.runtime.comm import Communicator, CommWork, Envelope, PeerInfo
+from m2flow.runtime.trace import get_tracer, set_process_name
+
+# Methods in this concurrency group run on their own threads, so a worker busy in a
+# long method (or blocked in recv) still answers deliveries, pings and trace requests.
+IO_GROUP = "m2flow_io"
+IO_THREADS = 4
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    group: str
+    rank: int
+    world_size: int
+    devices: tuple[Device, ...]
+    local_rank: int
+    master_addr: str
+    master_port: int
+    session: str
+
+
+def dispatch(split: str = "all", gather: str = "list") -> Callable:
+    """Declares how a group call splits its inputs across ranks and gathers outputs.
+
+    split: ``"all"`` (every rank gets the same arguments), ``"scatter"`` (tensors, arrays,
+    lists and dicts of them are cut into one contiguous chunk per rank along the first
+    dimension; other arguments go to every rank) or ``"per_rank"`` (each argument is a
+    sequence with one entry per rank).
+    gather: ``"list"`` (one result per rank), ``"concat"`` (results joined in rank
+    order) or ``"first"`` (the first called rank's result).
+    """
+    if split not in ("all", "scatter", "per_rank"):
+        raise ValueError(f"unknown split {split!r}")
+    if gather not in ("list", "concat", "first"):
+        raise ValueError(f"unknown gather {gather!r}")
+
+    def mark(fn: Callable) -> Callable:
+        fn._m2flow_dispatch = (split, gather)
+        return fn
+
+    return mark
+
+
+def _pin_process(cores: list[int]) -> None:
+    # sched_setaffinity(0) pins only the calling thread; Ray's threads already exist,
+    # so pin every thread of the process (threads started later inherit it).
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """Base class for components. Attributes set before ``__init__``: ``group``, ``rank``,
+    ``world_size``, ``local_rank``, ``devices``, ``device`` ("cpu" or "cuda")."""
+
+    group: str
+    rank: int
+    world_size: int
+
+    # -- set-up, called by WorkerGroup --------------------------------------------
+    def _m2flow_init(self, info: WorkerInfo, args: tuple, kwargs: dict) -> None:
+        self._m2flow_info = info
+        self.group, self.rank, self.world_size = info.group, info.rank, info.world_size
+        self.local_rank, self.devices = info.local_rank, info.devices
+        self.device = "cuda" if info.devices[0].kind == "cuda" else "cpu"
+        os.environ.update(
+            RANK=str(info.rank),
+            WORLD_SIZE=str(info.world_size),
+            LOCAL_RANK=str(info.local_rank),
+            MASTER_ADDR=info.master_addr,
+            MASTER_PORT=str(info.master_port),
+            M2FLOW_SESSION=info.session,
+        )
+        if self.device == "cuda":
+            # Ray must not overwrite the GPUs we chose; set before CUDA initialises.
+            os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.local_index) for d in info.devices)
+        else:
+            usable = sorted(os.sched_getaffinity(0))
+            cores = sorted({usable[c % len(usable)] for d in info.devices for c in d.cores})
+            _pin_process(cores)
+            import torch
+
+            torch.set_num_threads(len(cores))
+        set_process_name(f"{info.group}:{info.rank}")
+        self.comm = Communicator((info.group, info.rank))
+        self._group_sizes: dict[str, int] = {}
+        self._m2flow_user_cls.__init__(self, *args, **kwargs)
+
+    def _m2flow_call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+        # Arguments travel at top level so that Ray resolves those shared as ObjectRefs.
+        start = time.time()
+        try:
+            return getattr(self, method)(*args, **kwargs), time.time() - start
+        finally:
+            get_tracer().record(f"{self.group}.{method}", start, time.time(), cat="call", rank=self.rank)
+
+    @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
+
+    @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_ping(self) -> int:
+        return os.getpid()
+
+    @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_trace(self) -> list[dict]:
+        return get_tracer().drain()
+
+    @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_peer_info(self) -> PeerInfo:
+        return self.comm.info
+
+    @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_deliver(self, env: Envelope, reader: int = 0) -> None:
+        self.comm.deliver(env, reader)
+
+    @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_nccl_join(self, peer: tuple[str, int], store_addr: tuple[str, int]) -> None:
+        self.comm.nccl_join(peer, store_addr)
+
+    # -- communication ------------------------------------------------------------
+    def send(self, obj: Any, dst_group: str, dst_rank: int, tag: Hashable = 0, timeout: float | None = None) -> str:
+        """Sends ``obj`` to a worker of any group; returns the transport used."""
+        return self.comm.send(obj, (dst_group, dst_rank), tag, timeout)
+
+    def isend(self, obj: Any, dst_group: str, dst_rank: int, tag: Hashable = 0) -> CommWork:
+        return self.comm.isend(obj, (dst_group, dst_rank), tag)
+
+    def recv(self, src_group: str, src_rank: int, tag: Hashable = 0, timeout: float | None = None) -> Any:
+        return self.comm.recv((src_group, src_rank), tag, timeout)
+
+    def irecv(self, src_group: str, src_rank: int, tag: Hashable = 0, timeout: float | None = None) -> CommWork:
+        return self.comm.irecv((src_group, src_rank), tag, timeout)
+
+    def broadcast(self, obj: Any, src: tuple[str, int], group: str, tag: Hashable = 0, timeout: float | None = None) -> Any:
+        """Collective over ``src`` and every rank of ``group``: all return the source's ``obj``."""
+        return self.comm.broadcast(obj, tuple(src), [(group, r) for r in range(self.group_size(group))], tag, timeout)
+
+    def group_size(self, group: str) -> int:
+        """World size of a running group, found by its actors' names."""
+        if group == self.group:
+            return self.world_size
+        if group not in self._group_sizes:
+            n = 0
+            while True:
+                try:
+                    ray.get_actor(f"{group}:{n}", namespace=NAMESPACE)
+                except ValueError:
+                    break
+                n += 1
+            if n == 0:
+                raise LookupError(f"no worker group named {group!r} is running")
+            self._group_sizes[group] = n
+        return self._group_sizes[group]
+
+    # -- helpers for subclasses ---------------------------------------------------
+    def init_process_group(self, backend: str | None = None, timeout_s: float = 120.0) -> None:
+        """torch.distributed over this worker's group: gloo on CPU, nccl on GPU."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        backend = backend or ("nccl" if self.device == "cuda" else "gloo")
+        info = self._m2flow_info
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+
+_ACTOR_CLASSES: dict[type, Any] = {}
+
+
+def actor_class(cls: type) -> Any:
+    """The Ray actor class for a Worker subclass; its ``__init__`` is deferred to
+    ``_m2flow_init`` so that placement is in effect before user code runs."""
+    if not issubclass(cls, Worker):
+        raise TypeError(f"{cls.__name__} must subclass m2flow.runtime.Worker")
+    if cls not in _ACTOR_CLASSES:
+        wrapper = type(cls.__name__, (cls,), {"__init__": lambda self: None, "_m2flow_user_cls": cls, "__module__": cls.__module__})
+        _ACTOR_CLASSES[cls] = ray.remote(concurrency_groups={IO_GROUP: IO_THREADS})(wrapper)
+    return _ACTOR_CLASSES[cls]

@@ -1,0 +1,139 @@
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from m2flow.runtime import comm
+from m2flow.runtime.group import WorkerError, WorkerGroup
+from m2flow.runtime.placement import Placement
+from m2flow.runtime.worker import Worker
+
+
+@dataclass
+class Batch:
+    obs: torch.Tensor
+    meta: dict
+
+
+class Peer(Worker):
+    def send_to(self, obj, group, rank, tag=0):
+        return self.send(obj, group, rank, tag)
+
+    def recv_from(self, group, rank, tag=0, timeout=None):
+        obj = self.recv(group, rank, tag, timeout=timeout)
+        return obj, self.comm.last_transport
+
+    def send_self(self, obj):
+        transport = self.send(obj, self.group, self.rank)
+        got = self.recv(self.group, self.rank)
+        return transport, got is obj
+
+    def async_pair(self, peer_group):
+        work = self.irecv(peer_group, 0, tag="reply")
+        sent = self.isend(torch.full((300_000,), float(self.rank)), peer_group, 0, tag="ping")
+        sent.wait()
+        return sent.transport, work.wait(timeout=30).sum().item()
+
+    def answer(self, group, n):
+        for r in range(n):
+            ping = self.recv(group, r, tag="ping")
+            self.send(ping + 1, group, r, tag="reply")
+
+    def bcast(self, obj, src, group):
+        got = self.broadcast(obj, src, group)
+        transport = self.comm.last_transport
+        if isinstance(got, torch.Tensor) and self.group != src[0]:
+            before = got[0].item()
+            got[0] = -1.0  # copy-on-write: other receivers keep their values
+            return before, transport
+        return got, transport
+
+
+@pytest.fixture(scope="module")
+def groups(cluster):
+    p = Placement.from_config({"a": "0", "b": "1-2"}, cluster)
+    a = WorkerGroup(Peer, p["a"])
+    b = WorkerGroup(Peer, p["b"])
+    yield a, b
+    a.kill()
+    b.kill()
+
+
+def exchange(groups, obj, tag=0):
+    a, b = groups
+    receiving = b.call("recv_from", "a", 0, tag, ranks=[0])
+    transport = a.send_to(obj, "b", 0, tag).wait()[0]
+    got, recv_transport = receiving.wait()[0]
+    assert transport == recv_transport
+    return got, transport
+
+
+def test_large_tensors_go_through_shared_memory(groups):
+    obj = {"x": torch.randn(512, 1024), "y": [torch.arange(100_000), "label"]}
+    got, transport = exchange(groups, obj)
+    assert transport == "shm"
+    assert torch.equal(got["x"], obj["x"]) and torch.equal(got["y"][0], obj["y"][0]) and got["y"][1] == "label"
+
+
+def test_small_and_plain_objects_ride_the_call(groups):
+    obj = Batch(torch.ones(3), {"step": 7, "names": {"a", "b"}})
+    got, transport = exchange(groups, obj)
+    assert transport == "rpc"
+    assert isinstance(got, Batch) and torch.equal(got.obs, obj.obs) and got.meta == obj.meta
+    got, transport = exchange(groups, ("any", b"picklable", 3.5))
+    assert got == ("any", b"picklable", 3.5) and transport == "rpc"
+
+
+def test_same_process_is_a_handoff(groups):
+    a, _ = groups
+    transport, same_object = a.send_self({"t": torch.zeros(10)}).wait()[0]
+    assert transport == "handoff" and same_object
+
+
+def test_async_send_and_receive(groups):
+    a, b = groups
+    answering = a.answer("b", 2)
+    results = b.async_pair("a").wait()
+    answering.wait()
+    assert [r[0] for r in results] == ["shm", "shm"]
+    assert [r[1] for r in results] == [300_000.0, 600_000.0]
+
+
+def test_tags_keep_messages_apart_and_fifo(groups):
+    a, b = groups
+    for i in range(3):
+        a.send_to(i, "b", 1, "first").wait()
+    a.send_to("other", "b", 1, "second").wait()
+    assert b.call("recv_from", "a", 0, "second", ranks=[1]).wait()[0][0] == "other"
+    assert [b.call("recv_from", "a", 0, "first", ranks=[1]).wait()[0][0] for _ in range(3)] == [0, 1, 2]
+
+
+def test_broadcast_shares_one_copy_on_write(groups):
+    a, b = groups
+    data = torch.arange(200_000, dtype=torch.float32)
+    receiving = b.bcast(None, ("a", 0), "b")
+    sender = a.bcast(data, ("a", 0), "b").wait()[0]
+    assert torch.equal(sender[0], data)
+    assert receiving.wait() == [(0.0, "shm"), (0.0, "shm")]
+
+
+def test_recv_timeout_is_an_error(groups):
+    _, b = groups
+    with pytest.raises(WorkerError, match="got nothing from a:0"):
+        b.call("recv_from", "a", 0, "never", 0.2, ranks=[0]).wait()
+
+
+def test_unknown_peer_is_an_error(groups):
+    a, _ = groups
+    with pytest.raises(WorkerError, match="no worker nobody rank 0"):
+        a.send_to(1, "nobody", 0).wait()
+
+
+def test_transport_choice_per_pair(cluster):
+    big = torch.zeros(100_000)
+    assert comm.pack(big, same_process=True).transport == "handoff"
+    assert comm.pack(torch.zeros(10)).transport == "rpc"
+    assert comm.pack(big).transport == "shm"
+    remote = comm.pack(big, same_node=False)
+    assert remote.transport == "object_store"
+    assert torch.equal(comm.unpack(remote), big)

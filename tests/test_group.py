@@ -1,0 +1,142 @@
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from m2flow.runtime.group import WorkerDiedError, WorkerError, WorkerGroup
+from m2flow.runtime.placement import Placement
+from m2flow.runtime.worker import Worker, dispatch
+
+
+class Echo(Worker):
+    def __init__(self, scale=1):
+        self.scale = scale
+
+    def whoami(self):
+        return {
+            "rank": self.rank,
+            "world": self.world_size,
+            "env_rank": os.environ["RANK"],
+            "affinity": sorted(os.sched_getaffinity(0)),
+            "threads": torch.get_num_threads(),
+            "devices": [d.index for d in self.devices],
+        }
+
+    def times(self, x):
+        return x * self.scale
+
+    @dispatch(split="scatter", gather="concat")
+    def double(self, batch, offset=0):
+        return batch * 2 + offset
+
+    @dispatch(split="per_rank", gather="list")
+    def pick(self, item):
+        return (self.rank, item)
+
+    @dispatch(gather="first")
+    def same(self):
+        return "same"
+
+    def fail(self):
+        raise ValueError(f"bad input on rank {self.rank}")
+
+    def sleep(self, seconds):
+        time.sleep(seconds)
+        return os.getpid()
+
+    def all_reduce(self):
+        import torch.distributed as dist
+
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)
+        return t.item()
+
+
+@pytest.fixture(scope="module")
+def group(cluster):
+    placement = Placement.from_config({"echo": {"devices": "0-1", "procs_per_device": 1}}, cluster)
+    g = WorkerGroup(Echo, placement["echo"], kwargs={"scale": 3})
+    yield g
+    g.kill()
+
+
+def test_ranks_devices_and_pinning(group):
+    info = group.whoami().wait()
+    assert [i["rank"] for i in info] == [0, 1]
+    assert [i["env_rank"] for i in info] == ["0", "1"]
+    assert all(i["world"] == 2 for i in info)
+    assert [i["devices"] for i in info] == [[0], [1]]
+    usable = sorted(os.sched_getaffinity(0))
+    assert [i["affinity"] for i in info] == [[usable[0]], [usable[1 % len(usable)]]]
+    assert all(i["threads"] == 1 for i in info)
+
+
+def test_call_all_subset_and_durations(group):
+    handle = group.times(2)
+    assert handle.wait() == [6, 6]
+    assert set(handle.durations) == {0, 1}
+    sub = group.call("times", 5, ranks=[1])
+    assert sub.wait() == [15] and sub.ranks == [1]
+    slow = group.call("sleep", 0.3, ranks=[0])
+    assert not slow.done()
+    slow.wait()
+    assert slow.done() and slow.durations[0] >= 0.3
+
+
+def test_split_and_gather(group):
+    batch = torch.arange(10.0)
+    assert torch.equal(group.double(batch, offset=1).wait(), batch * 2 + 1)
+    assert group.pick(["a", "b"]).wait() == [(0, "a"), (1, "b")]
+    assert group.same().wait() == "same"
+    with pytest.raises(ValueError, match="one entry per called rank"):
+        group.pick(["only one"])
+    big = torch.ones(100_000)  # shared through the object store once
+    assert [t.sum().item() for t in group.times(big).wait()] == [300_000.0, 300_000.0]
+
+
+def test_error_names_group_rank_and_traceback(group):
+    with pytest.raises(WorkerError) as err:
+        group.call("fail", ranks=[1]).wait()
+    e = err.value
+    assert e.group == "echo" and e.rank == 1 and e.method == "fail"
+    assert "bad input on rank 1" in str(e) and "remote traceback" in str(e)
+    assert 'test_group.py", line' in str(e) and "in fail" in str(e)
+    assert isinstance(e.cause, ValueError)
+    with pytest.raises(AttributeError, match="no method 'missing'"):
+        group.call("missing")
+    with pytest.raises(IndexError):
+        group.call("times", 1, ranks=[2])
+
+
+def test_wait_timeout(group):
+    with pytest.raises(TimeoutError, match=r"echo.sleep\(\) not finished"):
+        group.call("sleep", 2, ranks=[0]).wait(timeout=0.2)
+    group.call("sleep", 0, ranks=[0]).wait()
+
+
+def test_process_group_gloo(group):
+    group.init_process_group()
+    assert group.all_reduce().wait() == [3.0, 3.0]
+
+
+def test_constructor_error_surfaces(cluster):
+    placement = Placement.from_config({"bad": "2"}, cluster)
+    with pytest.raises(WorkerError, match=r"bad rank 0 failed in __init__"):
+        WorkerGroup(Echo, placement["bad"], kwargs={"nope": 1})
+
+
+def test_killed_worker_surfaces_fast(cluster):
+    placement = Placement.from_config({"victim": "2-3"}, cluster)
+    g = WorkerGroup(Echo, placement["victim"])
+    pid = g.pids()[1]
+    handle = g.sleep(30)
+    time.sleep(0.5)
+    start = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError) as err:
+        handle.wait()
+    assert time.monotonic() - start < 10
+    assert err.value.rank == 1 and "died" in str(err.value)
+    g.kill()

@@ -1,0 +1,230 @@
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import threading
+import uuid
+
+import pytest
+import torch
+
+from m2flow.runtime import shm
+
+
+@pytest.fixture
+def prefix():
+    p = f"m2flow-test-{uuid.uuid4().hex[:8]}"
+    yield p
+    shm.cleanup(p)
+
+
+@pytest.fixture
+def pool(prefix):
+    with shm.ShmPool(prefix) as p:
+        yield p
+
+
+def files(prefix: str) -> set[str]:
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix + "-")}
+
+
+def flags(ref: shm.ShmRef) -> bytes:
+    with open(os.path.join(shm.SHM_DIR, ref.segment), "rb") as f:
+        return f.read(ref.readers)
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    return torch.randint(0, 100, shape, dtype=dtype)
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
+SHAPES = [(), (0,), (3, 0, 2), (7,), (2, 3, 5)]
+
+
+def test_round_trip_of_dtypes_and_shapes(pool):
+    tensors = [sample(d, s) for d in DTYPES for s in SHAPES]
+    ref = pool.write(tensors)
+    assert all(off % shm.ALIGN == 0 and off >= shm.HEADER for off, _, _ in ref.tensors)
+    out = shm.open_tensors(pickle.loads(pickle.dumps(ref)))
+    for a, b in zip(tensors, out, strict=True):
+        assert (b.dtype, b.shape) == (a.dtype, a.shape) and torch.equal(a, b)
+
+
+def test_non_contiguous_and_grad_inputs(pool):
+    base = torch.randn(6, 8)
+    tensors = [base.t(), base[:, ::3], torch.randn(1, 4).expand(5, 4), base[2],
+               torch.randn(3, requires_grad=True), torch.randn(4, 4).to(torch.bfloat16).t()]
+    out = shm.open_tensors(pool.write(tensors))
+    for a, b in zip(tensors, out, strict=True):
+        assert b.is_contiguous() and not b.requires_grad and torch.equal(a.detach(), b)
+
+
+def test_outputs_are_views_of_one_mapping_each_with_its_own_storage(pool):
+    out = shm.open_tensors(pool.write([torch.ones(1000), torch.zeros(10)]))
+    # Its own storage: pickling or torch.save of one tensor must not drag the whole segment.
+    assert out[0].untyped_storage().nbytes() == 4000
+
+
+def test_receiver_writes_stay_private(pool):
+    ref = pool.write([torch.arange(1000.0)], readers=2)
+    (mine,) = shm.open_tensors(ref, reader=0)
+    mine += 1
+    (theirs,) = shm.open_tensors(ref, reader=1)
+    assert torch.equal(theirs, torch.arange(1000.0))
+    del mine, theirs
+    # The next message on the same segment shows the sender's data, not the receiver's writes.
+    ref2 = pool.write([torch.full((1000,), 7.0)])
+    assert ref2.segment == ref.segment
+    (again,) = shm.open_tensors(ref2)
+    assert torch.equal(again, torch.full((1000,), 7.0))
+
+
+def test_segment_reused_once_released(pool):
+    ref = pool.write([torch.randn(100, 100)])
+    out = shm.open_tensors(ref)
+    assert flags(ref) == b"\x01"
+    del out
+    assert flags(ref) == b"\x00"
+    for _ in range(5):
+        ref2 = pool.write([torch.randn(100, 100)])
+        assert ref2.segment == ref.segment
+        shm.open_tensors(ref2)  # dropped at once
+    assert len(pool) == 1
+
+
+def test_no_reuse_while_a_view_is_alive(pool):
+    ref = pool.write([torch.randn(64, 64), torch.randn(5)])
+    out = shm.open_tensors(ref)
+    view = out[0][3:].reshape(-1)[::2]  # a view of a view
+    del out
+    gc.collect()
+    busy = pool.write([torch.randn(10)])
+    assert busy.segment != ref.segment and len(pool) == 2
+    shm.open_tensors(busy)
+    del view
+    assert flags(ref) == b"\x00"
+    assert pool.write([torch.randn(10)]).segment in {ref.segment, busy.segment}
+    assert len(pool) == 2
+
+
+def test_broadcast_segment_waits_for_every_reader(pool):
+    ref = pool.write([torch.ones(10)], readers=3)
+    for reader in (0, 2):
+        shm.open_tensors(ref, reader)
+    assert flags(ref) == b"\x00\x01\x00"
+    assert pool.write([torch.ones(10)]).segment != ref.segment
+    shm.open_tensors(ref, 1)
+    assert flags(ref) == b"\x00\x00\x00"
+
+
+def test_empty_message(pool):
+    ref = pool.write([])
+    assert shm.open_tensors(ref) == []
+    assert pool.write([]).segment == ref.segment
+
+
+def test_small_message_does_not_pin_a_big_segment(pool):
+    big = pool.write([torch.zeros(3 << 20)])  # 12 MiB -> a 16 MiB segment
+    shm.open_tensors(big)
+    small = pool.write([torch.zeros(10)])
+    assert small.segment != big.segment
+    shm.open_tensors(small)
+    assert pool.write([torch.zeros(2 << 20)]).segment == big.segment  # 8 MiB fits the 16 MiB one
+
+
+def test_max_bytes_unlinks_free_segments_first(prefix):
+    with shm.ShmPool(prefix, max_bytes=3 << 20) as pool:
+        held = shm.open_tensors(pool.write([torch.zeros(10)]))  # 1 MiB, busy
+        free = pool.write([torch.zeros(10)])  # another 1 MiB
+        shm.open_tensors(free)
+        big = pool.write([torch.zeros(1 << 19)])  # 2 MiB + header -> 4 MiB: over budget
+        assert free.segment not in files(prefix)
+        assert len(pool) == 2 and pool.nbytes == 5 << 20  # a busy segment is never reclaimed
+        del held, big
+
+
+def test_readers_validated(pool):
+    with pytest.raises(ValueError):
+        pool.write([torch.ones(1)], readers=0)
+    ref = pool.write([torch.ones(1)], readers=2)
+    with pytest.raises(ValueError):
+        shm.open_tensors(ref, reader=2)
+
+
+def test_concurrent_writers(pool):
+    errors = []
+
+    def work(seed: int):
+        for i in range(20):
+            t = torch.full((1000,), float(seed * 100 + i))
+            (back,) = shm.open_tensors(pool.write([t]))
+            if not torch.equal(back, t):
+                errors.append((seed, i))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and len(pool) <= 8  # each thread holds at most two messages at once
+
+
+def _child_reads(ref: shm.ShmRef, expected: torch.Tensor) -> None:
+    (t,) = shm.open_tensors(ref, reader=1)
+    assert torch.equal(t, expected)
+    t.mul_(-1)  # private to this process
+    del t  # a process ends without running finalizers: release explicitly by dropping
+
+
+def test_cross_process(pool):
+    data = torch.randn(300, 300)
+    ref = pool.write([data], readers=2)
+    (mine,) = shm.open_tensors(ref, reader=0)
+    child = mp.get_context("spawn").Process(target=_child_reads, args=(ref, data))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert torch.equal(mine, data)
+    assert flags(ref) == b"\x01\x00"  # the child released its slot
+    del mine
+    assert pool.write([data]).segment == ref.segment
+
+
+def test_close_and_cleanup_remove_files(prefix):
+    pool = shm.ShmPool(prefix)
+    free = pool.write([torch.ones(10)])
+    shm.open_tensors(free)
+    busy = pool.write([torch.ones(10)])
+    pool.close()
+    assert files(prefix) == {busy.segment}  # a receiver may still open it
+    (t,) = shm.open_tensors(busy)
+    assert torch.equal(t, torch.ones(10))
+    with pytest.raises(RuntimeError):
+        pool.write([torch.ones(1)])
+    assert shm.cleanup(prefix) == [busy.segment]
+    assert files(prefix) == set()
+    assert torch.equal(t, torch.ones(10))  # an open mapping outlives the unlink
+
+
+def test_cleanup_leaves_other_prefixes(prefix):
+    with shm.ShmPool(prefix + "x") as other, shm.ShmPool(prefix) as pool:
+        kept = other.write([torch.ones(1)])
+        pool.write([torch.ones(1)])
+        shm.cleanup(prefix)
+        assert files(prefix + "x") == {kept.segment}
+        shm.cleanup(prefix + "x")
+
+
+def test_missing_segment_is_a_clear_error(pool, prefix):
+    ref = pool.write([torch.ones(10)], readers=2)
+    shm.open_tensors(ref, reader=0)  # leaves an fd on it in this process's cache
+    never_opened = pool.write([torch.ones(10)])
+    shm.cleanup(prefix)
+    for r in (ref, never_opened):
+        with pytest.raises(FileNotFoundError, match=r.segment):
+            shm.open_tensors(r, reader=r.readers - 1)
