@@ -110,7 +110,7 @@ def run_demo(out_dir: str | Path = "runs/demo") -> dict:
             events += g.trace_events()
         trace_path = write_chrome_trace(Path(out_dir) / "trace.json", events)
         for g in groups.values():
-            g.kill()
+            g.shutdown()
 
     table = Table(title=f"m2flow runtime demo ({placement.mode} placement, {elapsed:.2f} s)")
     for col in ("component", "what it did"):

@@ -1,6 +1,8 @@
 import dataclasses
+import gc
 import pickle
 import timeit
+import weakref
 from collections import OrderedDict, defaultdict, namedtuple
 from typing import Any
 
@@ -95,11 +97,13 @@ def test_nested_round_trip_keeps_types_order_and_leaves():
         "m": {"nested": [[torch.tensor(1.5)], {"deep": torch.eye(2)}], "np": np.arange(4)},
         "o": Opaque(3),
         "f": 2.5,
+        "size": torch.Size([2, 3]),
+        "max": torch.max(torch.arange(6.0).view(2, 3), dim=1),
         1: b"bytes",
     }
     out, tensors = round_trip(obj)
-    assert len(tensors) == 5
-    assert list(out) == ["z", "a", "m", "o", "f", 1]
+    assert len(tensors) == 7
+    assert list(out) == ["z", "a", "m", "o", "f", "size", "max", 1]
     assert out["z"][0] is obj["z"][0]  # tensors are handed back as given, not copied
 
 
@@ -137,6 +141,19 @@ def test_same_tensor_twice_is_listed_once_and_stays_aliased():
     out, tensors = round_trip({"a": t, "b": [t], "c": torch.ones(3)})
     assert len(tensors) == 2
     assert out["a"] is out["b"][0]
+
+
+def test_no_reference_cycle_keeps_tensors_alive():
+    # Shared-memory segments are reused when their tensors die: that must not wait for gc.
+    gc.disable()
+    try:
+        t = torch.ones(3)
+        alive = weakref.ref(t)
+        out = unflatten(*flatten({"a": [t], "b": Point(t, 1)}))
+        del t, out
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def test_nbytes():

@@ -15,7 +15,13 @@ from typing import Any
 
 import ray
 
+from m2flow.runtime import shm
+
 NAMESPACE = "m2flow"
+
+
+def shm_prefix(session: str) -> str:
+    return f"m2flow-{session}"
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,10 @@ class Cluster:
         if cpu_slots is not None and cpu_slots < 1:
             raise ValueError(f"cpu_slots must be >= 1, got {cpu_slots}")
         self.run_dir = Path(run_dir).resolve()
+        # Names this run's shared-memory segments, so shutdown can remove what crashed
+        # workers left behind; workers inherit it through WorkerGroup.
         self.session = uuid.uuid4().hex[:8]
+        os.environ["M2FLOW_SESSION"] = self.session
         self._started_ray = False
         if not ray.is_initialized():
             self._init_ray(address, num_cpus, ray_init_kwargs)
@@ -149,10 +158,12 @@ class Cluster:
 
     # -- shutdown ---------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stops the Ray this cluster started (an attached cluster is left running)."""
+        """Stops the Ray this cluster started (an attached cluster is left running) and
+        removes this session's shared-memory segments on this node."""
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
+        shm.cleanup(shm_prefix(self.session))
 
     def __enter__(self) -> Cluster:
         return self

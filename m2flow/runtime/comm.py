@@ -74,7 +74,9 @@ def process_pool() -> shm.ShmPool:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = shm.ShmPool(f"m2flow-{os.environ.get('M2FLOW_SESSION', 'default')}")
+            from m2flow.runtime.cluster import shm_prefix
+
+            _POOL = shm.ShmPool(shm_prefix(os.environ.get("M2FLOW_SESSION", "default")))
         return _POOL
 
 
@@ -346,3 +348,6 @@ class Communicator:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        with _POOL_LOCK:
+            if _POOL is not None:
+                _POOL.close()

@@ -8,6 +8,7 @@ died surfaces as ``WorkerDiedError`` as soon as Ray notices, not at a time-out.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -96,11 +97,12 @@ class WorkerGroup:
     """Launches one Ray actor per rank of a component placement."""
 
     def __init__(self, cls: type, placement: ComponentPlacement, *, args: tuple = (), kwargs: Mapping | None = None,
-                 name: str | None = None, session: str = "default", init_timeout_s: float = 300.0):
+                 name: str | None = None, session: str | None = None, init_timeout_s: float = 300.0):
         self.cls = cls
         self.name = name or placement.component
         self.placement = placement
         self.world_size = placement.world_size
+        session = session or os.environ.get("M2FLOW_SESSION", "default")
         remote_cls = actor_class(cls)
         ranks = placement.ranks()
         self.actors = [
@@ -154,6 +156,13 @@ class WorkerGroup:
 
     def pids(self) -> list[int]:
         return ray.get([a._m2flow_ping.remote() for a in self.actors])
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Lets every rank release what it holds (shared memory), then ends the processes."""
+        try:
+            ray.wait([a._m2flow_close.remote() for a in self.actors], num_returns=len(self.actors), timeout=timeout_s)
+        finally:
+            self.kill()
 
     def kill(self) -> None:
         for a in self.actors:

@@ -37,55 +37,56 @@ def _field_names(cls: type) -> tuple[str, ...]:
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     """Returns (skeleton, tensors). A tensor seen twice is listed once, so aliasing survives."""
     tensors: list[torch.Tensor] = []
-    seen: dict[int, _Slot] = {}
-
-    def walk(x: Any) -> Any:
-        t = type(x)
-        # Exact-type checks first: they are the common case and much cheaper than isinstance.
-        if t is torch.Tensor or isinstance(x, torch.Tensor):
-            slot = seen.get(id(x))
-            if slot is None:
-                slot = seen[id(x)] = _Slot(len(tensors))
-                tensors.append(x)
-            return slot
-        if t is dict:
-            return {k: walk(v) for k, v in x.items()}
-        if t is list:
-            return [walk(v) for v in x]
-        if t is tuple:
-            return tuple([walk(v) for v in x])
-        if hasattr(t, "__dataclass_fields__"):
-            names = _field_names(t)
-            return _Node(t, names, tuple([walk(getattr(x, n)) for n in names]))
-        if isinstance(x, dict):
-            empty = copy.copy(x)
-            empty.clear()
-            return _Node(empty, tuple(x), tuple([walk(v) for v in x.values()]))
-        if isinstance(x, (list, tuple)):
-            return _Node(t, (), tuple([walk(v) for v in x]))
-        return x
-
-    return walk(obj), tensors
+    return _strip(obj, tensors, {}), tensors
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """Rebuilds what `flatten` took apart, with `tensors` in place of the originals."""
+    return _fill(skeleton, tensors)
 
-    def walk(x: Any) -> Any:
-        t = type(x)
-        if t is _Slot:
-            return tensors[x]
-        if t is dict:
-            return {k: walk(v) for k, v in x.items()}
-        if t is list:
-            return [walk(v) for v in x]
-        if t is tuple:
-            return tuple([walk(v) for v in x])
-        if t is _Node:
-            return _build(x.cls, x.keys, [walk(v) for v in x.children])
-        return x
 
-    return walk(skeleton)
+# Module-level recursion, not nested closures: a closure that calls itself is a reference
+# cycle, which would keep the tensors alive until the garbage collector happens to run.
+def _strip(x: Any, tensors: list[torch.Tensor], seen: dict[int, _Slot]) -> Any:
+    t = type(x)
+    # Exact-type checks first: they are the common case and much cheaper than isinstance.
+    if t is torch.Tensor or isinstance(x, torch.Tensor):
+        slot = seen.get(id(x))
+        if slot is None:
+            slot = seen[id(x)] = _Slot(len(tensors))
+            tensors.append(x)
+        return slot
+    if t is dict:
+        return {k: _strip(v, tensors, seen) for k, v in x.items()}
+    if t is list:
+        return [_strip(v, tensors, seen) for v in x]
+    if t is tuple:
+        return tuple([_strip(v, tensors, seen) for v in x])
+    if hasattr(t, "__dataclass_fields__"):
+        names = _field_names(t)
+        return _Node(t, names, tuple([_strip(getattr(x, n), tensors, seen) for n in names]))
+    if isinstance(x, dict):
+        empty = copy.copy(x)
+        empty.clear()
+        return _Node(empty, tuple(x), tuple([_strip(v, tensors, seen) for v in x.values()]))
+    if isinstance(x, (list, tuple)):
+        return _Node(t, (), tuple([_strip(v, tensors, seen) for v in x]))
+    return x
+
+
+def _fill(x: Any, tensors: list[torch.Tensor]) -> Any:
+    t = type(x)
+    if t is _Slot:
+        return tensors[x]
+    if t is dict:
+        return {k: _fill(v, tensors) for k, v in x.items()}
+    if t is list:
+        return [_fill(v, tensors) for v in x]
+    if t is tuple:
+        return tuple([_fill(v, tensors) for v in x])
+    if t is _Node:
+        return _build(x.cls, x.keys, [_fill(v, tensors) for v in x.children])
+    return x
 
 
 def _build(cls: Any, keys: tuple, values: list) -> Any:

@@ -41,7 +41,7 @@ _counter = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class ShmRef:
-    """Where a message lies: picklable, a few hundred bytes."""
+    """Where a message lies: small and picklable, it travels in place of the tensors."""
 
     segment: str
     tensors: tuple[tuple[int, str, tuple[int, ...]], ...]  # (offset, dtype name, shape)
@@ -85,7 +85,7 @@ class ShmPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.size for s in self._segments.values())
+        return sum(s.size for s in list(self._segments.values()))  # list(): atomic vs. writers
 
     def write(self, tensors: list[torch.Tensor], readers: int = 1) -> ShmRef:
         """Packs `tensors` into one segment that `readers` receivers may each open once."""
@@ -231,7 +231,7 @@ def _dtypes(name: str) -> tuple[torch.dtype, np.dtype]:
         return dtype, np.dtype(f"u{dtype.itemsize}")
 
 
-def _view(buffer, offset: int, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _view(buffer: mmap.mmap | np.ndarray, offset: int, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor on `buffer`'s memory; it keeps `buffer` alive."""
     dtype, np_dtype = _dtypes(dtype_name)
     t = torch.from_numpy(np.ndarray(shape, np_dtype, buffer=buffer, offset=offset))

@@ -136,6 +136,10 @@ class Worker:
         return get_tracer().drain()
 
     @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_close(self) -> None:
+        self.comm.close()
+
+    @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_peer_info(self) -> PeerInfo:
         return self.comm.info
 

@@ -1,0 +1,96 @@
+"""Two raylets on this machine (ray.cluster_utils.Cluster) stand in for two nodes."""
+
+import sys
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster as RayTestCluster
+
+from m2flow.runtime.cluster import Cluster
+from m2flow.runtime.group import WorkerGroup
+from m2flow.runtime.placement import Placement, PlacementError
+from m2flow.runtime.worker import Worker
+
+
+class NodeProbe(Worker):
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+    def send_to(self, obj, group, rank):
+        return self.send(obj, group, rank)
+
+    def recv_from(self, group, rank):
+        obj = self.recv(group, rank)
+        return obj, self.comm.last_transport
+
+    def all_reduce(self):
+        import torch.distributed as dist
+
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)
+        return t.item()
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    if ray.is_initialized():
+        ray.shutdown()
+    raylets = RayTestCluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    raylets.add_node(num_cpus=2)
+    raylets.wait_for_nodes()
+    cluster = Cluster(address=raylets.address, node_groups={"head": [0], "second": [1]})
+    yield cluster
+    ray.shutdown()
+    raylets.shutdown()
+    cluster.shutdown()  # an attached cluster leaves Ray running; this removes its shared memory
+
+
+def test_devices_span_nodes(two_nodes):
+    assert len(two_nodes.nodes) == 2
+    assert [d.index for d in two_nodes.devices] == [0, 1, 2, 3]
+    assert [d.node_rank for d in two_nodes.devices] == [0, 0, 1, 1]
+    assert [d.index for d in two_nodes.group_devices("second")] == [2, 3]
+    with pytest.raises(ValueError, match="names nodes \\[5\\]"):
+        Cluster(address="auto", node_groups={"far": [5]})
+
+
+def test_placement_across_nodes_and_node_groups(two_nodes):
+    p = Placement.from_config({"a": "head:0", "b": "second:0-1", "span": {"devices": "1-2"}}, two_nodes)
+    assert [d.index for d in p["b"].devices] == [2, 3]
+    assert p.mode == "hybrid"
+    with pytest.raises(PlacementError, match="'wide'.*different nodes"):
+        Placement.from_config({"wide": {"devices": "1-2", "devices_per_proc": 2}}, two_nodes)
+    with pytest.raises(PlacementError, match="'b'.*group 'second' has 2 device"):
+        Placement.from_config({"b": "second:0-2"}, two_nodes)
+
+
+def test_groups_run_on_their_nodes_and_talk(two_nodes):
+    p = Placement.from_config({"left": "head:0", "right": "second:0-1"}, two_nodes)
+    left = WorkerGroup(NodeProbe, p["left"])
+    right = WorkerGroup(NodeProbe, p["right"])
+    nodes = {n.rank: n.node_id for n in two_nodes.nodes}
+    assert left.node().wait() == [nodes[0]]
+    assert right.node().wait() == [nodes[1], nodes[1]]
+
+    data = torch.randn(256, 1024)  # 1 MiB: big enough to skip the inline path
+    receiving = right.call("recv_from", "left", 0, ranks=[0])
+    assert left.send_to(data, "right", 0).wait() == ["object_store"]
+    got, transport = receiving.wait()[0]
+    assert transport == "object_store" and torch.equal(got, data)
+
+    # Same node, other rank: shared memory.
+    receiving = right.call("recv_from", "right", 0, ranks=[1])
+    assert right.call("send_to", data, "right", 1, ranks=[0]).wait() == ["shm"]
+    assert receiving.wait()[0][1] == "shm"
+    left.kill()
+    right.kill()
+
+
+def test_process_group_across_nodes(two_nodes):
+    p = Placement.from_config({"ddp": "1-2"}, two_nodes)
+    g = WorkerGroup(NodeProbe, p["ddp"])
+    g.init_process_group()
+    assert g.all_reduce().wait() == [3.0, 3.0]
+    g.kill()
