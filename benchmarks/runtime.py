@@ -117,7 +117,9 @@ def gloo_seconds(n: int, nbytes: int) -> float:
     for p in procs:
         p.start()
     for p in procs:
-        p.join()
+        p.join(timeout=300)
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"gloo baseline processes failed: exit codes {[p.exitcode for p in procs]}")
     return out.get()
 
 

@@ -181,21 +181,27 @@ def test_concurrent_writers(pool):
     assert not errors and len(pool) <= 8  # each thread holds at most two messages at once
 
 
-def _child_reads(ref: shm.ShmRef, expected: torch.Tensor) -> None:
+def _expected() -> torch.Tensor:
+    # Rebuilt in the child rather than sent: a tensor argument would travel through
+    # torch's own shared-memory pickling, a second mechanism this test does not need.
+    return torch.arange(90_000.0).view(300, 300).sin()
+
+
+def _child_reads(ref: shm.ShmRef) -> None:
     (t,) = shm.open_tensors(ref, reader=1)
-    assert torch.equal(t, expected)
+    assert torch.equal(t, _expected())
     t.mul_(-1)  # private to this process
     del t  # a process ends without running finalizers: release explicitly by dropping
 
 
 def test_cross_process(pool):
-    data = torch.randn(300, 300)
+    data = _expected()
     ref = pool.write([data], readers=2)
     (mine,) = shm.open_tensors(ref, reader=0)
-    child = mp.get_context("spawn").Process(target=_child_reads, args=(ref, data))
+    child = mp.get_context("spawn").Process(target=_child_reads, args=(ref,))
     child.start()
     child.join(timeout=60)
-    assert child.exitcode == 0
+    assert child.exitcode == 0, "the child failed: see its traceback in the captured stderr"
     assert torch.equal(mine, data)
     assert flags(ref) == b"\x01\x00"  # the child released its slot
     del mine

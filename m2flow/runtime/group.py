@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from m2flow.runtime.cluster import NAMESPACE
@@ -74,15 +74,19 @@ class GroupHandle:
         pending = list(self._refs)
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            # One ready ref at a time: the first failure is raised without waiting for the rest.
-            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            if not ready:
-                missing = sorted(rank_of[r] for r in pending)
-                raise TimeoutError(f"{self.group.name}.{self.method}() not finished after {timeout}s on rank(s) {missing}")
-            ref = ready[0]
+            if len(pending) == 1:  # the common single-rank call: one Ray round trip, no ray.wait
+                ref = pending.pop()
+            else:
+                # One ready ref at a time: the first failure is raised without waiting for the rest.
+                ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+                if not ready:
+                    self._timeout(timeout, [rank_of[r] for r in pending])
+                ref = ready[0]
             rank = rank_of[ref]
             try:
-                value, seconds = ray.get(ref)
+                value, seconds = ray.get(ref, timeout=remaining)
+            except GetTimeoutError:
+                self._timeout(timeout, [rank])
             except RayTaskError as e:
                 detail = f"{e.cause!r}\nremote traceback:\n{_ANSI.sub('', str(e)).strip()}"
                 raise WorkerError(self.group.name, rank, self.method, detail, e.cause) from None
@@ -91,6 +95,9 @@ class GroupHandle:
             outputs[rank] = value
             self.durations[rank] = seconds
         return [outputs[r] for r in self.ranks]
+
+    def _timeout(self, timeout: float | None, ranks: list[int]) -> None:
+        raise TimeoutError(f"{self.group.name}.{self.method}() not finished after {timeout}s on rank(s) {sorted(ranks)}")
 
 
 class WorkerGroup:

@@ -1,0 +1,641 @@
+"""Channel: a named, bounded, keyed, weighted FIFO between components.
+
+One small async Ray actor per channel keeps the order, the bound and the waiting
+producers and consumers. Payloads never pass through it: ``comm.pack`` puts large CPU
+tensors in the producer's shared memory (or the object store on a multi-node
+cluster), so a 10 MB tensor makes one hop, producer to consumer; the actor holds the
+small packed metadata, and small items ride inline.
+
+Throughput, since one actor round trip costs most of a millisecond:
+
+- ``put`` is pipelined: it queues the item and returns; a sender thread per process
+  and channel ships everything queued in one call whenever it has none in flight. At
+  most ``put_window`` puts per process are un-acknowledged; a full channel holds
+  their calls back, so the producer still feels backpressure. A put refused because
+  the channel closed raises ``ChannelClosed`` at a later put or at ``flush()``.
+  ``put(..., timeout=t)``, ``put_nowait`` and a handle with ``put_window=0`` wait
+  until the item is in the channel.
+- ``get`` takes up to ``prefetch`` ready items of its key in one call, but only while
+  no other consumer waits on that key. Prefetched items belong to that handle: its
+  next gets return them, in order. A handle dropped with prefetched items left gives
+  them back to the front of their key.
+
+A bounded channel holds at most ``maxsize`` items; window and prefetch are capped at
+``maxsize`` too, so each producer process and each consumer handle adds at most that
+many more on their way.
+
+Order: FIFO per key, and a process's puts keep their order (sequence numbers per
+process, since an async actor may start calls out of order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import pickle
+import queue
+import threading
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray import cloudpickle
+
+from m2flow.runtime.trace import get_tracer
+
+# The channel's actor imports this module in a process that never sees a tensor, so the
+# modules that import torch (comm, cluster) are imported where the handle needs them:
+# a channel then starts in a third of the time.
+
+# Like worker groups: a sliver of a CPU, so that a 2-core node can still place it.
+ACTOR_CPUS = 0.01
+PUT_WINDOW = 32
+PREFETCH = 16
+
+# Actor replies carry a status rather than raising: a Ray exception costs a traceback.
+_OK, _CLOSED, _FULL, _TIMEOUT = range(4)
+
+# A comm.Packed item, pickled by its producer: the actor never unpickles it, and later
+# changes to the producer's objects cannot reach it. One that holds object-store
+# references is put in the object store instead, where Ray keeps them alive.
+Blob = bytes | ray.ObjectRef
+_Entry = tuple[Blob, float]  # an item in the channel and its weight
+
+
+class ChannelClosed(Exception):
+    """Put on a closed channel, or get from a closed channel with nothing left."""
+
+
+class ChannelFull(queue.Full):
+    """put_nowait on a full channel."""
+
+
+class ChannelEmpty(queue.Empty):
+    """get_nowait with no item of that key ready."""
+
+
+def _refused(name: str, key: Hashable) -> ChannelClosed:
+    return ChannelClosed(f"channel {name!r} is closed: cannot put (key {key!r})")
+
+
+# -- the actor ------------------------------------------------------------------------
+@dataclass(eq=False, slots=True)
+class _Put:
+    key: Hashable
+    blob: Blob
+    weight: float
+    nowait: bool
+    status: int | None = None
+    future: asyncio.Future | None = None  # only when the call has to wait
+
+
+@dataclass(eq=False, slots=True)
+class _Get:
+    max_items: int
+    target: float | None  # batch getters: the weight to reach
+    status: int | None = None
+    future: asyncio.Future | None = None
+    taken: list[_Entry] = field(default_factory=list)
+    weight: float = 0.0
+
+
+def _resolve(waiter: _Put | _Get, status: int) -> None:
+    waiter.status = status
+    if waiter.future is not None and not waiter.future.done():
+        waiter.future.set_result(None)
+
+
+class _ChannelActor:
+    """All methods run on one event loop and never await between reading and changing
+    state, so each is atomic; waiting calls park on a future that others resolve."""
+
+    def __init__(self, name: str, uid: str, maxsize: int, max_weight: float | None, multi_node: bool):
+        self.name, self.uid, self.maxsize, self.max_weight, self.multi_node = name, uid, maxsize, max_weight, multi_node
+        self.items: dict[Hashable, deque[_Entry]] = {}
+        self.count, self.weight = 0, 0.0
+        self.closed = False
+        self.next_seq: dict[str, int] = {}
+        self.early: dict[str, dict[int, list[_Put]]] = {}  # puts that overtook an earlier put of their producer
+        self.putters: deque[_Put] = deque()  # admitted in order, waiting for room
+        self.getters: dict[Hashable, deque[_Get]] = {}
+
+    async def info(self) -> tuple[str, int, float | None, bool]:
+        return self.uid, self.maxsize, self.max_weight, self.multi_node
+
+    async def qsize(self, key: Hashable) -> int:
+        return len(self.items.get(key, ()))
+
+    async def put(self, producer: str, seq: int, key: Hashable, blob: Blob, weight: float,
+                  timeout: float | None, nowait: bool) -> int:
+        """One put that the caller waits for: its status is OK, CLOSED, FULL or TIMEOUT."""
+        p = _Put(key, blob, weight, nowait)
+        self._arrive(producer, seq, [p])
+        if p.status is None:
+            p.future = asyncio.get_running_loop().create_future()
+            await asyncio.wait([p.future], timeout=timeout)
+            if p.status is None:  # timed out; a put still in `early` is skipped when its turn comes
+                p.status = _TIMEOUT
+                if p in self.putters:
+                    self.putters.remove(p)
+        return p.status
+
+    async def put_batch(self, producer: str, seq: int, entries: list[tuple[Hashable, Blob, float]]) -> int:
+        """Pipelined puts: returns OK once all are in the channel, CLOSED if any was refused."""
+        puts = [_Put(key, blob, weight, False) for key, blob, weight in entries]
+        self._arrive(producer, seq, puts)
+        last = puts[-1]  # admitted in order: the last one is in when all are
+        if last.status is None:
+            last.future = asyncio.get_running_loop().create_future()
+            await last.future
+        return _CLOSED if any(p.status == _CLOSED for p in puts) else _OK
+
+    async def get(self, key: Hashable, timeout: float | None, max_items: int = 1,
+                  target: float | None = None) -> tuple[int, list[_Entry]]:
+        g = _Get(max_items, target)
+        self.getters.setdefault(key, deque()).append(g)
+        self._pump()
+        if g.status is None and self.closed:
+            self._drop_getter(key, g)
+            _resolve(g, _OK if g.taken else _CLOSED)
+        if g.status is None and timeout != 0:
+            g.future = asyncio.get_running_loop().create_future()
+            await asyncio.wait([g.future], timeout=timeout)
+        if g.status is None:
+            self._drop_getter(key, g)
+            self._requeue(key, g.taken)
+            return _TIMEOUT, []
+        return g.status, g.taken
+
+    async def requeue(self, key: Hashable, entries: list[_Entry]) -> None:
+        self._requeue(key, entries)
+
+    async def close(self) -> None:
+        self.closed = True
+        for p in itertools.chain(self.putters, *(ps for e in self.early.values() for ps in e.values())):
+            _resolve(p, _CLOSED)
+        self.putters.clear()
+        self.early.clear()
+        # No key has both items and getters (`_pump` keeps it so): these get only what they took.
+        for waiting in self.getters.values():
+            for g in waiting:
+                _resolve(g, _OK if g.taken else _CLOSED)
+        self.getters.clear()
+
+    # -- internals, all synchronous ---------------------------------------------------
+    def _arrive(self, producer: str, seq: int, puts: list[_Put]) -> None:
+        """Admits a producer's calls in the order it made them."""
+        expected = self.next_seq.get(producer, 0)
+        if seq != expected:
+            self.early.setdefault(producer, {})[seq] = puts
+            if self.closed:
+                for p in puts:
+                    _resolve(p, _CLOSED)
+            return
+        for p in puts:
+            self._admit(p)
+        early = self.early.get(producer)
+        while early and expected + 1 in early:
+            expected += 1
+            for p in early.pop(expected):
+                self._admit(p)
+        if early is not None and not early:
+            del self.early[producer]
+        self.next_seq[producer] = expected + 1
+
+    def _admit(self, p: _Put) -> None:
+        if p.status is not None:
+            return
+        if self.closed:
+            _resolve(p, _CLOSED)
+        elif not self.putters and self._has_room(p.weight):
+            self._append(p)
+            _resolve(p, _OK)
+            if p.key in self.getters:
+                self._pump()
+        elif p.nowait:
+            _resolve(p, _FULL)
+        else:
+            self.putters.append(p)
+
+    def _has_room(self, weight: float) -> bool:
+        if self.count == 0:  # an item heavier than max_weight still passes, alone
+            return True
+        return (not self.maxsize or self.count < self.maxsize) and (
+            self.max_weight is None or self.weight + weight <= self.max_weight)
+
+    def _append(self, p: _Put) -> None:
+        self.items.setdefault(p.key, deque()).append((p.blob, p.weight))
+        self.count += 1
+        self.weight += p.weight
+
+    def _pump(self) -> None:
+        """Hands queued items to waiting getters and room to waiting putters until neither can move."""
+        while True:
+            moved = False
+            for key in [k for k in self.getters if k in self.items]:
+                self._serve(key)
+                moved = True
+            while self.putters and self._has_room(self.putters[0].weight):
+                p = self.putters.popleft()
+                self._append(p)
+                _resolve(p, _OK)
+                moved = True
+            if not moved:
+                return
+
+    def _serve(self, key: Hashable) -> None:
+        q, waiting = self.items[key], self.getters[key]
+        while q and waiting:
+            g = waiting[0]
+            if g.target is None:
+                # Prefetch only when nobody else waits on this key: idle consumers come first.
+                n = 1 if len(waiting) > 1 else min(g.max_items, len(q))
+                g.taken = [self._take(q) for _ in range(n)]
+            else:
+                while q and g.weight < g.target:
+                    g.taken.append(self._take(q))
+                    g.weight += g.taken[-1][1]
+                if g.weight < g.target:
+                    break
+            waiting.popleft()
+            _resolve(g, _OK)
+        if not q:
+            del self.items[key]
+        if not waiting:
+            del self.getters[key]
+
+    def _take(self, q: deque[_Entry]) -> _Entry:
+        entry = q.popleft()
+        self.count -= 1
+        self.weight = self.weight - entry[1] if self.count else 0.0  # no float drift when empty
+        return entry
+
+    def _drop_getter(self, key: Hashable, g: _Get) -> None:
+        waiting = self.getters.get(key)
+        if waiting is not None and g in waiting:
+            waiting.remove(g)
+            if not waiting:
+                del self.getters[key]
+
+    def _requeue(self, key: Hashable, entries: list[_Entry]) -> None:
+        if entries:
+            self.items.setdefault(key, deque()).extendleft(reversed(entries))
+            self.count += len(entries)
+            self.weight += sum(w for _, w in entries)
+            self._pump()
+
+
+_RemoteChannelActor = ray.remote(_ChannelActor)
+
+
+def _actor_name(name: str) -> str:
+    return f"channel:{name}"
+
+
+def _namespace() -> str:
+    from m2flow.runtime.cluster import NAMESPACE
+
+    return NAMESPACE
+
+
+def _lookup(name: str) -> Any:
+    try:
+        return ray.get_actor(_actor_name(name), namespace=_namespace())
+    except ValueError:
+        return None
+
+
+# -- the handle -----------------------------------------------------------------------
+class _Producer:
+    """This process's puts to one channel, as one ordered stream of actor calls.
+
+    Pipelined puts wait in ``outbox``; a sender thread ships all of them in one call
+    whenever it has no call in flight, and collects the acknowledgements: the faster
+    the producer, the bigger the batches, and a lone put still leaves at once.
+    """
+
+    def __init__(self, name: str, actor: Any) -> None:
+        self.name, self.actor = name, actor
+        self.id = uuid.uuid4().hex
+        self.seq = itertools.count()
+        self.cond = threading.Condition()
+        self.outbox: list[tuple[Hashable, Blob, float]] = []
+        self.inflight: deque[tuple[ray.ObjectRef, int]] = deque()  # batch calls and their sizes
+        self.unacked = 0  # puts in the outbox or in flight
+        self.closed = False  # known closed: puts fail at once
+        self.refused = False  # pipelined puts were refused since the last flush
+        self.error: BaseException | None = None  # the sender's, e.g. the channel's actor died
+        self.sender: threading.Thread | None = None
+
+    def pipeline(self, entry: tuple[Hashable, Blob, float], window: int) -> bool:
+        """Queues a put; True if the window is now over-full and the caller should wait_room()."""
+        with self.cond:
+            self._check(entry[0])
+            self.outbox.append(entry)
+            self.unacked += 1
+            if self.sender is None:
+                self.sender = threading.Thread(target=self._send, name=f"channel-{self.name}", daemon=True)
+                self.sender.start()
+            self.cond.notify_all()
+            return self.unacked > window
+
+    def wait_room(self, window: int, key: Hashable) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.unacked <= window or self.closed or self.error)
+            self._check(key)
+
+    def call(self, key: Hashable, blob: Blob, weight: float, timeout: float | None, nowait: bool) -> ray.ObjectRef:
+        """A put the caller waits for, ordered after the pipelined ones."""
+        with self.cond:
+            self._check(key)
+            self._ship()
+            return self.actor.put.remote(self.id, next(self.seq), key, blob, weight, timeout, nowait)
+
+    def flush(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.unacked or self.error)
+            if self.error is not None:
+                raise self.error
+            if self.refused:
+                self.refused = False
+                raise ChannelClosed(f"channel {self.name!r} was closed before all puts of this process got in")
+
+    def mark_closed(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def _check(self, key: Hashable) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.closed:
+            raise _refused(self.name, key)
+
+    def _ship(self) -> None:
+        if self.outbox:
+            ref = self.actor.put_batch.remote(self.id, next(self.seq), self.outbox)
+            self.inflight.append((ref, len(self.outbox)))
+            self.outbox = []
+            self.cond.notify_all()
+
+    def _send(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.inflight or self.outbox or self.closed)
+                if not self.inflight:
+                    if not self.outbox:  # closed with nothing left to send
+                        self.sender = None
+                        return
+                    self._ship()
+                ref, n = self.inflight[0]
+            try:
+                status = ray.get(ref)
+            except BaseException as e:
+                with self.cond:
+                    self.error = e
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                self.inflight.popleft()
+                self.unacked -= n
+                if status == _CLOSED:
+                    self.closed = self.refused = True
+                    self.unacked -= len(self.outbox)
+                    self.outbox = []
+                self.cond.notify_all()
+
+
+_producers: dict[str, _Producer] = {}
+_producers_lock = threading.Lock()
+
+
+def _producer(name: str, uid: str, actor: Any) -> _Producer:
+    with _producers_lock:
+        if uid not in _producers:
+            _producers[uid] = _Producer(name, actor)
+        return _producers[uid]
+
+
+def _give_back(actor: Any, buffers: dict[Hashable, deque[_Entry]]) -> None:
+    for key, entries in buffers.items():
+        if entries:
+            try:
+                actor.requeue.remote(key, list(entries))
+            except Exception:  # the channel is gone, and its items with it
+                return
+
+
+class Channel:
+    """A picklable handle on a channel; pass it into worker calls. See the module docstring."""
+
+    def __init__(self, name: str, actor: Any, uid: str, maxsize: int, multi_node: bool, *,
+                 put_window: int = PUT_WINDOW, prefetch: int = PREFETCH):
+        self.name, self.maxsize, self.multi_node = name, maxsize, multi_node
+        # Bounded channels bound these too, so a small maxsize keeps its meaning.
+        self.put_window = min(put_window, maxsize) if maxsize else put_window
+        self.prefetch = max(1, min(prefetch, maxsize) if maxsize else prefetch)
+        self.last_transport: str | None = None  # of the last item this handle returned
+        self._actor, self._uid = actor, uid
+        self._producer = _producer(name, uid, actor)
+        self._buffers: dict[Hashable, deque[_Entry]] = {}  # prefetched, per key
+        weakref.finalize(self, _give_back, actor, self._buffers).atexit = False
+
+    @classmethod
+    def create(cls, name: str, maxsize: int = 0, max_weight: float | None = None, *,
+               put_window: int = PUT_WINDOW, prefetch: int = PREFETCH) -> Channel:
+        """Starts the channel's actor. ``maxsize``: items (0 = unbounded); ``max_weight``:
+        total weight; a put waits while either bound would be passed."""
+        if maxsize < 0 or (max_weight is not None and max_weight <= 0):
+            raise ValueError(f"channel {name!r}: maxsize must be >= 0 and max_weight > 0")
+        taken = f"a channel named {name!r} already exists; attach to it with Channel.connect({name!r})"
+        if _lookup(name) is not None:
+            raise ValueError(taken)
+        # Decided once: shared memory needs producer and consumer on one node.
+        multi_node = len([n for n in ray.nodes() if n["Alive"]]) > 1
+        uid = uuid.uuid4().hex
+        try:
+            actor = _RemoteChannelActor.options(
+                name=_actor_name(name), namespace=_namespace(), num_cpus=ACTOR_CPUS, max_concurrency=10_000,
+            ).remote(name, uid, maxsize, max_weight, multi_node)
+        except ValueError:  # created by someone else meanwhile
+            raise ValueError(taken) from None
+        return cls(name, actor, uid, maxsize, multi_node, put_window=put_window, prefetch=prefetch)
+
+    @classmethod
+    def connect(cls, name: str, *, put_window: int = PUT_WINDOW, prefetch: int = PREFETCH) -> Channel:
+        actor = _lookup(name)
+        if actor is None:
+            raise LookupError(f"no channel named {name!r}; create it with Channel.create({name!r})")
+        uid, maxsize, _, multi_node = ray.get(actor.info.remote())
+        return cls(name, actor, uid, maxsize, multi_node, put_window=put_window, prefetch=prefetch)
+
+    def __reduce__(self):
+        return _rebuild, (self.name, self._actor, self._uid, self.maxsize, self.multi_node, self.put_window,
+                          self.prefetch)
+
+    def __repr__(self) -> str:
+        return f"Channel({self.name!r}, maxsize={self.maxsize})"
+
+    # -- put ------------------------------------------------------------------------------
+    def put(self, item: Any, key: Hashable = None, weight: float = 1.0, timeout: float | None = None) -> None:
+        """Pipelined (see the module docstring) unless ``timeout`` is given or the handle
+        has ``put_window=0``; then returns once the item is in the channel."""
+        blob = self._pack(item)
+        if timeout is None and self.put_window:
+            if self._producer.pipeline((key, blob, float(weight)), self.put_window):
+                with self._span("put", key):
+                    self._producer.wait_room(self.put_window, key)
+        else:
+            ref = self._producer.call(key, blob, float(weight), timeout, False)
+            with self._span("put", key):
+                self._check_put(ray.get(ref), key, timeout)
+
+    def put_nowait(self, item: Any, key: Hashable = None, weight: float = 1.0) -> None:
+        self._check_put(ray.get(self._producer.call(key, self._pack(item), float(weight), None, True)), key, 0)
+
+    def flush(self) -> None:
+        """Waits until every put this process made to the channel is in it; raises
+        ChannelClosed if the channel refused some."""
+        with self._span("flush", None):
+            self._producer.flush()
+
+    def close(self) -> None:
+        """Flushes, then closes: later puts raise ChannelClosed, gets drain what is left."""
+        try:
+            self.flush()
+        finally:
+            ray.get(self._actor.close.remote())
+            self._producer.mark_closed()
+
+    def destroy(self) -> None:
+        """Kills the channel's actor; items still in it are lost."""
+        self._producer.mark_closed()
+        ray.kill(self._actor, no_restart=True)
+
+    def _pack(self, item: Any) -> Blob:
+        from m2flow.runtime import comm
+
+        packed = comm.pack(item, same_node=not self.multi_node)
+        # Object-store references must travel where Ray can see them, inside an object.
+        return ray.put(packed) if packed.transport == "object_store" else cloudpickle.dumps(packed)
+
+    def _check_put(self, status: int, key: Hashable, timeout: float | None) -> None:
+        if status == _CLOSED:
+            self._producer.mark_closed()
+            raise _refused(self.name, key)
+        if status == _FULL:
+            raise ChannelFull(f"channel {self.name!r} is full (key {key!r})")
+        if status == _TIMEOUT:
+            raise TimeoutError(f"channel {self.name!r}, key {key!r}: still full after {timeout} s")
+
+    # -- get ------------------------------------------------------------------------------
+    def get(self, key: Hashable = None, timeout: float | None = None) -> Any:
+        buf = self._buffers.get(key)
+        if not buf:
+            with self._span("get", key):
+                status, entries = ray.get(self._actor.get.remote(key, timeout, self.prefetch))
+            buf = self._fill(key, status, entries, timeout)
+        return self._unpack(buf.popleft())
+
+    def get_nowait(self, key: Hashable = None) -> Any:
+        buf = self._buffers.get(key)
+        if not buf:
+            status, entries = ray.get(self._actor.get.remote(key, 0, self.prefetch))
+            if status == _TIMEOUT:
+                raise ChannelEmpty(f"channel {self.name!r} has no item with key {key!r}")
+            buf = self._fill(key, status, entries, 0)
+        return self._unpack(buf.popleft())
+
+    def get_batch(self, target_weight: float, key: Hashable = None, timeout: float | None = None) -> list:
+        """Items in FIFO order whose weights sum to >= target_weight; fewer only once the
+        channel is closed and drained (ChannelClosed if nothing at all is left)."""
+        taken, need = self._take_buffered(key, target_weight)
+        if need > 0:
+            with self._span("get_batch", key):
+                reply = ray.get(self._actor.get.remote(key, timeout, 1, need))
+            taken += self._batch_reply(key, taken, reply, timeout)
+        return [self._unpack(e) for e in taken]
+
+    def qsize(self, key: Hashable = None) -> int:
+        """Items of ``key`` in the channel, plus those this handle prefetched. This
+        process's pipelined puts may still be on their way: ``flush()`` first to count them."""
+        return ray.get(self._actor.qsize.remote(key)) + len(self._buffers.get(key, ()))
+
+    # -- async ------------------------------------------------------------------------
+    async def aput(self, item: Any, key: Hashable = None, weight: float = 1.0, timeout: float | None = None) -> None:
+        blob = self._pack(item)
+        if timeout is None and self.put_window:
+            if self._producer.pipeline((key, blob, float(weight)), self.put_window):
+                with self._span("put", key):
+                    await asyncio.get_running_loop().run_in_executor(None, self._producer.wait_room,
+                                                                     self.put_window, key)
+        else:
+            ref = self._producer.call(key, blob, float(weight), timeout, False)
+            with self._span("put", key):
+                self._check_put(await ref, key, timeout)
+
+    async def aget(self, key: Hashable = None, timeout: float | None = None) -> Any:
+        buf = self._buffers.get(key)
+        if not buf:
+            with self._span("get", key):
+                status, entries = await self._actor.get.remote(key, timeout, self.prefetch)
+            buf = self._fill(key, status, entries, timeout)
+        return self._unpack(buf.popleft())
+
+    async def aget_batch(self, target_weight: float, key: Hashable = None, timeout: float | None = None) -> list:
+        taken, need = self._take_buffered(key, target_weight)
+        if need > 0:
+            with self._span("get_batch", key):
+                reply = await self._actor.get.remote(key, timeout, 1, need)
+            taken += self._batch_reply(key, taken, reply, timeout)
+        return [self._unpack(e) for e in taken]
+
+    # -- helpers ----------------------------------------------------------------------
+    def _fill(self, key: Hashable, status: int, entries: list[_Entry], timeout: float | None) -> deque[_Entry]:
+        if status == _CLOSED:
+            raise self._drained(key)
+        if status == _TIMEOUT:
+            raise TimeoutError(f"channel {self.name!r}, key {key!r}: no item after {timeout} s")
+        buf = self._buffers.setdefault(key, deque())
+        buf.extend(entries)
+        return buf
+
+    def _take_buffered(self, key: Hashable, target: float) -> tuple[list[_Entry], float]:
+        taken, buf = [], self._buffers.get(key)
+        while buf and target > 0:
+            taken.append(buf.popleft())
+            target -= taken[-1][1]
+        return taken, target
+
+    def _batch_reply(self, key: Hashable, taken: list[_Entry], reply: tuple[int, list[_Entry]],
+                     timeout: float | None) -> list[_Entry]:
+        status, entries = reply
+        if status == _OK or (status == _CLOSED and taken):
+            return entries
+        self._buffers.setdefault(key, deque()).extendleft(reversed(taken))  # still this handle's, in order
+        if status == _CLOSED:
+            raise self._drained(key)
+        raise TimeoutError(f"channel {self.name!r}, key {key!r}: not enough weight after {timeout} s")
+
+    def _unpack(self, entry: _Entry) -> Any:
+        from m2flow.runtime import comm
+
+        blob = entry[0]
+        packed = ray.get(blob) if isinstance(blob, ray.ObjectRef) else pickle.loads(blob)
+        self.last_transport = packed.transport
+        return comm.unpack(packed)
+
+    def _span(self, op: str, key: Hashable):
+        return get_tracer().span(f"{op} {self.name}", cat="channel", key=repr(key))
+
+    def _drained(self, key: Hashable) -> ChannelClosed:
+        return ChannelClosed(f"channel {self.name!r} is closed and has no item left with key {key!r}")
+
+
+def _rebuild(name: str, actor: Any, uid: str, maxsize: int, multi_node: bool, put_window: int,
+             prefetch: int) -> Channel:
+    return Channel(name, actor, uid, maxsize, multi_node, put_window=put_window, prefetch=prefetch)
