@@ -30,9 +30,9 @@ def drain(channel: Channel, key=None) -> list:
 
 
 class Peer(Worker):
-    def produce(self, channel, n, keys=(None,), weight=1.0):
+    def produce(self, channel, n, keys=(None,)):
         for i in range(n):
-            channel.put((f"{self.group}:{self.rank}", i), key=keys[i % len(keys)], weight=weight)
+            channel.put((f"{self.group}:{self.rank}", i), key=keys[i % len(keys)])
         channel.flush()
 
     def put_one(self, channel, item, timeout=None):
