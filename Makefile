@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(PY) -m m2flow.cli demo
+	$(PY) -m m2flow.cli train embodied/ppo_cartpole
 
 test: setup
 	$(PY) -m pytest -q

@@ -61,6 +61,22 @@ class Envelope:
     tag: Hashable
     packed: Packed
     sent_at: float
+    seq: int  # per (sender, receiver, tag): deliveries run on several threads and may overtake
+
+
+class _Mailbox:
+    """Messages of one (sender, tag), released in the order they were sent."""
+
+    def __init__(self):
+        self.ready: deque[tuple[Envelope, int]] = deque()
+        self.early: dict[int, tuple[Envelope, int]] = {}
+        self.next = 0
+
+    def add(self, env: Envelope, reader: int) -> None:
+        self.early[env.seq] = (env, reader)
+        while self.next in self.early:
+            self.ready.append(self.early.pop(self.next))
+            self.next += 1
 
 
 # -- process-wide state ----------------------------------------------------------
@@ -193,7 +209,8 @@ class Communicator:
         self.info = local_peer_info()
         self.log: deque[CommRecord] = deque(maxlen=1024)
         self._peers: dict[tuple[str, int], tuple[Any, PeerInfo]] = {}
-        self._mail: dict[tuple, deque[Envelope]] = defaultdict(deque)
+        self._mail: dict[tuple, _Mailbox] = defaultdict(_Mailbox)
+        self._sent: dict[tuple, int] = defaultdict(int)  # next sequence number per (receiver, tag)
         self._mail_cv = threading.Condition()
         self._nccl: dict[tuple[str, int], Any] = {}
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="m2flow-comm")
@@ -224,13 +241,13 @@ class Communicator:
         start = time.time()
         if dst == self.address:  # the object itself, not even flattened
             packed = Packed(obj, "handoff", None, 0)
-            self.deliver(Envelope(self.address, tag, packed, start))
+            self.deliver(Envelope(self.address, tag, packed, start, self._next_seq(dst, tag)))
             self._record("send", dst, packed, start)
             return CommWork(packed.transport)
         actor, info = self.peer(dst)
         flat = payload.flatten(obj)
         packed = self._pack_for(flat, info)
-        refs = [actor._m2flow_deliver.remote(Envelope(self.address, tag, packed, start))]
+        refs = [actor._m2flow_deliver.remote(Envelope(self.address, tag, packed, start, self._next_seq(dst, tag)))]
         if packed.transport == "nccl":
             self._nccl_send(dst, flat[1])
         self._record("send", dst, packed, start)
@@ -264,26 +281,32 @@ class Communicator:
                 packed, reader = shared, local.index(i)
             else:
                 packed, reader = self._pack_for(flat, info), 0
-            refs.append(actor._m2flow_deliver.remote(Envelope(src, btag, packed, start), reader))
+            refs.append(actor._m2flow_deliver.remote(Envelope(src, btag, packed, start, self._next_seq(d, btag)), reader))
             if packed.transport == "nccl":
                 self._nccl_send(d, flat[1])
             self._record("broadcast", d, packed, start)
         ray.get(refs, timeout=timeout)
         return obj
 
+    def _next_seq(self, dst: tuple[str, int], tag: Hashable) -> int:
+        seq = self._sent[(dst, tag)]
+        self._sent[(dst, tag)] = seq + 1
+        return seq
+
     # -- receive ---------------------------------------------------------------
     def deliver(self, env: Envelope, reader: int = 0) -> None:
         with self._mail_cv:
-            self._mail[(env.src, env.tag)].append((env, reader))
+            self._mail[(env.src, env.tag)].add(env, reader)
             self._mail_cv.notify_all()
 
     def recv(self, src: tuple[str, int], tag: Hashable = 0, timeout: float | None = None) -> Any:
         start = time.time()
         key = (tuple(src), tag)
         with self._mail_cv:
-            if not self._mail_cv.wait_for(lambda: self._mail.get(key), timeout):
+            box = self._mail[key]
+            if not self._mail_cv.wait_for(lambda: box.ready, timeout):
                 raise TimeoutError(f"{self.address[0]}:{self.address[1]} got nothing from {src[0]}:{src[1]} (tag {tag!r}) in {timeout}s")
-            env, reader = self._mail[key].popleft()
+            env, reader = box.ready.popleft()
         packed = env.packed
         nccl = self._nccl_recv(tuple(src), packed.data) if packed.transport == "nccl" else None
         obj = unpack(packed, reader, nccl)

@@ -100,6 +100,25 @@ class GroupHandle:
         raise TimeoutError(f"{self.group.name}.{self.method}() not finished after {timeout}s on rank(s) {sorted(ranks)}")
 
 
+def wait(*handles: GroupHandle, timeout: float | None = None) -> list:
+    """Waits for several group calls that run together; the first failure in any of them
+    is raised at once (a consumer whose producer died must not wait forever)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    owner = {ref: h for h in handles if h._results is None for ref in h._refs}
+    pending = list(owner)
+    while pending:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        if not ready:
+            stuck = sorted({f"{h.group.name}.{h.method}()" for r, h in owner.items() if r in pending})
+            raise TimeoutError(f"not finished after {timeout}s: {', '.join(stuck)}")
+        try:
+            ray.get(ready[0])
+        except Exception:
+            owner[ready[0]].wait()  # raises the WorkerError with group, rank and traceback
+    return [h.wait() for h in handles]
+
+
 class WorkerGroup:
     """Launches one Ray actor per rank of a component placement."""
 

@@ -1,0 +1,53 @@
+"""PPO losses (Schulman et al. 2017), in the PPO2 / CleanRL form. Losses are means over
+all elements, to be minimised."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def ppo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    clip_low: float,
+    clip_high: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate loss; returns (loss, stats).
+
+    The ratio is clipped to ``[1 - clip_low, 1 + clip_high]``; a larger ``clip_high`` lets
+    unlikely good actions grow faster (DAPO's clip-higher). ``clip_high`` defaults to
+    ``clip_low``.
+
+    stats (floats):
+      - ``clip_fraction``: share of elements whose ratio lies outside the clip range;
+      - ``approx_kl``: mean of ``(ratio - 1) - log ratio``, the k3 estimator of
+        KL(old || new): unbiased and never negative.
+    """
+    clip_high = clip_low if clip_high is None else clip_high
+    log_ratio = logp - old_logp
+    ratio = log_ratio.exp()
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    # The pessimistic (smaller) objective: clipping only ever removes an incentive.
+    loss = -torch.min(ratio * advantages, clipped * advantages).mean()
+    with torch.no_grad():
+        stats = {
+            "clip_fraction": (ratio != clipped).float().mean().item(),
+            "approx_kl": ((ratio - 1.0) - log_ratio).mean().item(),
+        }
+    return loss, stats
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None) -> Tensor:
+    """``0.5 * mean((values - returns) ** 2)``.
+
+    With ``clip``, the prediction may move at most ``clip`` from ``old_values`` and the
+    larger of the clipped and unclipped squared errors counts, as in PPO2 and CleanRL.
+    """
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * unclipped.mean()
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    clipped = (clipped_values - returns) ** 2
+    return 0.5 * torch.max(unclipped, clipped).mean()

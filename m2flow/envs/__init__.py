@@ -1,0 +1,7 @@
+"""Simulator adapters: one constructor for every simulator, and a synchronous env batch."""
+
+from m2flow.envs.batch import ChunkResult, EnvBatch, StepResult
+from m2flow.envs.normalize import RunningMeanStd
+from m2flow.envs.registry import make_env
+
+__all__ = ["ChunkResult", "EnvBatch", "RunningMeanStd", "StepResult", "make_env"]

@@ -1,0 +1,19 @@
+"""Macro flows: the short loops a user reads."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+
+def run(cfg: DictConfig) -> list[dict[str, float]]:
+    """Runs the flow a config names and returns its per-update metrics."""
+    if cfg.flow == "embodied":
+        from m2flow.runners.embodied import EmbodiedRunner
+
+        runner = EmbodiedRunner(cfg)
+    else:
+        raise ValueError(f"unknown flow {cfg.flow!r} (known: embodied)")
+    try:
+        return runner.train()
+    finally:
+        runner.close()

@@ -1,0 +1,124 @@
+"""Embodied RL: env workers, rollout workers and a PPO actor, as one short loop.
+
+The loop in ``step`` is the same in every placement mode; the placement (from config
+alone) decides whether the components take turns on shared devices (collocated) or run
+on their own devices and stream to each other (disaggregated, hybrid).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from m2flow.envs import make_env
+from m2flow.runners.metrics import MetricsLogger
+from m2flow.runtime import Channel, Cluster, DeviceLock, Placement, WorkerGroup
+from m2flow.runtime.group import wait
+from m2flow.workers.actor import ActorWorker
+from m2flow.workers.env import EnvWorker
+from m2flow.workers.layout import Layout
+from m2flow.workers.rollout import RolloutWorker
+
+COMPONENTS = ("env", "rollout", "actor")
+
+
+def placement_config(cfg: DictConfig, num_devices: int) -> dict[str, Any]:
+    """Device ranges per component for a placement mode.
+
+    collocated: all three on every device; disaggregated: env, rollout and actor on
+    disjoint devices (needs three or more); hybrid: env and rollout split the devices,
+    the actor spans all of them; custom: ``placement.components`` as given.
+    """
+    mode, last = cfg.mode, num_devices - 1
+    if mode == "custom":
+        given = OmegaConf.to_container(cfg.components, resolve=True)
+        missing = [c for c in COMPONENTS if given.get(c) is None]
+        if missing:
+            raise ValueError(f"placement.mode=custom needs placement.components for {missing}")
+        return given
+    if mode == "collocated":
+        return {c: f"0-{last}" for c in COMPONENTS}
+    if mode == "disaggregated":
+        if num_devices < 3:
+            raise ValueError(f"placement.mode=disaggregated needs >= 3 devices, the cluster has {num_devices} "
+                             "(set cluster.cpu_slots=3 to run it on fewer cores)")
+        return {"env": f"0-{last - 2}", "rollout": str(last - 1), "actor": str(last)}
+    if mode == "hybrid":
+        if num_devices < 2:
+            raise ValueError("placement.mode=hybrid needs >= 2 devices")
+        half = num_devices // 2
+        return {"env": f"0-{half - 1}", "rollout": f"{half}-{last}", "actor": f"0-{last}"}
+    raise ValueError(f"unknown placement.mode {mode!r}: collocated | disaggregated | hybrid | custom")
+
+
+class EmbodiedRunner:
+    def __init__(self, cfg: DictConfig, cluster: Cluster | None = None):
+        self.cfg = cfg
+        c = cfg.cluster
+        self._own_cluster = cluster is None
+        self.cluster = cluster or Cluster(c.address, num_cpus=c.num_cpus, cpu_slots=c.cpu_slots)
+        self.placement = Placement.from_config(placement_config(cfg.placement, len(self.cluster.devices)), self.cluster)
+        probe = make_env(cfg.env.id, **OmegaConf.to_container(cfg.env.kwargs))
+        spaces = (probe.observation_space, probe.action_space)
+        probe.close()
+        self.layout = Layout.build(cfg.env.num_envs, *(self.placement[n].world_size for n in COMPONENTS),
+                                   cfg.runner.stages, cfg.policy.chunk)
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        run = uuid.uuid4().hex[:6]
+        self.names = {n: f"{n}-{run}" for n in COMPONENTS}
+        shared = self.placement.mode != "disaggregated"  # components that share devices take turns
+        if shared:  # lock actors live as long as the process that made them: the driver
+            DeviceLock([d.index for d in self.cluster.devices], holder="driver")
+        self.env = WorkerGroup(EnvWorker, self.placement["env"], args=(plain, self.layout), name=self.names["env"])
+        self.rollout = WorkerGroup(RolloutWorker, self.placement["rollout"], args=(plain, self.layout, *spaces, shared),
+                                   name=self.names["rollout"])
+        self.actor = WorkerGroup(ActorWorker, self.placement["actor"], args=(plain, self.layout, *spaces, shared),
+                                 name=self.names["actor"])
+        self.trajectories = Channel.create(f"trajectories-{run}")
+        self.steps_per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
+        self.total_updates = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)
+
+    def sync_weights(self) -> float:
+        """Actor rank 0 broadcasts versioned weights to every rollout rank."""
+        start = time.perf_counter()
+        wait(self.actor.call("push_weights", self.names["rollout"], ranks=[0]),
+             self.rollout.pull_weights(self.names["actor"]))
+        return time.perf_counter() - start
+
+    def step(self, update: int) -> dict[str, Any]:
+        """One PPO update: the macro flow. Returns what each component reported."""
+        sync_s = self.sync_weights()
+        steps = self.cfg.runner.rollout_steps
+        env, rollout, actor = wait(
+            self.env.interact(self.names["rollout"], self.trajectories, steps),
+            self.rollout.act(self.names["env"], steps),
+            self.actor.train(self.trajectories, update, self.total_updates),
+        )
+        return {"env": env, "rollout": rollout, "actor": actor, "weight_sync_s": sync_s}
+
+    def train(self) -> list[dict[str, float]]:
+        logger = MetricsLogger(self.cfg.runner.out_dir, total_env_steps=self.total_updates * self.steps_per_update,
+                               progress=self.cfg.runner.progress)
+        logger.note(self.cluster.describe() + "\n" + self.placement.describe()
+                    + f"\nstages={self.cfg.runner.stages}, {self.total_updates} updates of {self.steps_per_update} env steps")
+        start = time.perf_counter()
+        for update in range(self.total_updates):
+            t0 = time.perf_counter()
+            report = self.step(update)
+            row = logger.log_update(update, report, time.perf_counter() - t0, time.perf_counter() - start)
+            target = self.cfg.runner.get("target_return")
+            if target is not None and row["episodes"] and row["episode_return"] >= target:
+                logger.note(f"mean return {row['episode_return']:.1f} >= {target} after {row['env_steps']} env steps: done")
+                break
+        logger.close()
+        return logger.history
+
+    def close(self) -> None:
+        self.trajectories.destroy()
+        for g in (self.env, self.rollout, self.actor):
+            g.shutdown()
+        if self._own_cluster:
+            self.cluster.shutdown()

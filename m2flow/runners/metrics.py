@@ -1,0 +1,106 @@
+"""Per-update metrics: a progress bar, CSV, TensorBoard, and a learning curve at the end.
+
+Logged every update (``metrics.csv`` columns and TensorBoard scalars):
+
+  env_steps            env steps so far (all envs; a chunk of k actions counts k)
+  time_s / update_s    wall time since the start / of this update (incl. weight sync)
+  env_steps_per_s      env_steps / time_s: end-to-end throughput, training included
+  episode_return       mean raw (unnormalised) return of the episodes that ended in this
+                       update; the previous value when none ended
+  episode_length       their mean length; episodes: how many ended
+  policy_loss, value_loss, entropy, approx_kl, clip_fraction, grad_norm, epochs,
+  explained_variance   PPO statistics of actor rank 0, averaged over its minibatches
+  weight_sync_s        actor -> rollout weight broadcast time
+  {env,rollout,actor}_busy_s / _idle_s
+                       per-component busy time (stepping, inferring, training) and idle
+                       time (waiting for actions, observations, trajectories or a device
+                       lock), averaged over the component's ranks
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | Path, total_env_steps: int, progress: bool = True):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.history: list[dict[str, float]] = []
+        self.console = Console()
+        self.env_steps = 0
+        self.last_return = math.nan
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[stats]}"),
+                                 TimeElapsedColumn(), console=self.console, disable=not progress)
+        self.task = self.progress.add_task("train", total=total_env_steps, stats="")
+        self.progress.start()
+
+    def note(self, text: str) -> None:
+        self.console.print(text)
+
+    def log_update(self, update: int, report: dict[str, Any], update_s: float, time_s: float) -> dict[str, float]:
+        env, rollout, actor = report["env"], report["rollout"], report["actor"]
+        self.env_steps += sum(e["env_steps"] for e in env)
+        episodes = [ep for e in env for ep in e["episodes"]]
+        if episodes:
+            self.last_return = sum(r for r, _ in episodes) / len(episodes)
+        row: dict[str, float] = {
+            "update": update, "env_steps": self.env_steps, "time_s": time_s, "update_s": update_s,
+            "env_steps_per_s": self.env_steps / time_s, "episode_return": self.last_return,
+            "episode_length": sum(n for _, n in episodes) / len(episodes) if episodes else math.nan,
+            "episodes": len(episodes), "weight_sync_s": report["weight_sync_s"],
+        }
+        row |= {k: v for k, v in actor[0].items() if k not in ("busy_s", "idle_s", "lock_wait_s")}
+        for name, ranks in (("env", env), ("rollout", rollout), ("actor", actor)):
+            for k in ("busy_s", "idle_s"):
+                row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
+        self.history.append(row)
+        for k, v in row.items():
+            if k != "update" and not (isinstance(v, float) and math.isnan(v)):
+                self.tb.add_scalar(k, v, self.env_steps)
+        self._write_csv()
+        self.progress.update(self.task, completed=self.env_steps,
+                             stats=f"{row['env_steps_per_s']:,.0f} steps/s  return {self.last_return:.1f}")
+        return row
+
+    def _write_csv(self) -> None:
+        keys = list(dict.fromkeys(k for row in self.history for k in row))
+        with open(self.out_dir / "metrics.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(self.history)
+
+    def close(self) -> Path | None:
+        self.progress.stop()
+        self.tb.close()
+        return self.plot()
+
+    def plot(self) -> Path | None:
+        points = [(r["env_steps"], r["episode_return"]) for r in self.history if not math.isnan(r["episode_return"])]
+        if not points:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(*zip(*points))
+        ax.set_xlabel("env steps")
+        ax.set_ylabel("episode return")
+        ax.set_title(self.out_dir.name)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = self.out_dir / "learning_curve.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path

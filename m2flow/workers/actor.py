@@ -1,0 +1,159 @@
+"""Actor worker: PPO on the trajectories the env workers stream to it.
+
+Data parallel over its ranks: every rank gets an equal share of each env rank's
+environments, and gradients are averaged with one all-reduce of the flat gradient per
+minibatch (gloo on CPU, nccl on GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from m2flow.algorithms import gae, next_values, normalize, ppo_policy_loss, value_loss
+from m2flow.models import build_policy
+from m2flow.runtime import Channel, DeviceLock, Worker
+from m2flow.workers.layout import Layout
+
+
+class ActorWorker(Worker):
+    def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
+        self.cfg, self.algo, self.layout = cfg, cfg["algorithm"], layout
+        self.turns = DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
+        torch.manual_seed(cfg["seed"])  # identical initial weights on every rank
+        self.policy = build_policy(observation_space, action_space, cfg["policy"])
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.algo["lr"], eps=1e-5)
+        self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 1000 + self.rank)
+        self.version = 0
+        if self.world_size > 1:
+            self.init_process_group()
+
+    # -- weights ----------------------------------------------------------------------
+    def push_weights(self, rollout_group: str) -> int:
+        """Broadcasts the current weights, tagged with their version, to every rollout rank."""
+        self.broadcast({"weights": self.policy.state_dict(), "version": self.version}, (self.group, self.rank), rollout_group)
+        return self.version
+
+    def state(self) -> dict[str, Any]:
+        return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,
+                "shuffle": self.shuffle.get_state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+        self.shuffle.set_state(state["shuffle"])
+
+    def weights_digest(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, t in sorted(self.policy.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    # -- training ---------------------------------------------------------------------
+    def train(self, trajectories_in: Channel, update: int, total_updates: int) -> dict:
+        start = time.perf_counter()
+        parts = [trajectories_in.get(key=self.rank) for _ in range(self.layout.env_ranks)]
+        waited = time.perf_counter() - start
+        stale = {p["policy_version"] for p in parts} - {self.version}
+        if stale:
+            raise RuntimeError(f"actor rank {self.rank} at policy version {self.version} got trajectories of version(s) {sorted(stale)}")
+        data = {k: torch.as_tensor(np.concatenate([p[k] for p in parts], axis=1 if k != "last_obs" else 0))
+                for k in parts[0] if k != "policy_version"}
+        if self.algo.get("anneal_lr"):
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.algo["lr"] * (1.0 - update / total_updates)
+        with self.turns:
+            batch, stats = self._advantages(data)
+            stats |= self._optimize(batch)
+        self.version += 1
+        lock_wait = getattr(self.turns, "last_wait_s", 0.0)
+        stats |= {"busy_s": time.perf_counter() - start - waited - lock_wait, "idle_s": waited + lock_wait,
+                  "lock_wait_s": lock_wait}
+        return stats
+
+    def _advantages(self, d: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        gamma, lam = self.algo["gamma"], self.algo["gae_lambda"]
+        rewards = d["rewards"]
+        if rewards.dim() == 3:  # action chunks: one decision per chunk, its rewards discounted inside it
+            k = rewards.shape[2]
+            rewards = (rewards * gamma ** torch.arange(k, dtype=rewards.dtype)).sum(2)
+            gamma = gamma ** k
+        T, n = rewards.shape
+        flat = lambda x: x.reshape(T * n, *x.shape[2:])  # noqa: E731
+        obs = flat(d["obs"]).float()
+        with torch.no_grad():
+            values = self.policy.value(obs).view(T, n)
+            last_values = self.policy.value(d["last_obs"].float())
+            final_values = torch.zeros(T, n)
+            truncated = d["truncated"].bool()
+            if truncated.any():  # bootstrap truncated episodes from their true last observation
+                final_values[truncated] = self.policy.value(d["final_obs"][truncated].float())
+        terminated = d["terminated"].bool()
+        nv = next_values(values, last_values, terminated, truncated, final_values)
+        adv, ret = gae(rewards.float(), values, nv, terminated | truncated, gamma, lam)
+        explained = 1 - (ret - values).var() / ret.var().clamp_min(1e-8)
+        batch = {"obs": obs, "actions": flat(d["actions"]), "logp": flat(d["logp"]).float(),
+                 "advantages": adv.reshape(-1), "returns": ret.reshape(-1), "values": values.reshape(-1)}
+        return batch, {"explained_variance": float(explained)}
+
+    def _optimize(self, b: dict[str, torch.Tensor]) -> dict:
+        a = self.algo
+        size = len(b["obs"])
+        mb = a["minibatch_size"] // self.world_size
+        if mb < 1 or size % mb:
+            raise ValueError(f"{size} samples per actor rank cannot be cut into minibatches of {mb}")
+        sums: dict[str, float] = {}
+        count = 0
+        for epoch in range(a["epochs"]):
+            kls = []
+            for idx in torch.randperm(size, generator=self.shuffle).view(-1, mb):
+                logp, entropy, values = self.policy.evaluate(b["obs"][idx], b["actions"][idx])
+                adv = normalize(b["advantages"][idx]) if a.get("norm_adv", True) else b["advantages"][idx]
+                pg_loss, st = ppo_policy_loss(logp, b["logp"][idx], adv, a["clip"], a.get("clip_high"))
+                v_loss = value_loss(values, b["values"][idx], b["returns"][idx], a.get("value_clip"))
+                ent = entropy.mean()
+                loss = pg_loss - a["ent_coef"] * ent + a["vf_coef"] * v_loss
+                self.optimizer.zero_grad(set_to_none=False)
+                loss.backward()
+                self._all_reduce_grads()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), a["max_grad_norm"])
+                self.optimizer.step()
+                kls.append(st["approx_kl"])
+                for key, value in (("policy_loss", pg_loss.item()), ("value_loss", v_loss.item()), ("entropy", ent.item()),
+                                   ("approx_kl", st["approx_kl"]), ("clip_fraction", st["clip_fraction"]),
+                                   ("grad_norm", float(grad_norm))):
+                    sums[key] = sums.get(key, 0.0) + value
+                count += 1
+            if a.get("target_kl") is not None and self._mean_across_ranks(float(np.mean(kls))) > a["target_kl"]:
+                break  # every rank sees the same mean, so all stop together
+        out = {k: v / count for k, v in sums.items()}
+        out["epochs"] = epoch + 1
+        return out
+
+    def _all_reduce_grads(self) -> None:
+        if self.world_size == 1:
+            return
+        grads = [p.grad for p in self.policy.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _mean_across_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value])
+        dist.all_reduce(t)
+        return float(t) / self.world_size

@@ -1,0 +1,104 @@
+"""Env worker: steps a batch of simulators, asks the rollout workers for actions.
+
+Each rank's environments are split into ``stages`` batches. Elastic pipelining: while
+the rollout infers actions for one stage, the env worker steps another, so with
+``stages=2`` simulation and inference overlap; ``stages=1`` alternates them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from m2flow.envs import EnvBatch
+from m2flow.runtime import Channel, Worker
+from m2flow.workers.layout import Layout
+
+
+class EnvWorker(Worker):
+    def __init__(self, cfg: dict, layout: Layout):
+        env, self.layout = cfg["env"], layout
+        self.stages = layout.stages
+        n = layout.envs_per_stage
+        group = env.get("group_size", 1)
+        self.batches = []
+        for s in range(self.stages):
+            first = (self.rank * self.stages + s) * n  # global index of this batch's first env
+            self.batches.append(EnvBatch(
+                env["id"], n, cfg["seed"] + (first // group if group > 1 else first), group_size=group,
+                obs_norm=env.get("obs_norm", False), reward_scale=env.get("reward_scale", False),
+                gamma=cfg["algorithm"]["gamma"], env_kwargs=dict(env.get("kwargs") or {}),
+            ))
+        self.obs = [b.reset() for b in self.batches]
+
+    def interact(self, policy: str, trajectories_out: Channel, steps: int) -> dict:
+        """One rollout of ``steps`` steps per env: observations go to this rank's rollout
+        worker of group ``policy`` (point to point), the trajectory to the actor ranks."""
+        busy = idle = 0.0
+        records = [_Recorder() for _ in self.batches]
+        episodes: list[tuple[float, int]] = []
+        versions = set()
+        server = self.layout.rollout_of(self.rank)
+        for s in range(self.stages):
+            self.isend(self.obs[s], policy, server, tag=("obs", s))
+        for t in range(steps):
+            for s, batch in enumerate(self.batches):
+                start = time.perf_counter()
+                reply = self.recv(policy, server, tag=("act", s))
+                mid = time.perf_counter()
+                result = batch.step_chunk(reply["actions"]) if self.layout.chunk > 1 else batch.step(reply["actions"])
+                records[s].add(self.obs[s], reply, result)
+                versions.add(reply["version"])
+                episodes += [(ret, length) for (_, ret), (_, length) in zip(result.episode_returns, result.episode_lengths)]
+                self.obs[s] = result.obs
+                if t < steps - 1:
+                    self.isend(result.obs, policy, server, tag=("obs", s))
+                idle += mid - start
+                busy += time.perf_counter() - mid
+        if len(versions) > 1:
+            raise RuntimeError(f"env rank {self.rank} got actions from policy versions {sorted(versions)} in one rollout")
+        (version,) = versions
+        trajectory = _Recorder.merge(records, self.obs)
+        # Every actor rank gets an equal share of this rank's envs (data parallel).
+        share = self.layout.envs_per_rank // self.layout.actor_ranks
+        for a in range(self.layout.actor_ranks):
+            part = {k: v[a * share:(a + 1) * share] if k == "last_obs" else v[:, a * share:(a + 1) * share]
+                    for k, v in trajectory.items()}
+            part["policy_version"] = version
+            trajectories_out.put(part, key=a, weight=steps * share)
+        trajectories_out.flush()
+        return {"busy_s": busy, "idle_s": idle, "episodes": episodes, "env_steps": steps * self.layout.envs_per_rank * self.layout.chunk}
+
+    def normalizer_state(self) -> list[dict]:
+        return [b.state_dict() for b in self.batches]
+
+    def load_normalizer_state(self, states: list[dict]) -> None:
+        for b, state in zip(self.batches, states):
+            b.load_state_dict(state)
+
+
+class _Recorder:
+    """Collects one stage's steps as [T, n, ...] arrays."""
+
+    def __init__(self):
+        self.columns: dict[str, list[np.ndarray]] = {k: [] for k in
+                                                    ("obs", "actions", "logp", "rewards", "terminated", "truncated", "final_obs")}
+
+    def add(self, obs: np.ndarray, reply: dict[str, Any], result: Any) -> None:
+        c = self.columns
+        c["obs"].append(obs)
+        c["actions"].append(reply["actions"])
+        c["logp"].append(reply["logp"])
+        c["rewards"].append(result.rewards)  # [n], or [n, k] for action chunks
+        c["terminated"].append(result.terminated)
+        c["truncated"].append(result.truncated)
+        c["final_obs"].append(result.final_obs)
+
+    @staticmethod
+    def merge(records: list[_Recorder], last_obs: list[np.ndarray]) -> dict[str, Any]:
+        """Stages side by side along the env axis: [T, n_rank, ...]."""
+        out = {k: np.concatenate([np.stack(r.columns[k]) for r in records], axis=1) for k in records[0].columns}
+        out["last_obs"] = np.concatenate(last_obs)
+        return out

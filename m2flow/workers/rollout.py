@@ -1,0 +1,60 @@
+"""Rollout worker: batched policy inference for the env workers it serves."""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from m2flow.models import build_policy
+from m2flow.runtime import DeviceLock, Worker
+from m2flow.workers.layout import Layout
+
+
+class RolloutWorker(Worker):
+    def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
+        self.layout = layout
+        # Sharing devices with the actor: generate and train take turns on them.
+        self.turns = DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
+        self.policy = build_policy(observation_space, action_space, cfg["policy"])
+        self.policy.requires_grad_(False)
+        self.version = -1  # no weights yet: acting before the first sync is an error
+        self.envs = layout.envs_of_rollout(self.rank)
+
+    def pull_weights(self, actor_group: str) -> int:
+        """The receiving side of the actor's weight broadcast; returns the new version."""
+        message = self.broadcast(None, (actor_group, 0), self.group)
+        self.policy.load_state_dict(message["weights"])
+        self.version = message["version"]
+        return self.version
+
+    def act(self, envs: str, steps: int) -> dict:
+        """Answers ``steps`` observations per stage of each env rank of group ``envs`` that
+        it serves, batching those env ranks into one inference."""
+        if self.version < 0:
+            raise RuntimeError("rollout has no policy weights: the actor must sync them first")
+        with self.turns:
+            busy, idle = self._serve(envs, steps)
+        return {"busy_s": busy, "idle_s": idle, "lock_wait_s": getattr(self.turns, "last_wait_s", 0.0)}
+
+    def _serve(self, envs: str, steps: int) -> tuple[float, float]:
+        busy = idle = 0.0
+        for _ in range(steps):
+            for s in range(self.layout.stages):
+                start = time.perf_counter()
+                obs = [self.recv(envs, e, tag=("obs", s)) for e in self.envs]
+                mid = time.perf_counter()
+                with torch.no_grad():
+                    actions, logp = self.policy.act(torch.as_tensor(np.concatenate(obs)))
+                actions, logp = actions.numpy(), logp.numpy()
+                offset = 0
+                for e, o in zip(self.envs, obs):
+                    n = len(o)
+                    self.isend({"actions": actions[offset:offset + n], "logp": logp[offset:offset + n],
+                                "version": self.version}, envs, e, tag=("act", s))
+                    offset += n
+                idle += mid - start
+                busy += time.perf_counter() - mid
+        return busy, idle

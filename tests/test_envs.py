@@ -1,0 +1,274 @@
+"""EnvBatch against plain gymnasium envs and against reference statistics computed in numpy."""
+
+import copy
+import importlib.util
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m2flow.envs import EnvBatch, RunningMeanStd, make_env
+
+
+def random_actions(batch: EnvBatch, rng: np.random.Generator, *lead: int) -> np.ndarray:
+    """Actions for every env; continuous ones deliberately exceed the bounds."""
+    space = batch.action_space
+    if isinstance(space, gym.spaces.Discrete):
+        return rng.integers(0, space.n, size=(batch.num_envs, *lead))
+    return rng.normal(0.0, 2.0 * space.high, size=(batch.num_envs, *lead, *space.shape))
+
+
+def pooled_moments(samples: np.ndarray, prior_count: float = 1e-4) -> tuple[np.ndarray, ...]:
+    """Mean and variance of ``samples`` pooled with RunningMeanStd's prior (mean 0, var 1)."""
+    n = samples.shape[0] + prior_count
+    mean = samples.sum(axis=0) / n
+    m2 = prior_count * (1.0 + mean**2) + ((samples - mean) ** 2).sum(axis=0)
+    return mean, m2 / n
+
+
+class RecordActions(gym.Wrapper):
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.actions: list[np.ndarray] = []
+
+    def step(self, action):
+        self.actions.append(np.array(action))
+        return self.env.step(action)
+
+
+# ------------------------------------------------------------------------ seeding
+
+
+def test_same_seed_same_trajectory_and_envs_differ():
+    rng_a, rng_b = np.random.default_rng(0), np.random.default_rng(0)
+    a, b = EnvBatch("CartPole-v1", 4, seed=3), EnvBatch("CartPole-v1", 4, seed=3)
+    obs_a, obs_b = a.reset(), b.reset()
+    np.testing.assert_array_equal(obs_a, obs_b)
+    assert len({row.tobytes() for row in obs_a}) == 4, "env indices must start differently"
+    ended = 0
+    for _ in range(100):
+        ra, rb = a.step(random_actions(a, rng_a)), b.step(random_actions(b, rng_b))
+        for field in ("obs", "rewards", "terminated", "truncated"):
+            np.testing.assert_array_equal(getattr(ra, field), getattr(rb, field))
+        assert ra.episode_returns == rb.episode_returns
+        ended += len(ra.episode_returns)
+    assert ended > 4, "the trajectories should cover auto-resets"
+
+
+def test_groups_start_every_episode_identically():
+    batch = EnvBatch("CartPole-v1", 6, seed=0, group_size=2)
+    obs = batch.reset()
+    starts: list[list[bytes]] = [[row.tobytes()] for row in obs]
+    rng = np.random.default_rng(1)
+    for _ in range(200):  # members act differently, so their episodes end at different times
+        res = batch.step(random_actions(batch, rng))
+        # CartPole draws randomness only at reset; a member whose dynamics are stochastic
+        # would drift off its group's RNG stream, so let every second member do so.
+        for env in batch.envs[1::2]:
+            env.unwrapped.np_random.random()
+        for i in np.flatnonzero(res.terminated | res.truncated):
+            starts[i].append(res.obs[i].tobytes())
+    for g in range(3):
+        first, second = starts[2 * g], starts[2 * g + 1]
+        shared = min(len(first), len(second))
+        assert shared >= 3
+        assert first[:shared] == second[:shared]
+        assert len(set(first)) == len(first), "each episode of a group starts anew"
+    assert len({starts[2 * g][0] for g in range(3)}) == 3, "groups differ"
+
+
+# ------------------------------------------------------------------------ auto-reset
+
+
+def test_auto_reset_and_truncation_match_plain_envs():
+    """Env 0 pushes right until the pole falls (terminated); env 1 alternates (truncated)."""
+    limit = 12
+    batch = EnvBatch("CartPole-v1", 2, seed=7, env_kwargs={"max_episode_steps": limit})
+    plain = [gym.make("CartPole-v1", max_episode_steps=limit) for _ in range(2)]
+    expected_obs = [env.reset(seed=7 + i)[0] for i, env in enumerate(plain)]
+    np.testing.assert_array_equal(batch.reset(), expected_obs)
+    totals, lengths = [0.0, 0.0], [0, 0]
+    seen = {"terminated": 0, "truncated": 0}
+    for t in range(40):
+        actions = np.array([1, t % 2])
+        res = batch.step(actions)
+        for i, env in enumerate(plain):
+            obs, reward, term, trunc, _ = env.step(int(actions[i]))
+            totals[i] += reward
+            lengths[i] += 1
+            assert res.rewards[i] == reward
+            assert (res.terminated[i], res.truncated[i]) == (term, trunc)
+            if term or trunc:
+                seen["terminated" if term else "truncated"] += 1
+                np.testing.assert_array_equal(res.final_obs[i], obs)  # the true last obs
+                assert (i, totals[i]) in res.episode_returns
+                assert (i, lengths[i]) in res.episode_lengths
+                totals[i], lengths[i] = 0.0, 0
+                obs, _ = env.reset()  # unseeded: gymnasium's RNG continues
+            else:
+                np.testing.assert_array_equal(res.final_obs[i], obs)  # equals obs elsewhere
+            np.testing.assert_array_equal(res.obs[i], obs)
+        assert len(res.episode_returns) == (res.terminated | res.truncated).sum()
+    assert seen["terminated"] >= 2 and seen["truncated"] >= 2
+
+
+def test_continuous_actions_are_clipped_to_bounds():
+    batch = EnvBatch("Pendulum-v1", 3, seed=0)
+    batch.envs = [RecordActions(env) for env in batch.envs]
+    batch.reset()
+    actions = np.array([[5.0], [-7.0], [0.5]])
+    batch.step(actions)
+    batch.step_chunk(actions[:, None])
+    for env, expected in zip(batch.envs, [[2.0], [-2.0], [0.5]]):
+        for sent in env.actions:
+            np.testing.assert_allclose(sent, expected)
+            assert sent.dtype == np.float32
+
+
+# ------------------------------------------------------------------------ chunks
+
+
+def test_chunks_stop_at_episode_end_like_plain_envs():
+    limit, n, k = 10, 3, 4
+    batch = EnvBatch("CartPole-v1", n, seed=5, env_kwargs={"max_episode_steps": limit})
+    plain = [gym.make("CartPole-v1", max_episode_steps=limit) for _ in range(n)]
+    expected_obs = [env.reset(seed=5 + i)[0] for i, env in enumerate(plain)]
+    np.testing.assert_array_equal(batch.reset(), expected_obs)
+    rng = np.random.default_rng(2)
+    early_stops = 0
+    for _ in range(12):
+        actions = random_actions(batch, rng, k)
+        res = batch.step_chunk(actions)
+        assert res.rewards.shape == res.valid.shape == (n, k)
+        for i, env in enumerate(plain):
+            rewards, valid = np.zeros(k, np.float32), np.zeros(k, bool)
+            for j in range(k):
+                obs, reward, term, trunc, _ = env.step(int(actions[i, j]))
+                rewards[j], valid[j] = reward, True
+                if term or trunc:
+                    np.testing.assert_array_equal(res.final_obs[i], obs)
+                    obs, _ = env.reset()
+                    early_stops += j < k - 1
+                    break
+            np.testing.assert_array_equal(res.rewards[i], rewards)
+            np.testing.assert_array_equal(res.valid[i], valid)
+            assert (res.terminated[i], res.truncated[i]) == (term, trunc)
+            np.testing.assert_array_equal(res.obs[i], obs)
+        for (i, ret), (i2, length) in zip(res.episode_returns, res.episode_lengths):
+            assert i == i2 and res.terminated[i] | res.truncated[i]
+            assert ret == length  # CartPole pays 1 per step
+    assert early_stops >= 2
+
+
+# ------------------------------------------------------------------------ normalisation
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.integers(0, 2**16))
+def test_running_mean_std_matches_pooled_numpy(batch_sizes, seed):
+    rng = np.random.default_rng(seed)
+    batches = [rng.normal(3.0, 2.0, size=(b, 3)) for b in batch_sizes]
+    rms = RunningMeanStd((3,))
+    for b in batches:
+        rms.update(b)
+    mean, var = pooled_moments(np.concatenate(batches))
+    np.testing.assert_allclose(rms.mean, mean, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(rms.var, var, rtol=1e-10, atol=1e-12)
+    assert rms.count == pytest.approx(sum(batch_sizes) + 1e-4)
+
+
+def normalized(raw: np.ndarray, mean: np.ndarray, var: np.ndarray, clip: float) -> np.ndarray:
+    return np.clip((raw - mean) / np.sqrt(var + 1e-8), -clip, clip).astype(np.float32)
+
+
+def test_obs_norm_and_reward_scale_match_reference_and_round_trip():
+    kwargs = dict(env_kwargs={"max_episode_steps": 25}, gamma=0.9)
+    norm_kwargs = dict(obs_norm=True, reward_scale=True, clip_obs=3.0, **kwargs)
+    norm = EnvBatch("Pendulum-v1", 4, seed=1, **norm_kwargs)
+    raw = EnvBatch("Pendulum-v1", 4, seed=1, **kwargs)
+    close = dict(rtol=1e-5, atol=1e-5)
+    seen_obs = [raw.reset()]
+    np.testing.assert_allclose(norm.reset(), normalized(seen_obs[0], *pooled_moments(seen_obs[0]), 3.0),
+                               **close)
+    rng = np.random.default_rng(0)
+    discounted, seen_returns, ended = np.zeros(4), [], 0
+    for _ in range(60):
+        actions = random_actions(raw, rng)
+        r, n = raw.step(actions), norm.step(actions)
+        seen_obs.append(r.obs)
+        mean, var = pooled_moments(np.concatenate(seen_obs))
+        np.testing.assert_allclose(n.obs, normalized(r.obs, mean, var, 3.0), **close)
+        np.testing.assert_allclose(n.final_obs, normalized(r.final_obs, mean, var, 3.0), **close)
+        discounted = 0.9 * discounted + r.rewards.astype(np.float64)
+        seen_returns.append(discounted.copy())
+        _, ret_var = pooled_moments(np.concatenate(seen_returns))
+        expected = np.clip(r.rewards / np.sqrt(ret_var + 1e-8), -10, 10)
+        np.testing.assert_allclose(n.rewards, expected, rtol=1e-5)
+        discounted[r.terminated | r.truncated] = 0.0
+        assert n.episode_returns == r.episode_returns  # raw, not scaled
+        ended += len(r.episode_returns)
+    assert ended == 8, "two truncated episodes per env: discounted returns restart"
+
+    # Checkpoint and resume: the statistics come back exactly, and frozen ones stay frozen.
+    state = copy.deepcopy(norm.state_dict())
+    resumed = EnvBatch("Pendulum-v1", 4, seed=1, **norm_kwargs)
+    resumed.load_state_dict(state)
+    for name in ("obs_rms", "ret_rms"):
+        for key, value in getattr(norm, name).state_dict().items():
+            np.testing.assert_array_equal(getattr(resumed, name).state_dict()[key], value)
+    resumed.training = False
+    raw_obs = EnvBatch("Pendulum-v1", 4, seed=1, **kwargs).reset()
+    mean, var = state["obs_rms"]["mean"], state["obs_rms"]["var"]
+    np.testing.assert_allclose(resumed.reset(), normalized(raw_obs, mean, var, 3.0), **close)
+    for _ in range(10):
+        resumed.step(random_actions(resumed, rng))
+    for name in ("obs_rms", "ret_rms"):
+        for key, value in state[name].items():
+            np.testing.assert_array_equal(getattr(resumed, name).state_dict()[key], value)
+    with pytest.raises(ValueError):
+        raw.load_state_dict(state)
+
+
+# ------------------------------------------------------------------------ registry
+
+
+@pytest.mark.parametrize("env_id, package", [("maniskill:PickCube-v1", "mani-skill"),
+                                             ("metaworld:reach-v3", "metaworld")])
+def test_optional_simulators_name_their_package(env_id, package):
+    module = {"mani-skill": "mani_skill", "metaworld": "metaworld"}[package]
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed")
+    with pytest.raises(ImportError, match=f"pip install {package}"):
+        make_env(env_id)
+
+
+def test_group_size_must_divide_num_envs():
+    with pytest.raises(ValueError):
+        EnvBatch("CartPole-v1", 6, seed=0, group_size=4)
+
+
+# ------------------------------------------------------------------------ speed
+
+
+@pytest.mark.parametrize("env_id", ["HalfCheetah-v5", "CartPole-v1"])
+def test_step_is_no_slower_than_sync_vector_env(env_id):
+    """8 envs; best of interleaved rounds, so that load from other processes cancels out."""
+    steps, rounds = 200, 5
+    ours = EnvBatch(env_id, 8, seed=0)
+    theirs = gym.vector.SyncVectorEnv([lambda: gym.make(env_id)] * 8, autoreset_mode="SameStep")
+    ours.reset()
+    theirs.reset(seed=0)
+    actions = [theirs.action_space.sample() for _ in range(steps)]
+    best = {"EnvBatch": np.inf, "SyncVectorEnv": np.inf}
+    for _ in range(rounds):
+        for name, step in (("EnvBatch", ours.step), ("SyncVectorEnv", theirs.step)):
+            start = time.perf_counter()
+            for a in actions:
+                step(a)
+            best[name] = min(best[name], (time.perf_counter() - start) / steps)
+    timings = ", ".join(f"{name} {seconds * 1e6:.0f} us" for name, seconds in best.items())
+    print(f"\n{env_id} x8 per step: {timings}")
+    assert best["EnvBatch"] < 1.1 * best["SyncVectorEnv"]
