@@ -39,6 +39,14 @@ class Peer(Worker):
             ping = self.recv(group, r, tag="ping")
             self.send(ping + 1, group, r, tag="reply")
 
+    def burst(self, group, rank, n):
+        sizes = (1, 2_500, 50_000)  # a small frame, a frame too big for one pipe write, shm data
+        for i in range(n):
+            self.isend({"i": i, "pad": torch.zeros(sizes[i % 3])}, group, rank, tag="burst")
+
+    def drain(self, group, rank, n):
+        return [self.recv(group, rank, tag="burst")["i"] for _ in range(n)]
+
     def bcast(self, obj, src, group):
         got = self.broadcast(obj, src, group)
         transport = self.comm.last_transport
@@ -137,3 +145,10 @@ def test_transport_choice_per_pair(cluster):
     remote = comm.pack(big, same_node=False)
     assert remote.transport == "object_store"
     assert torch.equal(comm.unpack(remote), big)
+
+
+def test_many_async_sends_arrive_in_order(groups):
+    a, b = groups
+    receiving = b.call("drain", "a", 0, 300, ranks=[0])
+    a.burst("b", 0, 300).wait()
+    assert receiving.wait()[0] == list(range(300))

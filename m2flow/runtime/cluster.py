@@ -163,7 +163,10 @@ class Cluster:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
+        from m2flow.runtime.comm import cleanup_pipes
+
         shm.cleanup(shm_prefix(self.session))
+        cleanup_pipes(shm_prefix(self.session))
 
     def __enter__(self) -> Cluster:
         return self
