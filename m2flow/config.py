@@ -25,6 +25,7 @@ def load_config(preset: str, overrides: list[str] | None = None) -> DictConfig:
         raise FileNotFoundError(f"no preset {preset!r}; known presets: {', '.join(presets())}")
     cfg = OmegaConf.load(path)
     OmegaConf.set_struct(cfg, True)
+    _open_empty_mappings(cfg)
     for item in overrides or []:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not key=value")
@@ -33,3 +34,14 @@ def load_config(preset: str, overrides: list[str] | None = None) -> DictConfig:
         except (ConfigAttributeError, ConfigKeyError) as e:
             raise ValueError(f"override {item!r}: no such key in preset {preset!r} ({e.msg.splitlines()[0]})") from None
     return cfg
+
+
+def _open_empty_mappings(node: DictConfig) -> None:
+    """An empty mapping in a preset (e.g. ``env.kwargs: {}``) takes any keys."""
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            if len(child) == 0:
+                OmegaConf.set_struct(child, False)
+            else:
+                _open_empty_mappings(child)

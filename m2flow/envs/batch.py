@@ -23,8 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pickle
+
 import gymnasium as gym
 import numpy as np
+from ray import cloudpickle
 
 from m2flow.envs.normalize import RunningMeanStd
 from m2flow.envs.registry import make_env
@@ -193,6 +196,26 @@ class EnvBatch:
             if rms is not None:
                 rms.load_state_dict(state[name])
 
+    def snapshot(self) -> dict[str, Any]:
+        """The whole batch mid-rollout: simulators, RNGs, episode counters, statistics.
+        ``restore`` of it continues exactly where this batch is (checkpoint and resume)."""
+        fields = ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_discounted_return")
+        return {"envs": [_env_snapshot(env) for env in self.envs], "stats": self.state_dict(),
+                "training": self.training, **{f: getattr(self, f).copy() for f in fields}}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        if len(snap["envs"]) != self.num_envs:
+            raise ValueError(f"snapshot of {len(snap['envs'])} envs restored into a batch of {self.num_envs}")
+        self.envs = [_env_restore(env, s) for env, s in zip(self.envs, snap["envs"])]
+        self.load_state_dict(snap["stats"])
+        self.training = snap["training"]
+        for f in ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_discounted_return"):
+            getattr(self, f)[...] = snap[f]
+
+    def observations(self) -> np.ndarray:
+        """The current observations as the policy sees them (normalised, without updating)."""
+        return self._normalize(self._obs, update=False)
+
     def close(self) -> None:
         for env in self.envs:
             env.close()
@@ -282,3 +305,41 @@ class EnvBatch:
         if done.any():
             final_obs[done] = self._normalize(final_raw[done], update=False)
         return final_obs
+
+
+# -- snapshots of single simulators ----------------------------------------------------
+def _wrappers(env: gym.Env) -> list[gym.Env]:
+    chain = [env]
+    while isinstance(chain[-1], gym.Wrapper):
+        chain.append(chain[-1].env)
+    return chain
+
+
+def _env_snapshot(env: gym.Env) -> dict[str, Any]:
+    """MuJoCo envs pickle as their constructor arguments, not their state, so their MjData
+    is saved whole: envs also read derived fields that ``mj_step`` left behind (e.g. body
+    positions from before the last integration), so the physics state alone would not
+    continue bit for bit. Other envs pickle whole."""
+    base = env.unwrapped
+    if not hasattr(base, "data") or not hasattr(base, "model"):
+        return {"pickled": cloudpickle.dumps(env)}
+    wrappers = [{k: v for k, v in vars(w).items() if k in _WRAPPER_STATE} for w in _wrappers(env)]
+    return {"data": pickle.dumps(base.data), "rng": base.np_random.bit_generator.state, "wrappers": wrappers}
+
+
+def _env_restore(env: gym.Env, snap: dict[str, Any]) -> gym.Env:
+    if "pickled" in snap:
+        env.close()
+        return pickle.loads(snap["pickled"])
+    import mujoco
+
+    base = env.unwrapped
+    mujoco.mj_copyData(base.data, base.model, pickle.loads(snap["data"]))
+    base.np_random.bit_generator.state = snap["rng"]
+    for w, state in zip(_wrappers(env), snap["wrappers"]):
+        vars(w).update(state)
+    return env
+
+
+# Per-episode wrapper fields: TimeLimit's step count, OrderEnforcing's reset flag.
+_WRAPPER_STATE = ("_elapsed_steps", "_has_reset")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.envs import make_env
@@ -100,21 +102,50 @@ class EmbodiedRunner:
         return {"env": env, "rollout": rollout, "actor": actor, "weight_sync_s": sync_s}
 
     def train(self) -> list[dict[str, float]]:
-        logger = MetricsLogger(self.cfg.runner.out_dir, total_env_steps=self.total_updates * self.steps_per_update,
-                               progress=self.cfg.runner.progress)
+        r = self.cfg.runner
+        logger = MetricsLogger(r.out_dir, total_env_steps=self.total_updates * self.steps_per_update, progress=r.progress)
+        first = self.resume(r.resume, logger) if r.get("resume") else 0
         logger.note(self.cluster.describe() + "\n" + self.placement.describe()
-                    + f"\nstages={self.cfg.runner.stages}, {self.total_updates} updates of {self.steps_per_update} env steps")
+                    + f"\nstages={r.stages}, updates {first}-{self.total_updates - 1} of {self.steps_per_update} env steps")
         start = time.perf_counter()
-        for update in range(self.total_updates):
+        for update in range(first, self.total_updates):
             t0 = time.perf_counter()
             report = self.step(update)
             row = logger.log_update(update, report, time.perf_counter() - t0, time.perf_counter() - start)
-            target = self.cfg.runner.get("target_return")
-            if target is not None and row["episodes"] and row["episode_return"] >= target:
-                logger.note(f"mean return {row['episode_return']:.1f} >= {target} after {row['env_steps']} env steps: done")
+            done = update + 1 == self.total_updates
+            if r.get("target_return") is not None and row["episodes"] and row["episode_return"] >= r.target_return:
+                logger.note(f"mean return {row['episode_return']:.1f} >= {r.target_return} after {row['env_steps']} env steps")
+                done = True
+            if done or (r.checkpoint_every and (update + 1) % r.checkpoint_every == 0):
+                self.checkpoint(update + 1, logger)
+            if done:
                 break
         logger.close()
         return logger.history
+
+    # -- checkpoints -----------------------------------------------------------------
+    def checkpoint(self, updates_done: int, logger: MetricsLogger) -> Path:
+        """Saves every rank's state: simulators mid-episode, sampling RNGs, weights and
+        optimizer, so that a resumed run continues exactly as an uninterrupted one."""
+        env, rollout, actor = wait(self.env.state(), self.rollout.state(), self.actor.state())
+        path = Path(self.cfg.runner.out_dir) / "checkpoints" / f"update_{updates_done:06d}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"updates_done": updates_done, "env_steps": logger.env_steps, "last_return": logger.last_return,
+                    "env": env, "rollout": rollout, "actor": actor,
+                    "config": OmegaConf.to_container(self.cfg, resolve=True)}, path)
+        return path
+
+    def resume(self, path: str, logger: MetricsLogger) -> int:
+        """Loads a checkpoint written by ``checkpoint``; returns the first update to run."""
+        ckpt = torch.load(path, weights_only=False)
+        for name, group in (("env", self.env), ("rollout", self.rollout), ("actor", self.actor)):
+            if len(ckpt[name]) != group.world_size:
+                raise ValueError(f"checkpoint {path} has {len(ckpt[name])} {name} rank(s), this placement has "
+                                 f"{group.world_size}: resume with the same placement")
+        wait(self.env.load_state(ckpt["env"]), self.rollout.load_state(ckpt["rollout"]),
+             self.actor.load_state(ckpt["actor"]))
+        logger.env_steps, logger.last_return = ckpt["env_steps"], ckpt["last_return"]
+        return ckpt["updates_done"]
 
     def close(self) -> None:
         self.trajectories.destroy()

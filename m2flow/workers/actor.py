@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from m2flow.algorithms import gae, next_values, normalize, ppo_policy_loss, value_loss
 from m2flow.models import build_policy
-from m2flow.runtime import Channel, DeviceLock, Worker
+from m2flow.runtime import Channel, DeviceLock, Worker, dispatch
 from m2flow.workers.layout import Layout
 
 
@@ -43,6 +43,7 @@ class ActorWorker(Worker):
         return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,
                 "shuffle": self.shuffle.get_state()}
 
+    @dispatch(split="per_rank")
     def load_state(self, state: dict[str, Any]) -> None:
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])

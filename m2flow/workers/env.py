@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from m2flow.envs import EnvBatch
-from m2flow.runtime import Channel, Worker
+from m2flow.runtime import Channel, Worker, dispatch
 from m2flow.workers.layout import Layout
 
 
@@ -71,12 +71,15 @@ class EnvWorker(Worker):
         trajectories_out.flush()
         return {"busy_s": busy, "idle_s": idle, "episodes": episodes, "env_steps": steps * self.layout.envs_per_rank * self.layout.chunk}
 
-    def normalizer_state(self) -> list[dict]:
-        return [b.state_dict() for b in self.batches]
+    def state(self) -> dict[str, Any]:
+        """Everything needed to continue this rank's simulation exactly (checkpoints)."""
+        return {"batches": [b.snapshot() for b in self.batches], "obs": [o.copy() for o in self.obs]}
 
-    def load_normalizer_state(self, states: list[dict]) -> None:
-        for b, state in zip(self.batches, states):
-            b.load_state_dict(state)
+    @dispatch(split="per_rank")
+    def load_state(self, state: dict[str, Any]) -> None:
+        for b, snap in zip(self.batches, state["batches"], strict=True):
+            b.restore(snap)
+        self.obs = state["obs"]
 
 
 class _Recorder:

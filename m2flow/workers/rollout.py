@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from m2flow.models import build_policy
-from m2flow.runtime import DeviceLock, Worker
+from m2flow.runtime import DeviceLock, Worker, dispatch
 from m2flow.workers.layout import Layout
 
 
@@ -18,6 +18,7 @@ class RolloutWorker(Worker):
         self.layout = layout
         # Sharing devices with the actor: generate and train take turns on them.
         self.turns = DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
+        torch.manual_seed(cfg["seed"] + 7919 * (self.rank + 1))  # action sampling, reproducible per rank
         self.policy = build_policy(observation_space, action_space, cfg["policy"])
         self.policy.requires_grad_(False)
         self.version = -1  # no weights yet: acting before the first sync is an error
@@ -29,6 +30,13 @@ class RolloutWorker(Worker):
         self.policy.load_state_dict(message["weights"])
         self.version = message["version"]
         return self.version
+
+    def state(self) -> dict:
+        return {"rng": torch.get_rng_state()}
+
+    @dispatch(split="per_rank")
+    def load_state(self, state: dict) -> None:
+        torch.set_rng_state(state["rng"])
 
     def act(self, envs: str, steps: int) -> dict:
         """Answers ``steps`` observations per stage of each env rank of group ``envs`` that

@@ -1,0 +1,250 @@
+"""Embodied benchmark: m2flow PPO against Stable-Baselines3 PPO, side by side in one run.
+
+Protocol (/work/shared/PEERS.md): the same env, 8 envs, 2048 env steps per update (256 per
+env), 8 minibatches of 256, 10 epochs, lr 3e-4 constant, gamma 0.99, lambda 0.95, clip 0.2,
+ent 0, vf 0.5, grad norm 0.5, separate pi/vf MLPs [64, 64] with tanh, on CPU. m2flow's side
+is the preset ``embodied/ppo_halfcheetah`` (its env id replaced by ``--env``), one run per
+placement mode; ``hybrid`` runs with ``runner.stages=2`` (elastic pipelining).
+
+For every seed, SB3 runs first and then each m2flow mode, so slow drifts of the machine
+touch both. Reported per system/mode and seed:
+
+  env_steps_per_s   env steps / wall time of the training call, training included. SB3:
+                    ``model.learn`` timed (env construction excluded); m2flow: the
+                    history's ``time_s`` of the last update (Ray start-up and worker
+                    construction excluded, the first update included)
+  final_return      SB3: mean of the last 10 episodes of ``model.ep_info_buffer``;
+                    m2flow: mean over the episodes that ended in the last updates, going
+                    back until at least 10 episodes are covered (HalfCheetah's episodes end
+                    8 at a time, so this is usually 16)
+  collect_s/train_s SB3 only: time inside rollouts vs the rest of ``learn``
+  first_update_s,   m2flow only: the first update's wall time, and steps/s over the
+  env_steps_per_s_after_first  updates after it (a diagnostic, not the headline)
+  components        m2flow only: busy and idle seconds per component (env, rollout,
+                    actor; each averaged over the component's ranks), summed over
+                    updates; weight_sync_s likewise
+
+Then the medians over seeds of m2flow/SB3 steps/s per mode, of the final returns per
+system, and hybrid/collocated steps/s (the M2Flow acceptance ratio).
+
+    python benchmarks/embodied_vs_sb3.py --env HalfCheetah-v5 --steps 200000 --seeds 1 2 3 \
+        --modes collocated hybrid [--quick] [--override cluster.cpu_slots=3 ...]
+
+``disaggregated`` needs three devices: on a 2-core machine add ``--override cluster.cpu_slots=3``.
+
+Prints one JSON object on stdout (everything else goes to stderr). Needs
+``pip install stable-baselines3`` (a benchmark-only dependency, not one of m2flow's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STEPS_PER_UPDATE = 2048  # 8 envs x 256 steps
+MIN_FINAL_EPISODES = 10
+
+# SB3 runs in this process. One torch thread: measured here (HalfCheetah-v5, 16k steps,
+# 2-core machine) 1 thread ran 5,500 and 2,500 steps/s, 2 threads 300 and 1,300. PPO's
+# tensors (256 x 17 inputs, 64-wide layers) are too small for intra-op parallelism to pay,
+# and with a second thread the pool's synchronisation (spinning while the other core is
+# busy) costs far more than it saves. --sb3-threads lets a quiet machine re-check it.
+SB3_DEFAULT_THREADS = 1
+
+MODES = ("collocated", "hybrid", "disaggregated")
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# -- Stable-Baselines3 ---------------------------------------------------------------
+def import_sb3():
+    try:
+        import stable_baselines3  # noqa: F401
+    except ImportError:
+        sys.exit("benchmarks/embodied_vs_sb3.py needs Stable-Baselines3, a benchmark-only dependency:\n"
+                 f"    {sys.executable} -m pip install stable-baselines3")
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    return PPO, BaseCallback, make_vec_env, DummyVecEnv
+
+
+def run_sb3(env_id: str, steps: int, seed: int, threads: int) -> dict:
+    import torch
+    from torch import nn
+
+    PPO, BaseCallback, make_vec_env, DummyVecEnv = import_sb3()
+
+    class PhaseTimer(BaseCallback):
+        """Time spent collecting rollouts; the rest of ``learn`` is training."""
+
+        def __init__(self):
+            super().__init__()
+            self.collect_s = 0.0
+            self._t0 = 0.0
+
+        def _on_rollout_start(self) -> None:
+            self._t0 = time.perf_counter()
+
+        def _on_rollout_end(self) -> None:
+            self.collect_s += time.perf_counter() - self._t0
+
+        def _on_step(self) -> bool:
+            return True
+
+    torch.set_num_threads(threads)
+    env = make_vec_env(env_id, n_envs=8, seed=seed, vec_env_cls=DummyVecEnv)
+    model = PPO(
+        "MlpPolicy", env, n_steps=256, batch_size=256, n_epochs=10, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95,
+        clip_range=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, normalize_advantage=True,
+        policy_kwargs=dict(net_arch=dict(pi=[64, 64], vf=[64, 64]), activation_fn=nn.Tanh, log_std_init=0.0),
+        device="cpu", seed=seed, verbose=0,
+    )
+    timer = PhaseTimer()
+    start = time.perf_counter()
+    model.learn(total_timesteps=steps, callback=timer)
+    wall = time.perf_counter() - start
+    episodes = [ep["r"] for ep in list(model.ep_info_buffer)[-MIN_FINAL_EPISODES:]]
+    env.close()
+    return {
+        "env_steps": int(model.num_timesteps), "wall_s": wall, "env_steps_per_s": model.num_timesteps / wall,
+        "final_return": statistics.fmean(episodes) if episodes else math.nan, "final_episodes": len(episodes),
+        "collect_s": timer.collect_s, "train_s": wall - timer.collect_s, "torch_threads": threads,
+    }
+
+
+# -- m2flow --------------------------------------------------------------------------
+def final_return(history: list[dict]) -> tuple[float, int]:
+    """Mean return over the episodes of the last updates, back until >= 10 episodes."""
+    total = count = 0
+    for row in reversed(history):
+        if row["episodes"]:
+            total += row["episode_return"] * row["episodes"]
+            count += row["episodes"]
+        if count >= MIN_FINAL_EPISODES:
+            break
+    return (total / count if count else math.nan), count
+
+
+def run_m2flow(env_id: str, steps: int, seed: int, mode: str, out_dir: Path, extra: list[str]) -> dict:
+    from m2flow.config import load_config
+    from m2flow.runners import run
+
+    overrides = [f"env.id={env_id}", f"seed={seed}", f"runner.total_env_steps={steps}", f"placement.mode={mode}",
+                 f"runner.stages={2 if mode == 'hybrid' else 1}", "runner.progress=false", f"runner.out_dir={out_dir}",
+                 *extra]
+    cfg = load_config("embodied/ppo_halfcheetah", overrides)
+    with contextlib.redirect_stdout(sys.stderr):  # the runner's notes and Ray's worker logs
+        history = run(cfg)
+    last = history[-1]
+    ret, episodes = final_return(history)
+    components = {f"{c}_{k}": sum(row[f"{c}_{k}"] for row in history)
+                  for c in ("env", "rollout", "actor") for k in ("busy_s", "idle_s")}
+    return {
+        "env_steps": int(last["env_steps"]), "wall_s": last["time_s"], "env_steps_per_s": last["env_steps"] / last["time_s"],
+        "final_return": ret, "final_episodes": episodes, "updates": len(history),
+        # Diagnostic: without the first update, which carries m2flow's one-off warm-up.
+        "first_update_s": history[0]["update_s"],
+        "env_steps_per_s_after_first": ((last["env_steps"] - history[0]["env_steps"]) / (last["time_s"] - history[0]["time_s"])
+                                        if len(history) > 1 else math.nan),
+        "components": components | {"weight_sync_s": sum(row["weight_sync_s"] for row in history)},
+    }
+
+
+# -- report --------------------------------------------------------------------------
+def median(values: list[float]) -> float | None:
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.median(values) if values else None
+
+
+def summarise(results: dict[str, dict[int, dict]], modes: list[str]) -> dict:
+    sb3 = results["sb3"]
+    out: dict = {"median_env_steps_per_s": {}, "median_final_return": {}, "m2flow_over_sb3_steps_per_s": {}}
+    for system, runs in results.items():
+        out["median_env_steps_per_s"][system] = median([r["env_steps_per_s"] for r in runs.values()])
+        out["median_final_return"][system] = median([r["final_return"] for r in runs.values()])
+    for mode in modes:
+        ratios = [results[mode][s]["env_steps_per_s"] / sb3[s]["env_steps_per_s"] for s in sb3]
+        out["m2flow_over_sb3_steps_per_s"][mode] = {"per_seed": ratios, "median": median(ratios)}
+    if "hybrid" in modes and "collocated" in modes:
+        ratios = [results["hybrid"][s]["env_steps_per_s"] / results["collocated"][s]["env_steps_per_s"] for s in sb3]
+        out["hybrid_over_collocated_steps_per_s"] = {"per_seed": ratios, "median": median(ratios)}
+    return out
+
+
+def json_safe(x):
+    """NaN (no episode ended) becomes null, so the output is strict JSON."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return x
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--env", default="HalfCheetah-v5")
+    p.add_argument("--steps", type=int, default=200_000, help="env steps per run, rounded down to whole updates of 2048")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--modes", nargs="+", default=["collocated", "hybrid"], choices=MODES)
+    p.add_argument("--sb3-threads", type=int, default=SB3_DEFAULT_THREADS)
+    p.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="extra m2flow config overrides for every mode (e.g. cluster.cpu_slots=3); SB3 is unaffected")
+    p.add_argument("--out", default=None, help="m2flow run directories (default: a temp dir)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 20k steps, the first seed only")
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.seeds = 20_000, args.seeds[:1]
+    steps = max(1, args.steps // STEPS_PER_UPDATE) * STEPS_PER_UPDATE  # both systems run whole updates
+    import_sb3()  # fail before anything runs
+    out_root = Path(args.out or tempfile.mkdtemp(prefix="m2flow-embodied-vs-sb3-"))
+
+    import gymnasium
+    import ray
+    import stable_baselines3
+    import torch
+
+    results: dict[str, dict[int, dict]] = {"sb3": {}, **{m: {} for m in args.modes}}
+    began = time.perf_counter()
+    for seed in args.seeds:
+        log(f"[seed {seed}] SB3 PPO on {args.env}, {steps} env steps")
+        results["sb3"][seed] = r = run_sb3(args.env, steps, seed, args.sb3_threads)
+        log(f"  {r['env_steps_per_s']:,.0f} env steps/s, return {r['final_return']:.1f}")
+        for mode in args.modes:
+            log(f"[seed {seed}] m2flow {mode} on {args.env}, {steps} env steps")
+            out_dir = out_root / f"{mode}-seed{seed}"
+            results[mode][seed] = r = run_m2flow(args.env, steps, seed, mode, out_dir, args.override)
+            log(f"  {r['env_steps_per_s']:,.0f} env steps/s, return {r['final_return']:.1f}")
+            time.sleep(2.0)  # let Ray's processes exit before the next run starts timing
+    report = {
+        "benchmark": "embodied_vs_sb3",
+        "env": args.env, "env_steps": steps, "seeds": args.seeds, "modes": args.modes, "quick": args.quick,
+        "m2flow_overrides": args.override, "sb3_torch_threads": args.sb3_threads,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "ray": ray.__version__, "gymnasium": gymnasium.__version__,
+                    "stable_baselines3": stable_baselines3.__version__},
+        "runs": {system: {str(s): r for s, r in runs.items()} for system, runs in results.items()},
+        "summary": summarise(results, args.modes),
+        "m2flow_out": str(out_root),
+        "total_s": time.perf_counter() - began,
+    }
+    print(json.dumps(json_safe(report), indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()
