@@ -1,5 +1,7 @@
 """Embodied PPO end to end: the same runner loop learns CartPole in every placement mode."""
 
+import math
+
 import pytest
 import ray
 
@@ -82,3 +84,19 @@ def test_resume_continues_exactly(cluster, tmp_path):
     assert [row["update"] for row in rest] == [2, 3]
     assert resumed == straight
     assert rest[-1]["env_steps"] == history[-1]["env_steps"]
+
+
+def test_action_chunks_and_normalisation_run_end_to_end(cluster, tmp_path):
+    """A policy that emits 4 actions per inference, on a continuous task with observation
+    normalisation and reward scaling: every step of each chunk counts as an env step."""
+    overrides = ["env.id=Pendulum-v1", "policy.chunk=4", "env.obs_norm=true", "env.reward_scale=true",
+                 "runner.rollout_steps=16", "runner.total_env_steps=1024", "algorithm.minibatch_size=64",
+                 "placement.mode=custom", "placement.components.env=0", "placement.components.rollout=1",
+                 "placement.components.actor=0-1", "runner.progress=false", f"runner.out_dir={tmp_path}"]
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    try:
+        history = runner.train()
+    finally:
+        runner.close()
+    assert [row["env_steps"] for row in history] == [512, 1024]  # 16 decisions x 4 actions x 8 envs per update
+    assert all(math.isfinite(row["policy_loss"]) and math.isfinite(row["value_loss"]) for row in history)
