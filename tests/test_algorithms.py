@@ -120,8 +120,8 @@ def test_value_loss():
     returns = torch.tensor([0.0, 4.0, 0.0, 3.0])
     # unclipped squared errors: 1, 1, 4.84, 4
     loss = value_loss(values, old_values, returns, clip=None)
-    assert loss.item() == pytest.approx(0.5 * (1 + 1 + 4.84 + 4) / 4)
+    assert loss.item() == pytest.approx((1 + 1 + 4.84 + 4) / 4)
     # clip 0.5: clipped values 1.5, 2.5, 2.2, 1.5 -> squared errors 2.25, 2.25, 4.84, 2.25;
     # the max per element: 2.25, 2.25, 4.84, 4
     loss = value_loss(values, old_values, returns, clip=0.5)
-    assert loss.item() == pytest.approx(0.5 * (2.25 + 2.25 + 4.84 + 4) / 4)
+    assert loss.item() == pytest.approx((2.25 + 2.25 + 4.84 + 4) / 4)

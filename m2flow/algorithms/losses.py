@@ -40,14 +40,15 @@ def ppo_policy_loss(
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None) -> Tensor:
-    """``0.5 * mean((values - returns) ** 2)``.
+    """``mean((values - returns) ** 2)``: weighted by ``vf_coef`` as in SB3, so the same
+    ``vf_coef`` means the same loss in both.
 
     With ``clip``, the prediction may move at most ``clip`` from ``old_values`` and the
     larger of the clipped and unclipped squared errors counts, as in PPO2 and CleanRL.
     """
     unclipped = (values - returns) ** 2
     if clip is None:
-        return 0.5 * unclipped.mean()
+        return unclipped.mean()
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     clipped = (clipped_values - returns) ** 2
-    return 0.5 * torch.max(unclipped, clipped).mean()
+    return torch.max(unclipped, clipped).mean()

@@ -59,7 +59,7 @@ _NULL_SPAN = _NullSpan()
 class Tracer:
     """Thread-safe in-memory buffer of complete ("X") trace events for one process."""
 
-    def __init__(self, process_name: str, enabled: bool = True, max_events: int = 1_000_000) -> None:
+    def __init__(self, process_name: str, enabled: bool = True, max_events: int = 100_000) -> None:
         self.process_name = process_name
         self.enabled = enabled
         self._lock = threading.Lock()
@@ -110,7 +110,9 @@ class Tracer:
         return events
 
 
-_tracer = Tracer(Path(sys.argv[0]).stem or "python")
+# On by default, keeping the latest 100k spans per process (tens of MB at most);
+# M2FLOW_TRACE=0 turns it off.
+_tracer = Tracer(Path(sys.argv[0]).stem or "python", enabled=os.environ.get("M2FLOW_TRACE", "1") != "0")
 
 
 def get_tracer() -> Tracer:

@@ -63,12 +63,13 @@ class ActorWorker(Worker):
     def train(self, trajectories_in: Channel, update: int, total_updates: int) -> dict:
         start = time.perf_counter()
         parts = [trajectories_in.get(key=self.rank) for _ in range(self.layout.env_ranks)]
+        parts.sort(key=lambda p: p["env_rank"])  # arrival order varies; the batch must not
         waited = time.perf_counter() - start
         stale = {p["policy_version"] for p in parts} - {self.version}
         if stale:
             raise RuntimeError(f"actor rank {self.rank} at policy version {self.version} got trajectories of version(s) {sorted(stale)}")
         data = {k: torch.as_tensor(np.concatenate([p[k] for p in parts], axis=1 if k != "last_obs" else 0))
-                for k in parts[0] if k != "policy_version"}
+                for k in parts[0] if k not in ("policy_version", "env_rank")}
         if self.algo.get("anneal_lr"):
             for g in self.optimizer.param_groups:
                 g["lr"] = self.algo["lr"] * (1.0 - update / total_updates)

@@ -66,7 +66,7 @@ class EnvWorker(Worker):
         for a in range(self.layout.actor_ranks):
             part = {k: v[a * share:(a + 1) * share] if k == "last_obs" else v[:, a * share:(a + 1) * share]
                     for k, v in trajectory.items()}
-            part["policy_version"] = version
+            part["policy_version"], part["env_rank"] = version, self.rank
             trajectories_out.put(part, key=a, weight=steps * share)
         trajectories_out.flush()
         return {"busy_s": busy, "idle_s": idle, "episodes": episodes, "env_steps": steps * self.layout.envs_per_rank * self.layout.chunk}
