@@ -33,7 +33,16 @@ def placement_config(cfg: DictConfig, num_devices: int) -> dict[str, Any]:
     collocated: all three on every device; disaggregated: env, rollout and actor on
     disjoint devices (needs three or more); hybrid: env and rollout split the devices,
     the actor spans all of them; custom: ``placement.components`` as given.
+    ``actor_devices_per_proc > 1`` makes each actor rank span that many of its devices.
     """
+    ranges = _mode_ranges(cfg, num_devices)
+    span = cfg.get("actor_devices_per_proc", 1)
+    if span > 1 and isinstance(ranges["actor"], str):  # one actor rank over several devices: no all-reduce
+        ranges["actor"] = {"devices": ranges["actor"], "devices_per_proc": span}
+    return ranges
+
+
+def _mode_ranges(cfg: DictConfig, num_devices: int) -> dict[str, Any]:
     mode, last = cfg.mode, num_devices - 1
     if mode == "custom":
         given = OmegaConf.to_container(cfg.components, resolve=True)
@@ -74,9 +83,19 @@ class EmbodiedRunner:
         shared = self.placement.mode != "disaggregated"  # components that share devices take turns
         if shared:  # lock actors live as long as the process that made them: the driver
             DeviceLock([d.index for d in self.cluster.devices], holder="driver")
-        self.env = WorkerGroup(EnvWorker, self.placement["env"], args=(plain, self.layout), name=self.names["env"])
-        self.rollout = WorkerGroup(RolloutWorker, self.placement["rollout"], args=(plain, self.layout, *spaces, shared),
-                                   name=self.names["rollout"])
+        # Env and rollout on the same devices, rank for rank: fuse them, the rollout then runs
+        # inside each env worker's process (no message per step). The loop below is unchanged:
+        # the rollout's calls go to the same workers.
+        env_ranks, rollout_ranks = self.placement["env"].ranks(), self.placement["rollout"].ranks()
+        self.fused = bool(cfg.placement.get("fuse", True)) and [r.devices for r in env_ranks] == [r.devices for r in rollout_ranks]
+        if self.fused:
+            self.env = WorkerGroup(EnvWorker, self.placement["env"], args=(plain, self.layout, spaces, shared),
+                                   name=self.names["env"])
+            self.rollout, self.names["rollout"] = self.env, self.names["env"]
+        else:
+            self.env = WorkerGroup(EnvWorker, self.placement["env"], args=(plain, self.layout), name=self.names["env"])
+            self.rollout = WorkerGroup(RolloutWorker, self.placement["rollout"], args=(plain, self.layout, *spaces, shared),
+                                       name=self.names["rollout"])
         self.actor = WorkerGroup(ActorWorker, self.placement["actor"], args=(plain, self.layout, *spaces, shared),
                                  name=self.names["actor"])
         self.trajectories = Channel.create(f"trajectories-{run}")
@@ -106,6 +125,7 @@ class EmbodiedRunner:
         logger = MetricsLogger(r.out_dir, total_env_steps=self.total_updates * self.steps_per_update, progress=r.progress)
         first = self.resume(r.resume, logger) if r.get("resume") else 0
         logger.note(self.cluster.describe() + "\n" + self.placement.describe()
+                    + ("\nrollout fused into the env workers (same devices)" if self.fused else "")
                     + f"\nstages={r.stages}, updates {first}-{self.total_updates - 1} of {self.steps_per_update} env steps")
         start = time.perf_counter()
         for update in range(first, self.total_updates):
@@ -149,7 +169,7 @@ class EmbodiedRunner:
 
     def close(self) -> None:
         self.trajectories.destroy()
-        for g in (self.env, self.rollout, self.actor):
+        for g in {id(g): g for g in (self.env, self.rollout, self.actor)}.values():
             g.shutdown()
         if self._own_cluster:
             self.cluster.shutdown()

@@ -8,18 +8,28 @@ the rollout infers actions for one stage, the env worker steps another, so with
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
+import torch
 
 from m2flow.envs import EnvBatch
-from m2flow.runtime import Channel, Worker, dispatch
+from m2flow.runtime import Channel, DeviceLock, dispatch
 from m2flow.workers.layout import Layout
+from m2flow.workers.rollout import PolicyHost, PolicyReplica
 
 
-class EnvWorker(Worker):
-    def __init__(self, cfg: dict, layout: Layout):
+class EnvWorker(PolicyHost):
+    """With ``spaces`` (observation and action space) the worker hosts the rollout itself
+    (fused: inference in this process, no message per step) and then answers both the env
+    role's calls and the rollout role's (``pull_weights``, ``act``)."""
+
+    def __init__(self, cfg: dict, layout: Layout, spaces: tuple | None = None, take_turns: bool = False):
         env, self.layout = cfg["env"], layout
+        self.replica = PolicyReplica(cfg, *spaces, self.rank) if spaces else None
+        self.turns = DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
+        self.inference = {"busy_s": 0.0, "idle_s": 0.0, "lock_wait_s": 0.0}  # the fused rollout's last report
         self.stages = layout.stages
         n = layout.envs_per_stage
         group = env.get("group_size", 1)
@@ -35,28 +45,38 @@ class EnvWorker(Worker):
 
     def interact(self, policy: str, trajectories_out: Channel, steps: int) -> dict:
         """One rollout of ``steps`` steps per env: observations go to this rank's rollout
-        worker of group ``policy`` (point to point), the trajectory to the actor ranks."""
-        busy = idle = 0.0
+        worker of group ``policy`` (point to point), or to the hosted replica when fused;
+        the trajectory goes to the actor ranks."""
+        busy = idle = inferring = 0.0
         records = [_Recorder() for _ in self.batches]
         episodes: list[tuple[float, int]] = []
         versions = set()
         server = self.layout.rollout_of(self.rank)
-        for s in range(self.stages):
-            self.isend(self.obs[s], policy, server, tag=("obs", s))
-        for t in range(steps):
-            for s, batch in enumerate(self.batches):
-                start = time.perf_counter()
-                reply = self.recv(policy, server, tag=("act", s))
-                mid = time.perf_counter()
-                result = batch.step_chunk(reply["actions"]) if self.layout.chunk > 1 else batch.step(reply["actions"])
-                records[s].add(self.obs[s], reply, result)
-                versions.add(reply["version"])
-                episodes += [(ret, length) for (_, ret), (_, length) in zip(result.episode_returns, result.episode_lengths)]
-                self.obs[s] = result.obs
-                if t < steps - 1:
-                    self.isend(result.obs, policy, server, tag=("obs", s))
-                idle += mid - start
-                busy += time.perf_counter() - mid
+        with self.turns if self.replica else nullcontext():
+            if not self.replica:
+                for s in range(self.stages):
+                    self.isend(self.obs[s], policy, server, tag=("obs", s))
+            for t in range(steps):
+                for s, batch in enumerate(self.batches):
+                    start = time.perf_counter()
+                    if self.replica:
+                        actions, logp = self.replica.infer(self.obs[s])
+                        reply = {"actions": actions, "logp": logp, "version": self.replica.version}
+                        inferring += time.perf_counter() - start
+                    else:
+                        reply = self.recv(policy, server, tag=("act", s))
+                    mid = time.perf_counter()
+                    result = batch.step_chunk(reply["actions"]) if self.layout.chunk > 1 else batch.step(reply["actions"])
+                    records[s].add(self.obs[s], reply, result)
+                    versions.add(reply["version"])
+                    episodes += [(ret, length) for (_, ret), (_, length) in zip(result.episode_returns, result.episode_lengths)]
+                    self.obs[s] = result.obs
+                    if t < steps - 1 and not self.replica:
+                        self.isend(result.obs, policy, server, tag=("obs", s))
+                    if not self.replica:
+                        idle += mid - start
+                    busy += time.perf_counter() - mid
+        self.inference = {"busy_s": inferring, "idle_s": 0.0, "lock_wait_s": getattr(self.turns, "last_wait_s", 0.0)}
         if len(versions) > 1:
             raise RuntimeError(f"env rank {self.rank} got actions from policy versions {sorted(versions)} in one rollout")
         (version,) = versions
@@ -71,15 +91,24 @@ class EnvWorker(Worker):
         trajectories_out.flush()
         return {"busy_s": busy, "idle_s": idle, "episodes": episodes, "env_steps": steps * self.layout.envs_per_rank * self.layout.chunk}
 
+    def act(self, envs: str, steps: int) -> dict:
+        """The fused rollout's report: its inference ran inside ``interact``, which Ray has
+        finished by now (one actor runs its calls in order)."""
+        if self.replica is None:
+            raise RuntimeError(f"{self.group}:{self.rank} hosts no rollout: launch a RolloutWorker group")
+        return self.inference
+
     def state(self) -> dict[str, Any]:
         """Everything needed to continue this rank's simulation exactly (checkpoints)."""
-        return {"batches": [b.snapshot() for b in self.batches], "obs": [o.copy() for o in self.obs]}
+        return {"batches": [b.snapshot() for b in self.batches], "obs": [o.copy() for o in self.obs],
+                "rng": torch.get_rng_state()}
 
     @dispatch(split="per_rank")
     def load_state(self, state: dict[str, Any]) -> None:
         for b, snap in zip(self.batches, state["batches"], strict=True):
             b.restore(snap)
         self.obs = state["obs"]
+        torch.set_rng_state(state["rng"])
 
 
 class _Recorder:

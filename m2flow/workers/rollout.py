@@ -1,4 +1,10 @@
-"""Rollout worker: batched policy inference for the env workers it serves."""
+"""Rollout: batched policy inference for env workers.
+
+``RolloutWorker`` is the rollout as a component of its own, answering the env workers
+it serves point to point. Where env and rollout are placed on the same devices, the
+runner can fuse them instead: each env worker then hosts a ``PolicyReplica`` and infers
+in its own process, with no message per step (see ``EnvWorker``).
+"""
 
 from __future__ import annotations
 
@@ -13,23 +19,45 @@ from m2flow.runtime import DeviceLock, Worker, dispatch
 from m2flow.workers.layout import Layout
 
 
-class RolloutWorker(Worker):
+class PolicyReplica:
+    """A rollout's copy of the policy: versioned weights, seeded sampling."""
+
+    def __init__(self, cfg: dict, observation_space, action_space, rank: int):
+        torch.manual_seed(cfg["seed"] + 7919 * (rank + 1))  # action sampling, reproducible per rank
+        self.policy = build_policy(observation_space, action_space, cfg["policy"])
+        self.policy.requires_grad_(False)
+        self.version = -1  # no weights yet: acting before the first sync is an error
+
+    def load(self, message: dict) -> int:
+        self.policy.load_state_dict(message["weights"])
+        self.version = message["version"]
+        return self.version
+
+    def infer(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.version < 0:
+            raise RuntimeError("the rollout has no policy weights: the actor must sync them first")
+        with torch.no_grad():
+            actions, logp = self.policy.act(torch.as_tensor(obs))
+        return actions.numpy(), logp.numpy()
+
+
+class PolicyHost(Worker):
+    """A worker that holds a PolicyReplica and receives the actor's weight broadcasts."""
+
+    replica: PolicyReplica
+
+    def pull_weights(self, actor_group: str) -> int:
+        """The receiving side of the actor's weight broadcast; returns the new version."""
+        return self.replica.load(self.broadcast(None, (actor_group, 0), self.group))
+
+
+class RolloutWorker(PolicyHost):
     def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
         self.layout = layout
         # Sharing devices with the actor: generate and train take turns on them.
         self.turns = DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
-        torch.manual_seed(cfg["seed"] + 7919 * (self.rank + 1))  # action sampling, reproducible per rank
-        self.policy = build_policy(observation_space, action_space, cfg["policy"])
-        self.policy.requires_grad_(False)
-        self.version = -1  # no weights yet: acting before the first sync is an error
+        self.replica = PolicyReplica(cfg, observation_space, action_space, self.rank)
         self.envs = layout.envs_of_rollout(self.rank)
-
-    def pull_weights(self, actor_group: str) -> int:
-        """The receiving side of the actor's weight broadcast; returns the new version."""
-        message = self.broadcast(None, (actor_group, 0), self.group)
-        self.policy.load_state_dict(message["weights"])
-        self.version = message["version"]
-        return self.version
 
     def state(self) -> dict:
         return {"rng": torch.get_rng_state()}
@@ -41,8 +69,6 @@ class RolloutWorker(Worker):
     def act(self, envs: str, steps: int) -> dict:
         """Answers ``steps`` observations per stage of each env rank of group ``envs`` that
         it serves, batching those env ranks into one inference."""
-        if self.version < 0:
-            raise RuntimeError("rollout has no policy weights: the actor must sync them first")
         with self.turns:
             busy, idle = self._serve(envs, steps)
         return {"busy_s": busy, "idle_s": idle, "lock_wait_s": getattr(self.turns, "last_wait_s", 0.0)}
@@ -54,14 +80,12 @@ class RolloutWorker(Worker):
                 start = time.perf_counter()
                 obs = [self.recv(envs, e, tag=("obs", s)) for e in self.envs]
                 mid = time.perf_counter()
-                with torch.no_grad():
-                    actions, logp = self.policy.act(torch.as_tensor(np.concatenate(obs)))
-                actions, logp = actions.numpy(), logp.numpy()
+                actions, logp = self.replica.infer(np.concatenate(obs))
                 offset = 0
                 for e, o in zip(self.envs, obs):
                     n = len(o)
                     self.isend({"actions": actions[offset:offset + n], "logp": logp[offset:offset + n],
-                                "version": self.version}, envs, e, tag=("act", s))
+                                "version": self.replica.version}, envs, e, tag=("act", s))
                     offset += n
                 idle += mid - start
                 busy += time.perf_counter() - mid
