@@ -82,7 +82,7 @@ def import_sb3():
     return PPO, BaseCallback, make_vec_env, DummyVecEnv
 
 
-def run_sb3(env_id: str, steps: int, seed: int, threads: int) -> dict:
+def run_sb3(env_id: str, steps: int, seed: int, threads: int, normalize: bool) -> dict:
     import torch
     from torch import nn
 
@@ -107,6 +107,10 @@ def run_sb3(env_id: str, steps: int, seed: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     env = make_vec_env(env_id, n_envs=8, seed=seed, vec_env_cls=DummyVecEnv)
+    if normalize:  # observation and reward normalisation; Monitor inside still logs raw returns
+        from stable_baselines3.common.vec_env import VecNormalize
+
+        env = VecNormalize(env, gamma=0.99)
     model = PPO(
         "MlpPolicy", env, n_steps=256, batch_size=256, n_epochs=10, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95,
         clip_range=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, normalize_advantage=True,
@@ -205,6 +209,8 @@ def main() -> None:
     p.add_argument("--sb3-threads", type=int, default=SB3_DEFAULT_THREADS)
     p.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                    help="extra m2flow config overrides for every mode (e.g. cluster.cpu_slots=3); SB3 is unaffected")
+    p.add_argument("--normalize", action="store_true",
+                   help="observation and reward normalisation in both (SB3 VecNormalize; m2flow env.obs_norm, env.reward_scale)")
     p.add_argument("--out", default=None, help="m2flow run directories (default: a temp dir)")
     p.add_argument("--quick", action="store_true", help="smoke run: 20k steps, the first seed only")
     args = p.parse_args()
@@ -223,18 +229,19 @@ def main() -> None:
     began = time.perf_counter()
     for seed in args.seeds:
         log(f"[seed {seed}] SB3 PPO on {args.env}, {steps} env steps")
-        results["sb3"][seed] = r = run_sb3(args.env, steps, seed, args.sb3_threads)
+        results["sb3"][seed] = r = run_sb3(args.env, steps, seed, args.sb3_threads, args.normalize)
         log(f"  {r['env_steps_per_s']:,.0f} env steps/s, return {r['final_return']:.1f}")
         for mode in args.modes:
             log(f"[seed {seed}] m2flow {mode} on {args.env}, {steps} env steps")
             out_dir = out_root / f"{mode}-seed{seed}"
-            results[mode][seed] = r = run_m2flow(args.env, steps, seed, mode, out_dir, args.override)
+            normalize = ["env.obs_norm=true", "env.reward_scale=true"] if args.normalize else []
+            results[mode][seed] = r = run_m2flow(args.env, steps, seed, mode, out_dir, normalize + args.override)
             log(f"  {r['env_steps_per_s']:,.0f} env steps/s, return {r['final_return']:.1f}")
             time.sleep(2.0)  # let Ray's processes exit before the next run starts timing
     report = {
         "benchmark": "embodied_vs_sb3",
         "env": args.env, "env_steps": steps, "seeds": args.seeds, "modes": args.modes, "quick": args.quick,
-        "m2flow_overrides": args.override, "sb3_torch_threads": args.sb3_threads,
+        "m2flow_overrides": args.override, "sb3_torch_threads": args.sb3_threads, "normalize": args.normalize,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "ray": ray.__version__, "gymnasium": gymnasium.__version__,
                     "stable_baselines3": stable_baselines3.__version__},
