@@ -123,6 +123,13 @@ class EmbodiedRunner:
     def train(self) -> list[dict[str, float]]:
         r = self.cfg.runner
         logger = MetricsLogger(r.out_dir, total_env_steps=self.total_updates * self.steps_per_update, progress=r.progress)
+        try:
+            return self._train(logger)
+        finally:
+            logger.close()
+
+    def _train(self, logger: MetricsLogger) -> list[dict[str, float]]:
+        r = self.cfg.runner
         first = self.resume(r.resume, logger) if r.get("resume") else 0
         logger.note(self.cluster.describe() + "\n" + self.placement.describe()
                     + ("\nrollout fused into the env workers (same devices)" if self.fused else "")
@@ -140,14 +147,16 @@ class EmbodiedRunner:
                 self.checkpoint(update + 1, logger)
             if done:
                 break
-        logger.close()
         return logger.history
 
     # -- checkpoints -----------------------------------------------------------------
     def checkpoint(self, updates_done: int, logger: MetricsLogger) -> Path:
         """Saves every rank's state: simulators mid-episode, sampling RNGs, weights and
         optimizer, so that a resumed run continues exactly as an uninterrupted one."""
-        env, rollout, actor = wait(self.env.state(), self.rollout.state(), self.actor.state())
+        if self.fused:  # the env workers' state includes the rollout's
+            (env, actor), rollout = wait(self.env.state(), self.actor.state()), None
+        else:
+            env, rollout, actor = wait(self.env.state(), self.rollout.state(), self.actor.state())
         path = Path(self.cfg.runner.out_dir) / "checkpoints" / f"update_{updates_done:06d}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"updates_done": updates_done, "env_steps": logger.env_steps, "last_return": logger.last_return,
@@ -158,13 +167,15 @@ class EmbodiedRunner:
     def resume(self, path: str, logger: MetricsLogger) -> int:
         """Loads a checkpoint written by ``checkpoint``; returns the first update to run."""
         ckpt = torch.load(path, weights_only=False)
-        for name, group in (("env", self.env), ("rollout", self.rollout), ("actor", self.actor)):
+        if (ckpt["rollout"] is None) != self.fused:
+            raise ValueError(f"checkpoint {path} was written with placement.fuse={ckpt['rollout'] is None}: resume the same way")
+        groups = [("env", self.env), ("actor", self.actor)] + ([] if self.fused else [("rollout", self.rollout)])
+        for name, group in groups:
             if len(ckpt[name]) != group.world_size:
                 raise ValueError(f"checkpoint {path} has {len(ckpt[name])} {name} rank(s), this placement has "
                                  f"{group.world_size}: resume with the same placement")
-        wait(self.env.load_state(ckpt["env"]), self.rollout.load_state(ckpt["rollout"]),
-             self.actor.load_state(ckpt["actor"]))
-        logger.env_steps, logger.last_return = ckpt["env_steps"], ckpt["last_return"]
+        wait(*(group.load_state(ckpt[name]) for name, group in groups))
+        logger.resume(ckpt["env_steps"], ckpt["last_return"])
         return ckpt["updates_done"]
 
     def close(self) -> None:

@@ -4,7 +4,8 @@ Logged every update (``metrics.csv`` columns and TensorBoard scalars):
 
   env_steps            env steps so far (all envs; a chunk of k actions counts k)
   time_s / update_s    wall time since the start / of this update (incl. weight sync)
-  env_steps_per_s      env_steps / time_s: end-to-end throughput, training included
+  env_steps_per_s      env steps taken by this process / time_s: end-to-end throughput,
+                       training included
   episode_return       mean raw (unnormalised) return of the episodes that ended in this
                        update; the previous value when none ended
   episode_length       their mean length; episodes: how many ended
@@ -14,7 +15,8 @@ Logged every update (``metrics.csv`` columns and TensorBoard scalars):
   {env,rollout,actor}_busy_s / _idle_s
                        per-component busy time (stepping, inferring, training) and idle
                        time (waiting for actions, observations, trajectories or a device
-                       lock), averaged over the component's ranks
+                       lock), averaged over the component's ranks; with the rollout
+                       fused into the env workers, rollout_busy_s is their inference time
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.history: list[dict[str, float]] = []
         self.console = Console()
-        self.env_steps = 0
+        self.env_steps = self.start_steps = 0
         self.last_return = math.nan
         from torch.utils.tensorboard import SummaryWriter
 
@@ -43,6 +45,17 @@ class MetricsLogger:
                                  TimeElapsedColumn(), console=self.console, disable=not progress)
         self.task = self.progress.add_task("train", total=total_env_steps, stats="")
         self.progress.start()
+
+    def resume(self, env_steps: int, last_return: float) -> None:
+        """Continues a run: keeps the rows already in metrics.csv (up to ``env_steps``) and
+        counts throughput from the steps this process adds."""
+        path = self.out_dir / "metrics.csv"
+        if path.exists():
+            with open(path, newline="") as f:
+                rows = [{k: float(v) if v else math.nan for k, v in row.items()} for row in csv.DictReader(f)]
+            self.history = [row for row in rows if row["env_steps"] <= env_steps]
+        self.env_steps = self.start_steps = env_steps
+        self.last_return = last_return
 
     def note(self, text: str) -> None:
         self.console.print(text)
@@ -55,7 +68,7 @@ class MetricsLogger:
             self.last_return = sum(r for r, _ in episodes) / len(episodes)
         row: dict[str, float] = {
             "update": update, "env_steps": self.env_steps, "time_s": time_s, "update_s": update_s,
-            "env_steps_per_s": self.env_steps / time_s, "episode_return": self.last_return,
+            "env_steps_per_s": (self.env_steps - self.start_steps) / time_s, "episode_return": self.last_return,
             "episode_length": sum(n for _, n in episodes) / len(episodes) if episodes else math.nan,
             "episodes": len(episodes), "weight_sync_s": report["weight_sync_s"],
         }

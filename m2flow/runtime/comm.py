@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import pickle
 import select
@@ -40,6 +41,7 @@ from m2flow.runtime import payload, shm
 from m2flow.runtime.trace import get_tracer
 
 INLINE_BYTES = 64 * 1024
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,7 @@ class Communicator:
         self._sent: dict[tuple, int] = defaultdict(int)  # next sequence number per (receiver, tag)
         self._mail_cv = threading.Condition()
         self._nccl: dict[tuple[str, int], Any] = {}
+        self._nccl_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="m2flow-comm")
         self._pipes: dict[str, int] = {}  # write ends of peers' pipes
         self._pipe_lock = threading.Lock()
@@ -309,7 +312,8 @@ class Communicator:
         return CommWork(packed.transport, refs=refs)
 
     def send(self, obj: Any, dst: tuple[str, int], tag: Hashable = 0, timeout: float | None = None) -> str:
-        """Returns once the payload sits in the receiver's mailbox; gives the transport."""
+        """Returns once the payload is handed over (in the receiver's mailbox, or written to
+        its pipe on this node); gives the transport."""
         work = self.isend(obj, dst, tag)
         work.wait(timeout)
         return work.transport
@@ -362,12 +366,16 @@ class Communicator:
     def _read_pipe(self) -> None:
         while True:
             try:
-                message = pickle.loads(_read_exactly(self._pipe_fd, _FRAME.unpack(_read_exactly(self._pipe_fd, _FRAME.size))[0]))
+                frame = _read_exactly(self._pipe_fd, _FRAME.unpack(_read_exactly(self._pipe_fd, _FRAME.size))[0])
             except (EOFError, OSError):
                 return  # closed
-            if message[0] == "shm":
-                message = pickle.loads(shm.open_tensors(message[1])[0].numpy().tobytes())
-            self.deliver(*message)
+            try:  # a frame is read whole, so one that fails to unpack leaves the next ones intact
+                message = pickle.loads(frame)
+                if message[0] == "shm":
+                    message = pickle.loads(shm.open_tensors(message[1])[0].numpy().tobytes())
+                self.deliver(*message)
+            except Exception:
+                logger.exception("%s:%s dropped a message it could not unpack", *self.address)
 
     def _next_seq(self, dst: tuple[str, int], tag: Hashable) -> int:
         seq = self._sent[(dst, tag)]
@@ -413,7 +421,9 @@ class Communicator:
         so that any two workers of any groups can pair up."""
         import torch.distributed as dist
 
-        if peer not in self._nccl:
+        with self._nccl_lock:  # one pair per peer, though the main and an IO thread may race here
+            if peer in self._nccl:
+                return self._nccl[peer]
             if initiator:
                 from m2flow.runtime.worker import free_port
 
@@ -425,7 +435,7 @@ class Communicator:
                 store = dist.TCPStore(store_addr[0], store_addr[1], 2, is_master=False)
             rank = 0 if initiator else 1
             self._nccl[peer] = (dist.ProcessGroupNCCL(dist.PrefixStore("m2flow-p2p", store), rank, 2), 1 - rank, store)
-        return self._nccl[peer]
+            return self._nccl[peer]
 
     def nccl_join(self, peer: tuple[str, int], store_addr: tuple[str, int]) -> None:
         self._nccl_group(peer, initiator=False, store_addr=store_addr)

@@ -140,16 +140,16 @@ class WorkerGroup:
             ).remote()
             for r in ranks
         ]
-        master_addr, master_port = ray.get(self.actors[0]._m2flow_address.remote(), timeout=init_timeout_s)
         node_order: dict[str, list[int]] = {}
         for r in ranks:
             node_order.setdefault(r.node_id, []).append(r.rank)
-        refs = []
-        for r, actor in zip(ranks, self.actors):
-            info = WorkerInfo(self.name, r.rank, self.world_size, r.devices, node_order[r.node_id].index(r.rank),
-                              master_addr, master_port, session)
-            refs.append(actor._m2flow_call.remote("_m2flow_init", info, tuple(args), dict(kwargs or {})))
         try:
+            master_addr, master_port = ray.get(self.actors[0]._m2flow_address.remote(), timeout=init_timeout_s)
+            refs = []
+            for r, actor in zip(ranks, self.actors):
+                info = WorkerInfo(self.name, r.rank, self.world_size, r.devices, node_order[r.node_id].index(r.rank),
+                                  master_addr, master_port, session)
+                refs.append(actor._m2flow_call.remote("_m2flow_init", info, tuple(args), dict(kwargs or {})))
             GroupHandle(self, "__init__", list(range(self.world_size)), refs, "list").wait(init_timeout_s)
         except BaseException:
             self.kill()

@@ -13,6 +13,7 @@ import socket
 import time
 from dataclasses import dataclass
 from collections.abc import Hashable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
 import ray
@@ -187,6 +188,13 @@ class Worker:
         return self._group_sizes[group]
 
     # -- helpers for subclasses ---------------------------------------------------
+    def device_turns(self, take_turns: bool = True) -> AbstractContextManager:
+        """The lock of this worker's devices, for components that share them and take turns
+        (a no-op context when they do not)."""
+        from m2flow.runtime.device_lock import DeviceLock
+
+        return DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
+
     def init_process_group(self, backend: str | None = None, timeout_s: float = 120.0) -> None:
         """torch.distributed over this worker's group: gloo on CPU, nccl on GPU."""
         import datetime

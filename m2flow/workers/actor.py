@@ -2,13 +2,12 @@
 
 Data parallel over its ranks: every rank gets an equal share of each env rank's
 environments, and gradients are averaged with one all-reduce of the flat gradient per
-minibatch (gloo on CPU, nccl on GPU).
+minibatch (gloo: the policies of this flow are small and stay on the CPU).
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -17,14 +16,14 @@ import torch.distributed as dist
 
 from m2flow.algorithms import gae, next_values, normalize, ppo_policy_loss, value_loss
 from m2flow.models import build_policy
-from m2flow.runtime import Channel, DeviceLock, Worker, dispatch
+from m2flow.runtime import Channel, Worker, dispatch
 from m2flow.workers.layout import Layout
 
 
 class ActorWorker(Worker):
     def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
         self.cfg, self.algo, self.layout = cfg, cfg["algorithm"], layout
-        self.turns = DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
+        self.turns = self.device_turns(take_turns)
         torch.manual_seed(cfg["seed"])  # identical initial weights on every rank
         self.policy = build_policy(observation_space, action_space, cfg["policy"])
         # Fused Adam: one kernel for all parameters; for small policies the per-tensor loop
@@ -33,7 +32,7 @@ class ActorWorker(Worker):
         self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 1000 + self.rank)
         self.version = 0
         if self.world_size > 1:
-            self.init_process_group()
+            self.init_process_group("gloo")  # the policy and its gradients live on the CPU
 
     # -- weights ----------------------------------------------------------------------
     def push_weights(self, rollout_group: str) -> int:

@@ -1,21 +1,22 @@
 """Env worker: steps a batch of simulators, asks the rollout workers for actions.
 
 Each rank's environments are split into ``stages`` batches. Elastic pipelining: while
-the rollout infers actions for one stage, the env worker steps another, so with
-``stages=2`` simulation and inference overlap; ``stages=1`` alternates them.
+the rollout worker infers actions for one stage, the env worker steps another, so with
+``stages=2`` simulation and inference overlap; ``stages=1`` alternates them. A fused
+worker (rollout hosted in this process) runs its stages one after another: there is
+nothing to overlap with.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 
 from m2flow.envs import EnvBatch
-from m2flow.runtime import Channel, DeviceLock, dispatch
+from m2flow.runtime import Channel, dispatch
 from m2flow.workers.layout import Layout
 from m2flow.workers.rollout import PolicyHost, PolicyReplica
 
@@ -28,7 +29,7 @@ class EnvWorker(PolicyHost):
     def __init__(self, cfg: dict, layout: Layout, spaces: tuple | None = None, take_turns: bool = False):
         env, self.layout = cfg["env"], layout
         self.replica = PolicyReplica(cfg, *spaces, self.rank) if spaces else None
-        self.turns = DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
+        self.turns = self.device_turns(take_turns)
         self.inference = {"busy_s": 0.0, "idle_s": 0.0, "lock_wait_s": 0.0}  # the fused rollout's last report
         self.stages = layout.stages
         n = layout.envs_per_stage
@@ -37,7 +38,7 @@ class EnvWorker(PolicyHost):
         for s in range(self.stages):
             first = (self.rank * self.stages + s) * n  # global index of this batch's first env
             self.batches.append(EnvBatch(
-                env["id"], n, cfg["seed"] + (first // group if group > 1 else first), group_size=group,
+                env["id"], n, cfg["seed"] + first // group, group_size=group,
                 obs_norm=env.get("obs_norm", False), reward_scale=env.get("reward_scale", False),
                 gamma=cfg["algorithm"]["gamma"], env_kwargs=dict(env.get("kwargs") or {}),
             ))
@@ -52,7 +53,7 @@ class EnvWorker(PolicyHost):
         episodes: list[tuple[float, int]] = []
         versions = set()
         server = self.layout.rollout_of(self.rank)
-        with self.turns if self.replica else nullcontext():
+        with self.turns:  # a lock only when hosting the rollout on shared devices
             if not self.replica:
                 for s in range(self.stages):
                     self.isend(self.obs[s], policy, server, tag=("obs", s))
@@ -76,7 +77,9 @@ class EnvWorker(PolicyHost):
                     if not self.replica:
                         idle += mid - start
                     busy += time.perf_counter() - mid
-        self.inference = {"busy_s": inferring, "idle_s": 0.0, "lock_wait_s": getattr(self.turns, "last_wait_s", 0.0)}
+        lock_wait = getattr(self.turns, "last_wait_s", 0.0)
+        idle += lock_wait
+        self.inference = {"busy_s": inferring, "idle_s": lock_wait, "lock_wait_s": lock_wait}
         if len(versions) > 1:
             raise RuntimeError(f"env rank {self.rank} got actions from policy versions {sorted(versions)} in one rollout")
         (version,) = versions

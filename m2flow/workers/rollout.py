@@ -9,13 +9,12 @@ in its own process, with no message per step (see ``EnvWorker``).
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 
 import numpy as np
 import torch
 
 from m2flow.models import build_policy
-from m2flow.runtime import DeviceLock, Worker, dispatch
+from m2flow.runtime import Worker, dispatch
 from m2flow.workers.layout import Layout
 
 
@@ -55,7 +54,7 @@ class RolloutWorker(PolicyHost):
     def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
         self.layout = layout
         # Sharing devices with the actor: generate and train take turns on them.
-        self.turns = DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
+        self.turns = self.device_turns(take_turns)
         self.replica = PolicyReplica(cfg, observation_space, action_space, self.rank)
         self.envs = layout.envs_of_rollout(self.rank)
 
@@ -71,7 +70,8 @@ class RolloutWorker(PolicyHost):
         it serves, batching those env ranks into one inference."""
         with self.turns:
             busy, idle = self._serve(envs, steps)
-        return {"busy_s": busy, "idle_s": idle, "lock_wait_s": getattr(self.turns, "last_wait_s", 0.0)}
+        lock_wait = getattr(self.turns, "last_wait_s", 0.0)
+        return {"busy_s": busy, "idle_s": idle + lock_wait, "lock_wait_s": lock_wait}
 
     def _serve(self, envs: str, steps: int) -> tuple[float, float]:
         busy = idle = 0.0
