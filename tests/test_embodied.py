@@ -88,8 +88,9 @@ def test_resume_continues_exactly(cluster, tmp_path):
 
 def test_action_chunks_and_normalisation_run_end_to_end(cluster, tmp_path):
     """A policy that emits 4 actions per inference, on a continuous task with observation
-    normalisation and reward scaling: every step of each chunk counts as an env step."""
-    overrides = ["env.id=Pendulum-v1", "policy.chunk=4", "env.obs_norm=true", "env.reward_scale=true",
+    normalisation and reward scaling: every action a chunk ran counts as an env step."""
+    overrides = ["env.id=Pendulum-v1", "env.kwargs.max_episode_steps=30",  # episodes end inside a chunk
+                 "policy.chunk=4", "env.obs_norm=true", "env.reward_scale=true",
                  "runner.rollout_steps=16", "runner.total_env_steps=1024", "algorithm.minibatch_size=64",
                  "placement.mode=custom", "placement.components.env=0", "placement.components.rollout=1",
                  "placement.components.actor=0-1", "runner.progress=false", f"runner.out_dir={tmp_path}"]
@@ -98,7 +99,11 @@ def test_action_chunks_and_normalisation_run_end_to_end(cluster, tmp_path):
         history = runner.train()
     finally:
         runner.close()
-    assert [row["env_steps"] for row in history] == [512, 1024]  # 16 decisions x 4 actions x 8 envs per update
+    # 16 decisions x 4 actions x 8 envs per update, less the actions skipped after an episode
+    # ended inside a chunk: 30-step episodes end 2 actions into every 8th chunk, so each env
+    # runs 60 of its 64 actions per update
+    assert [row["env_steps"] for row in history] == [480, 960]
+    assert history[-1]["episodes"] > 0 and history[-1]["episode_length"] == 30
     assert all(math.isfinite(row["policy_loss"]) and math.isfinite(row["value_loss"]) for row in history)
 
 

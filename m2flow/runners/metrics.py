@@ -2,7 +2,7 @@
 
 Logged every update (``metrics.csv`` columns and TensorBoard scalars):
 
-  env_steps            env steps so far (all envs; a chunk of k actions counts k)
+  env_steps            env steps so far (all envs; a chunk counts the actions it ran)
   time_s / update_s    wall time since the start / of this update (incl. weight sync)
   env_steps_per_s      env steps taken by this process / time_s: end-to-end throughput,
                        training included

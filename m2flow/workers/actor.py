@@ -86,9 +86,13 @@ class ActorWorker(Worker):
     def _advantages(self, d: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
         gamma, lam = self.algo["gamma"], self.algo["gae_lambda"]
         rewards = d["rewards"]
-        if rewards.dim() == 3:  # action chunks: one decision per chunk, its rewards discounted inside it
+        # Action chunks: one decision per chunk of k actions, its rewards discounted inside it;
+        # a chunk cut short at a truncation bootstraps after the actions it ran, not after k.
+        bootstrap_discount = None
+        if rewards.dim() == 3:
             k = rewards.shape[2]
             rewards = (rewards * gamma ** torch.arange(k, dtype=rewards.dtype)).sum(2)
+            bootstrap_discount = gamma ** (d["executed"].double() - k)
             gamma = gamma ** k
         T, n = rewards.shape
         flat = lambda x: x.reshape(T * n, *x.shape[2:])  # noqa: E731
@@ -100,6 +104,8 @@ class ActorWorker(Worker):
             truncated = d["truncated"].bool()
             if truncated.any():  # bootstrap truncated episodes from their true last observation
                 final_values[truncated] = self.policy.value(d["final_obs"][truncated].float())
+                if bootstrap_discount is not None:
+                    final_values[truncated] *= bootstrap_discount[truncated].float()
         terminated = d["terminated"].bool()
         nv = next_values(values, last_values, terminated, truncated, final_values)
         adv, ret = gae(rewards.float(), values, nv, terminated | truncated, gamma, lam)

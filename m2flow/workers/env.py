@@ -49,6 +49,7 @@ class EnvWorker(PolicyHost):
         worker of group ``policy`` (point to point), or to the hosted replica when fused;
         the trajectory goes to the actor ranks."""
         busy = idle = inferring = 0.0
+        executed = 0  # env steps: a chunk cut short by an episode end counts its executed actions
         records = [_Recorder() for _ in self.batches]
         episodes: list[tuple[float, int]] = []
         versions = set()
@@ -69,6 +70,7 @@ class EnvWorker(PolicyHost):
                     mid = time.perf_counter()
                     result = batch.step_chunk(reply["actions"]) if self.layout.chunk > 1 else batch.step(reply["actions"])
                     records[s].add(self.obs[s], reply, result)
+                    executed += int(result.valid.sum()) if self.layout.chunk > 1 else len(result.rewards)
                     versions.add(reply["version"])
                     episodes += [(ret, length) for (_, ret), (_, length) in zip(result.episode_returns, result.episode_lengths)]
                     self.obs[s] = result.obs
@@ -92,7 +94,7 @@ class EnvWorker(PolicyHost):
             part["policy_version"], part["env_rank"] = version, self.rank
             trajectories_out.put(part, key=a, weight=steps * share)
         trajectories_out.flush()
-        return {"busy_s": busy, "idle_s": idle, "episodes": episodes, "env_steps": steps * self.layout.envs_per_rank * self.layout.chunk}
+        return {"busy_s": busy, "idle_s": idle, "episodes": episodes, "env_steps": executed}
 
     def act(self, envs: str, steps: int) -> dict:
         """The fused rollout's report: its inference ran inside ``interact``, which Ray has
@@ -127,6 +129,8 @@ class _Recorder:
         c["actions"].append(reply["actions"])
         c["logp"].append(reply["logp"])
         c["rewards"].append(result.rewards)  # [n], or [n, k] for action chunks
+        if hasattr(result, "valid"):  # chunks: how many of the k actions ran before an episode end
+            c.setdefault("executed", []).append(result.valid.sum(-1))
         c["terminated"].append(result.terminated)
         c["truncated"].append(result.truncated)
         c["final_obs"].append(result.final_obs)
