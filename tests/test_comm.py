@@ -3,7 +3,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from m2flow.runtime import comm
+from m2flow.runtime import comm, shm
 from m2flow.runtime.group import WorkerError, WorkerGroup
 from m2flow.runtime.placement import Placement
 from m2flow.runtime.worker import Worker
@@ -152,3 +152,18 @@ def test_many_async_sends_arrive_in_order(groups):
     receiving = b.call("drain", "a", 0, 300, ranks=[0])
     a.burst("b", 0, 300).wait()
     assert receiving.wait()[0] == list(range(300))
+
+
+def test_driver_pool_follows_the_cluster_session(monkeypatch):
+    """A driver that runs one cluster after another names new segments after the new session,
+    so each cluster's shutdown removes its own."""
+    try:
+        monkeypatch.setenv("M2FLOW_SESSION", "first")
+        assert comm.process_pool().prefix == "m2flow-first"
+        monkeypatch.setenv("M2FLOW_SESSION", "second")
+        ref = comm.process_pool().write([torch.ones(10)])
+        assert ref.segment.startswith("m2flow-second-")
+        assert torch.equal(comm.unpack(comm.pack(torch.ones(100_000))), torch.ones(100_000))
+    finally:
+        for session in ("first", "second"):
+            shm.cleanup(f"m2flow-{session}")

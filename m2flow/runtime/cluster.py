@@ -73,10 +73,7 @@ class Cluster:
         if cpu_slots is not None and cpu_slots < 1:
             raise ValueError(f"cpu_slots must be >= 1, got {cpu_slots}")
         self.run_dir = Path(run_dir).resolve()
-        # Names this run's shared-memory segments, so shutdown can remove what crashed
-        # workers left behind; workers inherit it through WorkerGroup.
         self.session = uuid.uuid4().hex[:8]
-        os.environ["M2FLOW_SESSION"] = self.session
         self._started_ray = False
         if not ray.is_initialized():
             self._init_ray(address, num_cpus, ray_init_kwargs)
@@ -85,6 +82,10 @@ class Cluster:
         self.nodes = self._discover_nodes()
         self.devices: tuple[Device, ...] = tuple(d for n in self.nodes for d in n.devices)
         self.node_groups = self._check_node_groups(node_groups or {})
+        # Names this run's shared-memory segments and pipes, so that shutdown can remove what
+        # crashed workers left behind; workers inherit it through WorkerGroup. Set last: a
+        # cluster that failed to start must not rename the segments of the one in use.
+        os.environ["M2FLOW_SESSION"] = self.session
 
     # -- start-up --------------------------------------------------------------
     def _init_ray(self, address: str | None, num_cpus: int | None, kwargs: dict) -> None:

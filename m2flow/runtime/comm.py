@@ -97,11 +97,14 @@ def process_pool() -> shm.ShmPool:
     """This process's shared-memory pool; its segments are named after the session so
     that the cluster can remove leftovers of crashed processes."""
     global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            from m2flow.runtime.cluster import shm_prefix
+    from m2flow.runtime.cluster import shm_prefix
 
-            _POOL = shm.ShmPool(shm_prefix(os.environ.get("M2FLOW_SESSION", "default")))
+    prefix = shm_prefix(os.environ.get("M2FLOW_SESSION", "default"))
+    with _POOL_LOCK:
+        if _POOL is None or _POOL.prefix != prefix:  # a driver may run one cluster after another
+            if _POOL is not None:
+                _POOL.close()
+            _POOL = shm.ShmPool(prefix)
         return _POOL
 
 
