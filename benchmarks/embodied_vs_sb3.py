@@ -1,10 +1,21 @@
 """Embodied benchmark: m2flow PPO against Stable-Baselines3 PPO, side by side in one run.
 
-Protocol (/work/shared/PEERS.md): the same env, 8 envs, 2048 env steps per update (256 per
-env), 8 minibatches of 256, 10 epochs, lr 3e-4 constant, gamma 0.99, lambda 0.95, clip 0.2,
-ent 0, vf 0.5, grad norm 0.5, separate pi/vf MLPs [64, 64] with tanh, on CPU. m2flow's side
-is the preset ``embodied/ppo_halfcheetah`` (its env id replaced by ``--env``), one run per
-placement mode; ``hybrid`` runs with ``runner.stages=2`` (elastic pipelining).
+Both systems get the same hyperparameters, from one of two sets (``--hparams``):
+
+  peers  the protocol of /work/shared/PEERS.md, for throughput: 8 envs, 2048 env steps per
+         update (256 per env), 8 minibatches of 256, 10 epochs, lr 3e-4 constant, gamma 0.99,
+         lambda 0.95, clip 0.2, ent 0, vf 0.5, grad norm 0.5, separate pi/vf MLPs [64, 64]
+         with tanh, on CPU (``--normalize`` adds observation and reward normalisation);
+  zoo    RL Baselines3 Zoo's tuned PPO settings for HalfCheetah, for learning: 1 env, 512
+         steps per update, minibatches of 64, 20 epochs, lr 2.0633e-5, gamma 0.98, lambda
+         0.92, clip 0.1, ent 0.000401762, vf 0.58096, grad norm 0.8, pi/vf MLPs [256, 256]
+         with ReLU, PyTorch's default init, log std -2, observation and reward normalisation.
+         m2flow runs it on one slot (env, fused rollout and actor on device 0), as SB3 runs
+         on one thread.
+
+m2flow's side is the preset ``embodied/ppo_halfcheetah`` (its env id replaced by ``--env``) with
+the set's values as overrides, one run per placement mode; ``hybrid`` runs with
+``runner.stages=2`` (elastic pipelining).
 
 For every seed, SB3 runs first and then each m2flow mode, so slow drifts of the machine
 touch both. Reported per system/mode and seed:
@@ -28,7 +39,7 @@ Then the medians over seeds of m2flow/SB3 steps/s per mode, of the final returns
 system, and hybrid/collocated steps/s (the M2Flow acceptance ratio).
 
     python benchmarks/embodied_vs_sb3.py --env HalfCheetah-v5 --steps 200000 --seeds 1 2 3 \
-        --modes collocated hybrid [--quick] [--override cluster.cpu_slots=3 ...]
+        --modes collocated hybrid [--hparams peers|zoo] [--quick] [--override cluster.cpu_slots=3 ...]
 
 ``disaggregated`` needs three devices: on a 2-core machine add ``--override cluster.cpu_slots=3``.
 
@@ -50,8 +61,32 @@ import tempfile
 import time
 from pathlib import Path
 
-STEPS_PER_UPDATE = 2048  # 8 envs x 256 steps
 MIN_FINAL_EPISODES = 10
+
+# The hyperparameter sets, in SB3's names; m2flow's overrides are derived from them.
+HPARAMS = {
+    "peers": dict(n_envs=8, n_steps=256, batch_size=256, n_epochs=10, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95,
+                  clip_range=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, net_arch=[64, 64], activation="tanh",
+                  log_std_init=0.0, ortho_init=True, normalize=False),
+    "zoo": dict(n_envs=1, n_steps=512, batch_size=64, n_epochs=20, learning_rate=2.0633e-05, gamma=0.98, gae_lambda=0.92,
+                clip_range=0.1, ent_coef=0.000401762, vf_coef=0.58096, max_grad_norm=0.8, net_arch=[256, 256],
+                activation="relu", log_std_init=-2.0, ortho_init=False, normalize=True),
+}
+
+
+def m2flow_overrides(hp: dict) -> list[str]:
+    out = [f"env.num_envs={hp['n_envs']}", f"runner.rollout_steps={hp['n_steps']}",
+           f"algorithm.minibatch_size={hp['batch_size']}", f"algorithm.epochs={hp['n_epochs']}",
+           f"algorithm.lr={hp['learning_rate']}", f"algorithm.gamma={hp['gamma']}", f"algorithm.gae_lambda={hp['gae_lambda']}",
+           f"algorithm.clip={hp['clip_range']}", f"algorithm.ent_coef={hp['ent_coef']}", f"algorithm.vf_coef={hp['vf_coef']}",
+           f"algorithm.max_grad_norm={hp['max_grad_norm']}", f"policy.hidden={hp['net_arch']}",
+           f"policy.activation={hp['activation']}", f"policy.log_std_init={hp['log_std_init']}",
+           f"policy.ortho_init={str(hp['ortho_init']).lower()}",
+           f"env.obs_norm={str(hp['normalize']).lower()}", f"env.reward_scale={str(hp['normalize']).lower()}"]
+    if hp["n_envs"] == 1:  # one env cannot be split over env ranks: everything on device 0
+        out += ["placement.mode=custom", "placement.components.env=0", "placement.components.rollout=0",
+                "placement.components.actor=0", "placement.actor_devices_per_proc=1"]
+    return out
 
 # SB3 runs in this process. One torch thread: measured here (HalfCheetah-v5, 16k steps,
 # 2-core machine) 1 thread ran 5,500 and 2,500 steps/s, 2 threads 300 and 1,300. PPO's
@@ -82,7 +117,7 @@ def import_sb3():
     return PPO, BaseCallback, make_vec_env, DummyVecEnv
 
 
-def run_sb3(env_id: str, steps: int, seed: int, threads: int, normalize: bool) -> dict:
+def run_sb3(env_id: str, steps: int, seed: int, threads: int, hp: dict) -> dict:
     import torch
     from torch import nn
 
@@ -106,15 +141,18 @@ def run_sb3(env_id: str, steps: int, seed: int, threads: int, normalize: bool) -
             return True
 
     torch.set_num_threads(threads)
-    env = make_vec_env(env_id, n_envs=8, seed=seed, vec_env_cls=DummyVecEnv)
-    if normalize:  # observation and reward normalisation; Monitor inside still logs raw returns
+    env = make_vec_env(env_id, n_envs=hp["n_envs"], seed=seed, vec_env_cls=DummyVecEnv)
+    if hp["normalize"]:  # observation and reward normalisation; Monitor inside still logs raw returns
         from stable_baselines3.common.vec_env import VecNormalize
 
-        env = VecNormalize(env, gamma=0.99)
+        env = VecNormalize(env, gamma=hp["gamma"])
     model = PPO(
-        "MlpPolicy", env, n_steps=256, batch_size=256, n_epochs=10, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95,
-        clip_range=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, normalize_advantage=True,
-        policy_kwargs=dict(net_arch=dict(pi=[64, 64], vf=[64, 64]), activation_fn=nn.Tanh, log_std_init=0.0),
+        "MlpPolicy", env, n_steps=hp["n_steps"], batch_size=hp["batch_size"], n_epochs=hp["n_epochs"],
+        learning_rate=hp["learning_rate"], gamma=hp["gamma"], gae_lambda=hp["gae_lambda"], clip_range=hp["clip_range"],
+        ent_coef=hp["ent_coef"], vf_coef=hp["vf_coef"], max_grad_norm=hp["max_grad_norm"], normalize_advantage=True,
+        policy_kwargs=dict(net_arch=dict(pi=hp["net_arch"], vf=hp["net_arch"]),
+                           activation_fn={"tanh": nn.Tanh, "relu": nn.ReLU}[hp["activation"]],
+                           log_std_init=hp["log_std_init"], ortho_init=hp["ortho_init"]),
         device="cpu", seed=seed, verbose=0,
     )
     timer = PhaseTimer()
@@ -203,12 +241,13 @@ def json_safe(x):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--env", default="HalfCheetah-v5")
-    p.add_argument("--steps", type=int, default=200_000, help="env steps per run, rounded down to whole updates of 2048")
+    p.add_argument("--steps", type=int, default=200_000, help="env steps per run, rounded down to whole updates")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--modes", nargs="+", default=["collocated", "hybrid"], choices=MODES)
     p.add_argument("--sb3-threads", type=int, default=SB3_DEFAULT_THREADS)
     p.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                    help="extra m2flow config overrides for every mode (e.g. cluster.cpu_slots=3); SB3 is unaffected")
+    p.add_argument("--hparams", default="peers", choices=sorted(HPARAMS), help="the hyperparameter set of both systems")
     p.add_argument("--normalize", action="store_true",
                    help="observation and reward normalisation in both (SB3 VecNormalize; m2flow env.obs_norm, env.reward_scale)")
     p.add_argument("--out", default=None, help="m2flow run directories (default: a temp dir)")
@@ -216,7 +255,9 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.steps, args.seeds = 20_000, args.seeds[:1]
-    steps = max(1, args.steps // STEPS_PER_UPDATE) * STEPS_PER_UPDATE  # both systems run whole updates
+    hp = HPARAMS[args.hparams] | ({"normalize": True} if args.normalize else {})
+    per_update = hp["n_envs"] * hp["n_steps"]
+    steps = max(1, args.steps // per_update) * per_update  # both systems run whole updates
     import_sb3()  # fail before anything runs
     out_root = Path(args.out or tempfile.mkdtemp(prefix="m2flow-embodied-vs-sb3-"))
 
@@ -229,19 +270,18 @@ def main() -> None:
     began = time.perf_counter()
     for seed in args.seeds:
         log(f"[seed {seed}] SB3 PPO on {args.env}, {steps} env steps")
-        results["sb3"][seed] = r = run_sb3(args.env, steps, seed, args.sb3_threads, args.normalize)
+        results["sb3"][seed] = r = run_sb3(args.env, steps, seed, args.sb3_threads, hp)
         log(f"  {r['env_steps_per_s']:,.0f} env steps/s, return {r['final_return']:.1f}")
         for mode in args.modes:
             log(f"[seed {seed}] m2flow {mode} on {args.env}, {steps} env steps")
             out_dir = out_root / f"{mode}-seed{seed}"
-            normalize = ["env.obs_norm=true", "env.reward_scale=true"] if args.normalize else []
-            results[mode][seed] = r = run_m2flow(args.env, steps, seed, mode, out_dir, normalize + args.override)
+            results[mode][seed] = r = run_m2flow(args.env, steps, seed, mode, out_dir, m2flow_overrides(hp) + args.override)
             log(f"  {r['env_steps_per_s']:,.0f} env steps/s, return {r['final_return']:.1f}")
             time.sleep(2.0)  # let Ray's processes exit before the next run starts timing
     report = {
         "benchmark": "embodied_vs_sb3",
         "env": args.env, "env_steps": steps, "seeds": args.seeds, "modes": args.modes, "quick": args.quick,
-        "m2flow_overrides": args.override, "sb3_torch_threads": args.sb3_threads, "normalize": args.normalize,
+        "m2flow_overrides": args.override, "sb3_torch_threads": args.sb3_threads, "hparams": args.hparams, "hyperparameters": hp,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "ray": ray.__version__, "gymnasium": gymnasium.__version__,
                     "stable_baselines3": stable_baselines3.__version__},

@@ -47,6 +47,16 @@ class Peer(Worker):
     def drain(self, group, rank, n):
         return [self.recv(group, rank, tag="burst")["i"] for _ in range(n)]
 
+    def pair_exchange(self, peer):
+        """Builds the pairwise group to ``peer`` (gloo in place of NCCL) and swaps a tensor over it."""
+        self.comm.PAIR_BACKEND = "gloo"
+        pg, peer_rank, _ = self.comm._nccl_group(tuple(peer))
+        mine, theirs = torch.full((4,), float(self.rank)), torch.empty(4)
+        works = [pg.send([mine], peer_rank, 0), pg.recv([theirs], peer_rank, 0)]
+        for w in works:
+            w.wait()
+        return peer_rank, theirs.tolist()
+
     def bcast(self, obj, src, group):
         got = self.broadcast(obj, src, group)
         transport = self.comm.last_transport
@@ -167,3 +177,17 @@ def test_driver_pool_follows_the_cluster_session(monkeypatch):
     finally:
         for session in ("first", "second"):
             shm.cleanup(f"m2flow-{session}")
+
+
+def test_pairwise_group_when_both_sides_start_it_at_once(cluster):
+    # Each rank asks for the pair to the other at the same moment: the lower address hosts it
+    # whichever asks first, so both end in one pair instead of two half-built ones.
+    g = WorkerGroup(Peer, Placement.from_config({"pairs": "0-1"}, cluster)["pairs"])
+    try:
+        first = g.call("pair_exchange", ("pairs", 1), ranks=[0])
+        second = g.call("pair_exchange", ("pairs", 0), ranks=[1])
+        ((r0, got0),), ((r1, got1),) = first.wait(timeout=60), second.wait(timeout=60)
+        assert (r0, r1) == (1, 0)  # rank 0 (lower address) is the pair's rank 0
+        assert got0 == [1.0] * 4 and got1 == [0.0] * 4
+    finally:
+        g.shutdown()

@@ -40,16 +40,18 @@ def _sum_per_sample(x: Tensor) -> Tensor:
 
 
 def mlp(
-    in_dim: int, hidden: Sequence[int], out_dim: int, activation: str, head_gain: float
+    in_dim: int, hidden: Sequence[int], out_dim: int, activation: str, head_gain: float, ortho_init: bool = True
 ) -> nn.Sequential:
     """Linear layers with orthogonal init as in SB3/CleanRL: gain sqrt(2) for hidden layers,
     ``head_gain`` for the output (0.01 for the policy so that initial actions are near
-    uniform / near the mean, 1.0 for the value)."""
+    uniform / near the mean, 1.0 for the value). ``ortho_init=False`` keeps PyTorch's default
+    init, as SB3's ``ortho_init=False`` does."""
+    init = _orthogonal if ortho_init else (lambda layer, gain: layer)
     layers: list[nn.Module] = []
     for width in hidden:
-        layers += [_orthogonal(nn.Linear(in_dim, width), math.sqrt(2)), ACTIVATIONS[activation]()]
+        layers += [init(nn.Linear(in_dim, width), math.sqrt(2)), ACTIVATIONS[activation]()]
         in_dim = width
-    layers.append(_orthogonal(nn.Linear(in_dim, out_dim), head_gain))
+    layers.append(init(nn.Linear(in_dim, out_dim), head_gain))
     return nn.Sequential(*layers)
 
 
@@ -94,12 +96,13 @@ class _ActorCritic(nn.Module):
         hidden: Sequence[int],
         activation: str,
         encoder: nn.Module | None,
+        ortho_init: bool = True,
     ):
         super().__init__()
         self.encoder = encoder
         in_dim = encoder.out_dim if encoder is not None else obs_dim
-        self.pi = mlp(in_dim, hidden, pi_out, activation, head_gain=0.01)
-        self.vf = mlp(in_dim, hidden, 1, activation, head_gain=1.0)
+        self.pi = mlp(in_dim, hidden, pi_out, activation, head_gain=0.01, ortho_init=ortho_init)
+        self.vf = mlp(in_dim, hidden, 1, activation, head_gain=1.0, ortho_init=ortho_init)
 
     def features(self, obs: Tensor) -> Tensor:
         return self.encoder(obs) if self.encoder is not None else obs.float()
@@ -127,8 +130,9 @@ class GaussianMLPPolicy(_ActorCritic):
         log_std_init: float = 0.0,
         chunk: int = 1,
         encoder: nn.Module | None = None,
+        ortho_init: bool = True,
     ):
-        super().__init__(obs_dim, chunk * act_dim, hidden, activation, encoder)
+        super().__init__(obs_dim, chunk * act_dim, hidden, activation, encoder, ortho_init)
         self.chunk = chunk
         self.action_shape = (act_dim,) if chunk == 1 else (chunk, act_dim)
         self.log_std = nn.Parameter(torch.full((act_dim,), float(log_std_init)))
@@ -168,8 +172,9 @@ class CategoricalMLPPolicy(_ActorCritic):
         activation: str = "tanh",
         chunk: int = 1,
         encoder: nn.Module | None = None,
+        ortho_init: bool = True,
     ):
-        super().__init__(obs_dim, chunk * n_actions, hidden, activation, encoder)
+        super().__init__(obs_dim, chunk * n_actions, hidden, activation, encoder, ortho_init)
         self.action_shape = () if chunk == 1 else (chunk,)
         self.n_actions = n_actions
 
@@ -205,7 +210,7 @@ def build_policy(obs_space: gym.Space, action_space: gym.Space, cfg: Mapping) ->
     NatureCNN trunk (channels first or last, told apart by the smallest dim as SB3 does).
     Actions: a flat Box gives a Gaussian policy, a Discrete a categorical one.
     ``cfg`` keys (SB3 defaults when missing): ``hidden`` [64, 64], ``activation`` "tanh",
-    ``log_std_init`` 0.0, ``chunk`` 1.
+    ``log_std_init`` 0.0, ``chunk`` 1, ``ortho_init`` true.
     """
     if not isinstance(obs_space, gym.spaces.Box):
         raise NotImplementedError(f"observation space {obs_space}")
@@ -221,6 +226,7 @@ def build_policy(obs_space: gym.Space, action_space: gym.Space, cfg: Mapping) ->
         activation=cfg.get("activation", "tanh"),
         chunk=int(cfg.get("chunk", 1)),
         encoder=encoder,
+        ortho_init=bool(cfg.get("ortho_init", True)),
     )
     if isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1:
         return GaussianMLPPolicy(

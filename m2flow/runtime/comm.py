@@ -419,43 +419,74 @@ class Communicator:
                             transport=packed.transport, bytes=packed.nbytes)
 
     # -- NCCL between two GPUs ----------------------------------------------------
-    def _nccl_group(self, peer: tuple[str, int], initiator: bool, store_addr: tuple[str, int] | None = None):
-        """A two-rank NCCL process group for this pair, outside torch.distributed's world
-        so that any two workers of any groups can pair up."""
+    PAIR_BACKEND = "nccl"  # the pairwise groups' backend; tests build the same pairs with gloo
+
+    def _nccl_group(self, peer: tuple[str, int]):
+        """A two-rank process group for this pair, outside torch.distributed's world so that
+        any two workers of any groups can pair up: (group, peer's rank in it, store).
+
+        The lower address of the pair always hosts the store and is rank 0, whichever side
+        needs the pair first: two peers that first send to each other at the same moment
+        still build one pair, not two half-built ones waiting for each other.
+        """
+        if peer in self._nccl:
+            return self._nccl[peer]
+        actor, _ = self.peer(peer)
+        if self.address < peer:
+            self._host_pair(peer, actor)
+        else:  # ask the lower side to host; it calls back our nccl_join
+            actor._m2flow_nccl_open.remote(self.address)
+        return self._wait_pair(peer)
+
+    def _host_pair(self, peer: tuple[str, int], actor: Any) -> None:
         import torch.distributed as dist
 
-        with self._nccl_lock:  # one pair per peer, though the main and an IO thread may race here
-            if peer in self._nccl:
-                return self._nccl[peer]
-            if initiator:
-                from m2flow.runtime.worker import free_port
+        from m2flow.runtime.worker import free_port
 
-                host, port = ray.util.get_node_ip_address(), free_port()
-                store = dist.TCPStore(host, port, 2, is_master=True, wait_for_workers=False)
-                actor, _ = self.peer(peer)
-                actor._m2flow_nccl_join.remote(self.address, (host, port))
-            else:
-                store = dist.TCPStore(store_addr[0], store_addr[1], 2, is_master=False)
-            rank = 0 if initiator else 1
-            self._nccl[peer] = (dist.ProcessGroupNCCL(dist.PrefixStore("m2flow-p2p", store), rank, 2), 1 - rank, store)
-            return self._nccl[peer]
+        with self._nccl_lock:  # the main and an IO thread may both get here
+            if peer in self._nccl:
+                return
+            host, port = ray.util.get_node_ip_address(), free_port()
+            store = dist.TCPStore(host, port, 2, is_master=True, wait_for_workers=False)
+            actor._m2flow_nccl_join.remote(self.address, (host, port))  # before the group: gloo's waits for it
+            self._nccl[peer] = (self._pair(store, 0), 1, store)
+
+    def nccl_open(self, peer: tuple[str, int]) -> None:
+        """The higher side of a pair asks this worker to host it."""
+        self._host_pair(peer, self.peer(peer)[0])
 
     def nccl_join(self, peer: tuple[str, int], store_addr: tuple[str, int]) -> None:
-        self._nccl_group(peer, initiator=False, store_addr=store_addr)
+        import torch.distributed as dist
+
+        with self._nccl_lock:
+            if peer not in self._nccl:
+                store = dist.TCPStore(store_addr[0], store_addr[1], 2, is_master=False)
+                self._nccl[peer] = (self._pair(store, 1), 0, store)
+
+    def _pair(self, store: Any, rank: int) -> Any:
+        import torch.distributed as dist
+
+        prefixed = dist.PrefixStore("m2flow-p2p", store)
+        if self.PAIR_BACKEND == "gloo":
+            return dist.ProcessGroupGloo(prefixed, rank, 2)
+        return dist.ProcessGroupNCCL(prefixed, rank, 2)
+
+    def _wait_pair(self, peer: tuple[str, int], timeout: float = 60.0):
+        deadline = time.monotonic() + timeout
+        while peer not in self._nccl:  # the other side's request may still be in flight
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {self.PAIR_BACKEND} pair with {peer} after {timeout:.0f} s")
+            time.sleep(0.001)
+        return self._nccl[peer]
 
     def _nccl_send(self, dst: tuple[str, int], tensors: list[torch.Tensor]) -> None:
-        pg, peer_rank, _ = self._nccl_group(dst, initiator=dst not in self._nccl)
+        pg, peer_rank, _ = self._nccl_group(dst)
         for t in tensors:
             if t.is_cuda:
                 pg.send([t.contiguous()], peer_rank, 0).wait()
 
     def _nccl_recv(self, src: tuple[str, int], meta: list) -> list[torch.Tensor]:
-        deadline = time.monotonic() + 60
-        while src not in self._nccl:  # the sender's join request may still be in flight
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no NCCL pair with {src} after 60 s")
-            time.sleep(0.001)
-        pg, peer_rank, _ = self._nccl[src]
+        pg, peer_rank, _ = self._nccl_group(src)
         out = []
         for shape, dtype in meta:
             t = torch.empty(shape, dtype=dtype, device="cuda")

@@ -152,6 +152,10 @@ class Worker:
     def _m2flow_nccl_join(self, peer: tuple[str, int], store_addr: tuple[str, int]) -> None:
         self.comm.nccl_join(peer, store_addr)
 
+    @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_nccl_open(self, peer: tuple[str, int]) -> None:
+        self.comm.nccl_open(peer)
+
     # -- communication ------------------------------------------------------------
     def send(self, obj: Any, dst_group: str, dst_rank: int, tag: Hashable = 0, timeout: float | None = None) -> str:
         """Sends ``obj`` to a worker of any group; returns the transport used."""
