@@ -5,7 +5,17 @@ import math
 import pytest
 import torch
 
-from m2flow.algorithms import gae, group_normalized, next_values, normalize, ppo_policy_loss, value_loss
+from m2flow.algorithms import (
+    episode_group_advantages,
+    episode_mask,
+    gae,
+    group_normalized,
+    next_values,
+    normalize,
+    ppo_policy_loss,
+    value_loss,
+)
+
 
 def mask(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.bool)
@@ -66,6 +76,62 @@ def test_group_normalized():
     out = group_normalized(scores, group_size=4)
     torch.testing.assert_close(out, expected)
     assert torch.equal(out[4:8], torch.zeros(4))  # 0.1 has no exact float mean: still zeros
+
+
+# GRPO window, T = 4, six envs in two groups of 3. Rewards after an env's first episode end
+# (9s, 7s) must not count: that env is done for the rest of the window.
+#   env 0: [1, 3 | 5, 5], ends at t = 1               -> return 4
+#   env 1: [1, 1, 1, 2], never ends (cut by the window) -> return 5
+#   env 2: [0 | 7, 7, 7], ends at t = 0 (and again at 2) -> return 0
+#   env 3: [1, 1 | 9, 9], ends at t = 1               -> return 2
+#   env 4: [2 | 9, 9, 9], ends at t = 0               -> return 2
+#   env 5: [0.5] * 4, never ends                       -> return 2
+GRPO_REWARDS = torch.tensor([[1.0, 1.0, 0.0, 1.0, 2.0, 0.5],
+                             [3.0, 1.0, 7.0, 1.0, 9.0, 0.5],
+                             [5.0, 1.0, 7.0, 9.0, 9.0, 0.5],
+                             [5.0, 2.0, 7.0, 9.0, 9.0, 0.5]])
+GRPO_ENDS = mask([[0, 0, 1, 0, 1, 0],
+                  [1, 0, 0, 1, 0, 0],
+                  [0, 0, 1, 0, 0, 0],
+                  [0, 0, 0, 0, 0, 0]])
+GRPO_MASK = mask([[1, 1, 1, 1, 1, 1],
+                  [1, 1, 0, 1, 0, 1],
+                  [0, 1, 0, 0, 0, 1],
+                  [0, 1, 0, 0, 0, 1]])
+
+
+def test_episode_mask_keeps_the_first_episode_up_to_its_end():
+    assert torch.equal(episode_mask(GRPO_ENDS), GRPO_MASK)
+
+
+def test_episode_group_advantages():
+    adv, m = episode_group_advantages(GRPO_REWARDS, GRPO_ENDS, group_size=3)
+    assert torch.equal(m, GRPO_MASK)
+    # group 0: returns [4, 5, 0], mean 3, unbiased std sqrt((1 + 4 + 9) / 2) = sqrt(7);
+    # group 1: returns [2, 2, 2] are equal: nothing to learn, exact zeros.
+    s = math.sqrt(7)
+    per_env = torch.tensor([1 / s, 2 / s, -3 / s, 0.0, 0.0, 0.0])
+    expected = torch.where(GRPO_MASK, per_env.expand(4, 6), torch.zeros(4, 6))
+    torch.testing.assert_close(adv, expected)
+    assert adv[1, 0].item() == pytest.approx(1 / s) and adv[2, 0].item() == 0.0  # env 0: steps 0-1 only
+
+
+def test_ppo_policy_loss_weights():
+    ratios, adv = [1.1, 1.5, 0.5], torch.ones(3)
+    weights = torch.tensor([2.0, 0.0, 1.0])
+    # surrogates 1.1, 1.2 (clipped), 0.5; ratios outside [0.8, 1.2]: the 2nd and 3rd
+    logp = _logp(ratios)
+    loss, stats = ppo_policy_loss(logp, torch.zeros(3), adv, clip_low=0.2, weights=weights)
+    assert loss.item() == pytest.approx(-(2 * 1.1 + 0 * 1.2 + 1 * 0.5) / 3)
+    assert stats["clip_fraction"] == pytest.approx((0 * 2 + 1 * 0 + 1 * 1) / 3)
+    k3 = [(r - 1) - math.log(r) for r in ratios]
+    assert stats["approx_kl"] == pytest.approx((2 * k3[0] + k3[2]) / 3)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([-2 * 1.1 / 3, 0.0, -0.5 / 3]))
+    # weights of 1 are the plain mean
+    plain, _ = ppo_policy_loss(_logp(ratios), torch.zeros(3), adv, clip_low=0.2)
+    ones, _ = ppo_policy_loss(_logp(ratios), torch.zeros(3), adv, clip_low=0.2, weights=torch.ones(3))
+    assert ones.item() == pytest.approx(plain.item())
 
 
 def test_normalize():

@@ -1,6 +1,7 @@
 """Policies: shapes, log-probs and entropies against torch.distributions and closed forms,
 build_policy's choices, and gradient flow."""
 
+import copy
 import math
 
 import gymnasium as gym
@@ -150,3 +151,27 @@ def test_build_policy_rejects_unsupported_spaces():
         build_policy(gym.spaces.Discrete(3), gym.spaces.Discrete(2), CFG)
     with pytest.raises(NotImplementedError):
         build_policy(gym.spaces.Box(0, 1, (4,)), gym.spaces.MultiBinary(3), CFG)
+
+
+def test_flat_parameters_are_views_that_train_like_the_module():
+    from m2flow.models import flatten_parameters
+
+    torch.manual_seed(0)
+    a = build_policy(gym.spaces.Box(-1, 1, (OBS,)), gym.spaces.Box(-1, 1, (ACT,)), CFG)
+    b = copy.deepcopy(a)
+    flat = flatten_parameters(b)
+    assert flat.numel() == sum(p.numel() for p in a.parameters())
+    opt_a = torch.optim.Adam(a.parameters(), lr=1e-2)
+    opt_b = torch.optim.Adam([flat], lr=1e-2)
+    obs, actions = torch.randn(32, OBS), torch.randn(32, ACT)
+    for _ in range(3):
+        for policy, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad(set_to_none=False) if policy is a else flat.grad.zero_()
+            logp, _, values = policy.evaluate(obs, actions)
+            (values.square().mean() - logp.mean()).backward()
+            opt.step()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, msg=name)
+        assert pb.grad.data_ptr() >= flat.grad.data_ptr()  # still a view of the flat gradient
+    b.load_state_dict(a.state_dict())  # loads in place: the views stay views
+    assert next(b.parameters()).data_ptr() == flat.data_ptr()

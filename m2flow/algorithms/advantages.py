@@ -76,6 +76,32 @@ def group_normalized(returns: Tensor, group_size: int, eps: float = 1e-8) -> Ten
     return advantages.masked_fill(flat, 0.0).view_as(returns)
 
 
+def episode_mask(episode_ends: Tensor) -> Tensor:
+    """[T, N] bool: the steps of each env's first episode in the rollout, up to and
+    including the step that ends it (``episode_ends = terminated | truncated``).
+
+    GRPO rolls out one episode per env and window; an env whose episode ended stays done,
+    so whatever follows in its column is not part of that episode.
+    """
+    ends = episode_ends.long()
+    return (ends.cumsum(0) - ends) == 0
+
+
+def episode_group_advantages(rewards: Tensor, episode_ends: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """GRPO for embodied rollouts; returns (advantages, mask), both [T, N].
+
+    Env n plays one episode in the window (see :func:`episode_mask`); its return is the
+    undiscounted sum of its rewards there, partial if the window ended it. Returns are
+    normalised within groups of ``group_size`` consecutive envs (which started from the same
+    seed, :func:`group_normalized`), and every step of the episode gets its episode's
+    advantage. Steps outside the episode get 0 and ``mask`` False.
+    """
+    mask = episode_mask(episode_ends)
+    returns = torch.where(mask, rewards, torch.zeros_like(rewards)).sum(0)
+    advantages = group_normalized(returns, group_size)
+    return torch.where(mask, advantages.expand_as(rewards), torch.zeros_like(rewards)), mask
+
+
 def normalize(x: Tensor, eps: float = 1e-8) -> Tensor:
     """``(x - mean) / (std + eps)`` over all elements, as SB3 and CleanRL do per minibatch."""
     return (x - x.mean()) / (x.std() + eps)

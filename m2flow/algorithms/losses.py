@@ -13,12 +13,16 @@ def ppo_policy_loss(
     advantages: Tensor,
     clip_low: float,
     clip_high: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss; returns (loss, stats).
 
     The ratio is clipped to ``[1 - clip_low, 1 + clip_high]``; a larger ``clip_high`` lets
     unlikely good actions grow faster (DAPO's clip-higher). ``clip_high`` defaults to
     ``clip_low``.
+
+    ``weights`` (GRPO's masks): the loss is ``mean(weights * surrogate)``, so the caller
+    decides how masked samples are normalised; the stats are means weighted by ``weights``.
 
     stats (floats):
       - ``clip_fraction``: share of elements whose ratio lies outside the clip range;
@@ -30,11 +34,21 @@ def ppo_policy_loss(
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     # The pessimistic (smaller) objective: clipping only ever removes an incentive.
-    loss = -torch.min(ratio * advantages, clipped * advantages).mean()
+    surrogate = torch.min(ratio * advantages, clipped * advantages)
+    if weights is None:
+        loss = -surrogate.mean()
+        with torch.no_grad():
+            stats = {
+                "clip_fraction": (ratio != clipped).float().mean().item(),
+                "approx_kl": ((ratio - 1.0) - log_ratio).mean().item(),
+            }
+        return loss, stats
+    loss = -(weights * surrogate).mean()
     with torch.no_grad():
+        total = weights.sum().clamp_min(1e-8)
         stats = {
-            "clip_fraction": (ratio != clipped).float().mean().item(),
-            "approx_kl": ((ratio - 1.0) - log_ratio).mean().item(),
+            "clip_fraction": ((ratio != clipped).float() * weights).sum().item() / total.item(),
+            "approx_kl": (((ratio - 1.0) - log_ratio) * weights).sum().item() / total.item(),
         }
     return loss, stats
 

@@ -16,6 +16,10 @@ Conventions for every result:
 - Observations are float32, normalised when ``obs_norm`` is on (``final_obs`` too, with the
   same statistics, which are not updated with final observations, as in SB3's VecNormalize).
 - ``rewards`` are raw, or scaled when ``reward_scale`` is on; episode returns are always raw.
+
+Without auto-reset (``auto_reset=False``, GRPO's one episode per env and rollout window) an
+env whose episode ended stays done until ``reset()``: later calls skip it (reward 0, no end
+flag, not counted in ``stepped`` / ``valid``) and ``obs`` keeps its last observation.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class StepResult:
     final_obs: np.ndarray  # [N, *obs_shape] float32, last obs where an episode ended, else obs
     episode_returns: list[tuple[int, float]]  # (env index, raw undiscounted return)
     episode_lengths: list[tuple[int, int]]  # (env index, length), same order as returns
+    stepped: int  # envs this call stepped: N, or fewer without auto-reset
 
 
 @dataclass
@@ -101,6 +106,7 @@ class EnvBatch:
         gamma: float = 0.99,
         clip_obs: float = 10.0,
         env_kwargs: dict[str, Any] | None = None,
+        auto_reset: bool = True,
     ) -> None:
         if group_size < 1 or num_envs % group_size:
             raise ValueError(f"num_envs={num_envs} is not a multiple of group_size={group_size}")
@@ -109,6 +115,7 @@ class EnvBatch:
         self.group_size = group_size
         self.gamma = gamma
         self.clip_obs = clip_obs
+        self.auto_reset = auto_reset
         self.training = True
         self.envs = [make_env(env_id, **(env_kwargs or {})) for _ in range(num_envs)]
         self.observation_space: gym.spaces.Space = self.envs[0].observation_space
@@ -124,6 +131,7 @@ class EnvBatch:
         self._episode_return = np.zeros(num_envs)
         self._episode_length = np.zeros(num_envs, dtype=np.int64)
         self._discounted_return = np.zeros(num_envs)  # for reward scaling only
+        self._done = np.zeros(num_envs, dtype=bool)  # ended, awaiting reset(): only without auto-reset
 
     # ---------------------------------------------------------------- public API
 
@@ -134,11 +142,14 @@ class EnvBatch:
         self._episode_return[:] = 0.0
         self._episode_length[:] = 0
         self._discounted_return[:] = 0.0
+        self._done[:] = False
         return self._normalize(self._obs, update=True)
 
     def step(self, actions: np.ndarray) -> StepResult:
         """Step every env once with ``actions`` [N, *act_shape] (ints when discrete)."""
         actions = self._prepare_actions(actions)
+        if not self.auto_reset:
+            return self._step_live(actions)
         final_raw = np.empty_like(self._obs)
         raw_rewards, terminated, truncated = self._advance(actions, self._all, final_raw)
         done = terminated | truncated
@@ -146,7 +157,7 @@ class EnvBatch:
         returns, lengths = self._record_episodes(raw_rewards, self._all, done)
         obs = self._normalize(self._obs, update=True)
         return StepResult(obs, rewards, terminated, truncated,
-                          self._final_obs(obs, final_raw, done), returns, lengths)
+                          self._final_obs(obs, final_raw, done), returns, lengths, self.num_envs)
 
     def step_chunk(self, actions: np.ndarray) -> ChunkResult:
         """Execute an action chunk [N, k, *act_shape]; see ``ChunkResult`` for semantics."""
@@ -159,8 +170,8 @@ class EnvBatch:
         final_raw = np.empty_like(self._obs)
         returns: list[tuple[int, float]] = []
         lengths: list[tuple[int, int]] = []
-        active = self._all
-        for j in range(k):
+        active = self._all if self.auto_reset else np.flatnonzero(~self._done)
+        for j in range(k if active.size else 0):
             raw, term, trunc = self._advance(actions[:, j], active, final_raw)
             done = term | trunc
             valid[active, j] = True
@@ -174,10 +185,21 @@ class EnvBatch:
             if active.size == 0:
                 break
         # Only the post-chunk observations reach the policy, so only they update obs_rms.
-        obs = self._normalize(self._obs, update=True)
+        obs = self._normalize(self._obs, update=True, rows=None if self.auto_reset else ~self._done)
         return ChunkResult(obs, rewards, valid, terminated, truncated,
                            self._final_obs(obs, final_raw, terminated | truncated),
                            returns, lengths)
+
+    @property
+    def all_done(self) -> bool:
+        """Without auto-reset: every env's episode has ended (nothing left to step)."""
+        return bool(self._done.all())
+
+    def unfinished_episodes(self) -> list[tuple[int, float, int]]:
+        """(env index, raw return so far, length) of the episodes under way, in env order:
+        those a rollout window cuts off when GRPO resets every env at its end."""
+        return [(i, float(self._episode_return[i]), int(self._episode_length[i]))
+                for i in np.flatnonzero(self._episode_length > 0).tolist()]
 
     def state_dict(self) -> dict[str, Any]:
         """Normalisation statistics (empty when neither obs_norm nor reward_scale is on)."""
@@ -199,7 +221,7 @@ class EnvBatch:
     def snapshot(self) -> dict[str, Any]:
         """The whole batch mid-rollout: simulators, RNGs, episode counters, statistics.
         ``restore`` of it continues exactly where this batch is (checkpoint and resume)."""
-        fields = ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_discounted_return")
+        fields = ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_discounted_return", "_done")
         return {"envs": [_env_snapshot(env) for env in self.envs], "stats": self.state_dict(),
                 "training": self.training, **{f: getattr(self, f).copy() for f in fields}}
 
@@ -209,7 +231,7 @@ class EnvBatch:
         self.envs = [_env_restore(env, s) for env, s in zip(self.envs, snap["envs"])]
         self.load_state_dict(snap["stats"])
         self.training = snap["training"]
-        for f in ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_discounted_return"):
+        for f in ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_discounted_return", "_done"):
             getattr(self, f)[...] = snap[f]
 
     def observations(self) -> np.ndarray:
@@ -221,6 +243,21 @@ class EnvBatch:
             env.close()
 
     # ---------------------------------------------------------------- internals
+
+    def _step_live(self, actions: np.ndarray) -> StepResult:
+        """``step`` without auto-reset: only envs whose episode is under way move."""
+        n = self.num_envs
+        ids = np.flatnonzero(~self._done)
+        final_raw = np.empty_like(self._obs)
+        raw_rewards, term, trunc = self._advance(actions, ids, final_raw)
+        done = term | trunc
+        rewards, terminated, truncated = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+        rewards[ids] = self._scale_rewards(raw_rewards, ids, done)
+        terminated[ids], truncated[ids] = term, trunc
+        returns, lengths = self._record_episodes(raw_rewards, ids, done)
+        obs = self._normalize(self._obs, update=True, rows=~self._done)
+        return StepResult(obs, rewards, terminated, truncated,
+                          self._final_obs(obs, final_raw, terminated | truncated), returns, lengths, len(ids))
 
     def _reset_env(self, i: int) -> np.ndarray:
         episode = int(self._episodes_started[i])
@@ -264,7 +301,10 @@ class EnvBatch:
                 terminated[k] = term
                 truncated[k] = trunc
                 final_raw[i] = obs
-                obs = self._reset_env(i)
+                if self.auto_reset:
+                    obs = self._reset_env(i)
+                else:
+                    self._done[i] = True
             obs_buf[i] = obs
         return rewards, terminated, truncated
 
@@ -292,11 +332,16 @@ class EnvBatch:
         self._episode_length[ended] = 0
         return returns, lengths
 
-    def _normalize(self, obs: np.ndarray, update: bool) -> np.ndarray:
+    def _normalize(self, obs: np.ndarray, update: bool, rows: np.ndarray | None = None) -> np.ndarray:
+        """``rows`` (a mask): the observations that update the statistics; without
+        auto-reset, a done env's frozen last observation must not count again and again."""
         if self.obs_rms is None:
             return obs.copy()
         if update and self.training:
-            self.obs_rms.update(obs)
+            if rows is None:
+                self.obs_rms.update(obs)
+            elif rows.any():
+                self.obs_rms.update(obs[rows])
         normed = (obs - self.obs_rms.mean) / np.sqrt(self.obs_rms.var + _EPS)
         return np.clip(normed, -self.clip_obs, self.clip_obs).astype(np.float32)
 
@@ -319,7 +364,10 @@ def _env_snapshot(env: gym.Env) -> dict[str, Any]:
     """MuJoCo envs pickle as their constructor arguments, not their state, so their MjData
     is saved whole: envs also read derived fields that ``mj_step`` left behind (e.g. body
     positions from before the last integration), so the physics state alone would not
-    continue bit for bit. Other envs pickle whole."""
+    continue bit for bit. An env whose adapter saves itself (ManiSkill: see ``make_env``)
+    does so; other envs pickle whole."""
+    if hasattr(env, "snapshot"):
+        return {"own": env.snapshot()}
     base = env.unwrapped
     if not hasattr(base, "data") or not hasattr(base, "model"):
         return {"pickled": cloudpickle.dumps(env)}
@@ -328,6 +376,9 @@ def _env_snapshot(env: gym.Env) -> dict[str, Any]:
 
 
 def _env_restore(env: gym.Env, snap: dict[str, Any]) -> gym.Env:
+    if "own" in snap:
+        env.restore(snap["own"])
+        return env
     if "pickled" in snap:
         env.close()
         return pickle.loads(snap["pickled"])

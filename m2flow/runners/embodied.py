@@ -65,6 +65,36 @@ def _mode_ranges(cfg: DictConfig, num_devices: int) -> dict[str, Any]:
     raise ValueError(f"unknown placement.mode {mode!r}: collocated | disaggregated | hybrid | custom")
 
 
+def check_algorithm(cfg: DictConfig, layout: Layout) -> None:
+    """Config errors that would otherwise surface deep inside a worker, or not at all.
+
+    GRPO compares the episodes of a group of ``env.group_size`` envs that start from the same
+    seed, one episode per env and rollout window: a group must sit whole in one env batch
+    (stage) and in one actor rank's share. ``runner.rollout_steps`` should cover the task's
+    horizon; an episode still running at the window's end is cut there and scored with its
+    partial return.
+    """
+    name, k = cfg.algorithm.name, cfg.env.get("group_size", 1)
+    if name not in ("ppo", "grpo"):
+        raise ValueError(f"unknown algorithm.name {name!r}: ppo | grpo")
+    if name == "ppo":
+        return
+    if k < 2:
+        raise ValueError(f"algorithm.name=grpo needs env.group_size > 1 (envs compared from the same seed), got {k}")
+    if cfg.env.num_envs % k:
+        raise ValueError(f"algorithm.name=grpo: env.num_envs={cfg.env.num_envs} is not a multiple of env.group_size={k}")
+    if layout.envs_per_stage % k:
+        raise ValueError(f"algorithm.name=grpo: a group of env.group_size={k} envs must sit in one env batch, but each has "
+                         f"{layout.envs_per_stage} (env.num_envs / {layout.env_ranks} env rank(s) / runner.stages={layout.stages})")
+    share = layout.envs_per_rank // layout.actor_ranks
+    if share % k:
+        raise ValueError(f"algorithm.name=grpo: each of the {layout.actor_ranks} actor ranks trains on {share} envs of every "
+                         f"env rank, not a multiple of env.group_size={k}")
+    if cfg.algorithm.get("norm_adv", False):
+        raise ValueError("algorithm.name=grpo: its advantages are already normalised within each group; "
+                         "set algorithm.norm_adv=false")
+
+
 class EmbodiedRunner:
     def __init__(self, cfg: DictConfig, cluster: Cluster | None = None):
         self.cfg = cfg
@@ -77,6 +107,7 @@ class EmbodiedRunner:
         probe.close()
         self.layout = Layout.build(cfg.env.num_envs, *(self.placement[n].world_size for n in COMPONENTS),
                                    cfg.runner.stages, cfg.policy.chunk)
+        check_algorithm(cfg, self.layout)
         plain = OmegaConf.to_container(cfg, resolve=True)
         run = uuid.uuid4().hex[:6]
         self.names = {n: f"{n}-{run}" for n in COMPONENTS}

@@ -1,4 +1,4 @@
-"""Actor worker: PPO on the trajectories the env workers stream to it.
+"""Actor worker: PPO (or GRPO) on the trajectories the env workers stream to it.
 
 Data parallel over its ranks: every rank gets an equal share of each env rank's
 environments, and gradients are averaged with one all-reduce of the flat gradient per
@@ -14,8 +14,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from m2flow.algorithms import gae, next_values, normalize, ppo_policy_loss, value_loss
-from m2flow.models import build_policy
+from m2flow.algorithms import (
+    episode_group_advantages,
+    gae,
+    next_values,
+    normalize,
+    ppo_policy_loss,
+    value_loss,
+)
+from m2flow.models import build_policy, flatten_parameters
 from m2flow.runtime import Channel, Worker, dispatch
 from m2flow.workers.layout import Layout
 
@@ -23,12 +30,15 @@ from m2flow.workers.layout import Layout
 class ActorWorker(Worker):
     def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
         self.cfg, self.algo, self.layout = cfg, cfg["algorithm"], layout
+        self.grpo = self.algo.get("name", "ppo") == "grpo"
         self.turns = self.device_turns(take_turns)
         torch.manual_seed(cfg["seed"])  # identical initial weights on every rank
         self.policy = build_policy(observation_space, action_space, cfg["policy"])
-        # Fused Adam: one kernel for all parameters; for small policies the per-tensor loop
-        # of the default implementation costs more than the arithmetic.
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.algo["lr"], eps=1e-5, fused=True)
+        # All weights in one flat tensor (the policy's parameters are views of it), and one
+        # fused Adam kernel: for small policies, the per-tensor loops of zeroing, clipping,
+        # all-reducing and stepping cost more than the arithmetic.
+        self.flat = flatten_parameters(self.policy)
+        self.optimizer = torch.optim.Adam([self.flat], lr=self.algo["lr"], eps=1e-5, fused=True)
         self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 1000 + self.rank)
         self.version = 0
         if self.world_size > 1:
@@ -75,7 +85,7 @@ class ActorWorker(Worker):
             for g in self.optimizer.param_groups:
                 g["lr"] = self.algo["lr"] * (1.0 - update / total_updates)
         with self.turns:
-            batch, stats = self._advantages(data)
+            batch, stats = self._group_advantages(data) if self.grpo else self._advantages(data)
             stats |= self._optimize(batch)
         self.version += 1
         lock_wait = getattr(self.turns, "last_wait_s", 0.0)
@@ -114,6 +124,31 @@ class ActorWorker(Worker):
                  "advantages": adv.reshape(-1), "returns": ret.reshape(-1), "values": values.reshape(-1)}
         return batch, {"explained_variance": float(explained)}
 
+    def _group_advantages(self, d: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        """GRPO: each env's episode return in the window, normalised within its group of envs
+        (same seed), is the advantage of every step of that episode; no critic. Only the
+        steps of the episodes are trained on (see ``episode_group_advantages``)."""
+        rewards = d["rewards"].float()
+        if rewards.dim() == 3:  # action chunks: skipped actions hold 0, the return is the plain sum
+            rewards = rewards.sum(2)
+        T, n = rewards.shape
+        ends = d["terminated"].bool() | d["truncated"].bool()
+        adv, mask = episode_group_advantages(rewards, ends, self.cfg["env"]["group_size"])
+        keep = mask.reshape(-1).nonzero().squeeze(1)
+        # Every rank must run the same number of minibatches (one all-reduce each): the valid
+        # steps are padded with weight-0 copies up to whole minibatches of the largest rank's
+        # count. Valid steps weigh size / count, so a minibatch's weighted mean estimates the
+        # mean over this rank's valid steps without bias.
+        count, mb = len(keep), max(1, self.algo["minibatch_size"] // self.world_size)
+        size = -(-self._max_across_ranks(count) // mb) * mb
+        idx = torch.cat([keep, keep[:1].expand(size - count)])
+        weights = torch.zeros(size)
+        weights[:count] = size / count
+        pick = lambda x: x.reshape(T * n, *x.shape[2:])[idx]
+        batch = {"obs": pick(d["obs"]).float(), "actions": pick(d["actions"]), "logp": pick(d["logp"]).float(),
+                 "advantages": adv.reshape(-1)[idx], "weights": weights}
+        return batch, {}
+
     def _optimize(self, b: dict[str, torch.Tensor]) -> dict:
         a = self.algo
         size = len(b["obs"])
@@ -127,20 +162,26 @@ class ActorWorker(Worker):
             for idx in torch.randperm(size, generator=self.shuffle).view(-1, mb):
                 logp, entropy, values = self.policy.evaluate(b["obs"][idx], b["actions"][idx])
                 adv = normalize(b["advantages"][idx]) if a.get("norm_adv", True) else b["advantages"][idx]
-                pg_loss, st = ppo_policy_loss(logp, b["logp"][idx], adv, a["clip"], a.get("clip_high"))
-                v_loss = value_loss(values, b["values"][idx], b["returns"][idx], a.get("value_clip"))
-                ent = entropy.mean()
-                loss = pg_loss - a["ent_coef"] * ent + a["vf_coef"] * v_loss
-                self.optimizer.zero_grad(set_to_none=False)
+                # GRPO: per-sample weights (0 for padding), and no critic (see _group_advantages).
+                weights = b["weights"][idx] if "weights" in b else None
+                pg_loss, st = ppo_policy_loss(logp, b["logp"][idx], adv, a["clip"], a.get("clip_high"), weights)
+                ent = entropy.mean() if weights is None else (entropy * weights).mean()
+                loss = pg_loss - a["ent_coef"] * ent
+                v_loss = None
+                if "returns" in b:
+                    v_loss = value_loss(values, b["values"][idx], b["returns"][idx], a.get("value_clip"))
+                    loss = loss + a["vf_coef"] * v_loss
+                self.flat.grad.zero_()  # in place: the parameters' gradients are views of it
                 loss.backward()
                 self._all_reduce_grads()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), a["max_grad_norm"])
+                grad_norm = torch.nn.utils.clip_grad_norm_([self.flat], a["max_grad_norm"])
                 self.optimizer.step()
                 kls.append(st["approx_kl"])
-                for key, value in (("policy_loss", pg_loss.item()), ("value_loss", v_loss.item()), ("entropy", ent.item()),
+                for key, value in (("policy_loss", pg_loss.item()), ("value_loss", v_loss), ("entropy", ent.item()),
                                    ("approx_kl", st["approx_kl"]), ("clip_fraction", st["clip_fraction"]),
                                    ("grad_norm", float(grad_norm))):
-                    sums[key] = sums.get(key, 0.0) + value
+                    if value is not None:
+                        sums[key] = sums.get(key, 0.0) + float(value)
                 count += 1
             if a.get("target_kl") is not None and self._mean_across_ranks(float(np.mean(kls))) > a["target_kl"]:
                 break  # every rank sees the same mean, so all stop together
@@ -149,16 +190,16 @@ class ActorWorker(Worker):
         return out
 
     def _all_reduce_grads(self) -> None:
+        if self.world_size > 1:
+            dist.all_reduce(self.flat.grad)
+            self.flat.grad /= self.world_size
+
+    def _max_across_ranks(self, value: int) -> int:
         if self.world_size == 1:
-            return
-        grads = [p.grad for p in self.policy.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= self.world_size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+            return value
+        t = torch.tensor([value])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
 
     def _mean_across_ranks(self, value: float) -> float:
         if self.world_size == 1:

@@ -5,6 +5,11 @@ the rollout worker infers actions for one stage, the env worker steps another, s
 ``stages=2`` simulation and inference overlap; ``stages=1`` alternates them. A fused
 worker (rollout hosted in this process) runs its stages one after another: there is
 nothing to overlap with.
+
+GRPO (``algorithm.name: grpo``) aligns episodes to rollout windows: every env plays one
+episode per window, from its group's shared seed; an env whose episode ended stays done
+(its remaining rows carry no steps), an episode still running at the window's end is cut
+there (reported with its partial return), and every env resets for the next window.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class EnvWorker(PolicyHost):
         self.stages = layout.stages
         n = layout.envs_per_stage
         group = env.get("group_size", 1)
+        self.grpo = cfg["algorithm"].get("name", "ppo") == "grpo"
         self.batches = []
         for s in range(self.stages):
             first = (self.rank * self.stages + s) * n  # global index of this batch's first env
@@ -41,6 +47,7 @@ class EnvWorker(PolicyHost):
                 env["id"], n, cfg["seed"] + first // group, group_size=group,
                 obs_norm=env.get("obs_norm", False), reward_scale=env.get("reward_scale", False),
                 gamma=cfg["algorithm"]["gamma"], env_kwargs=dict(env.get("kwargs") or {}),
+                auto_reset=not self.grpo,
             ))
         self.obs = [b.reset() for b in self.batches]
 
@@ -70,7 +77,7 @@ class EnvWorker(PolicyHost):
                     mid = time.perf_counter()
                     result = batch.step_chunk(reply["actions"]) if self.layout.chunk > 1 else batch.step(reply["actions"])
                     records[s].add(self.obs[s], reply, result)
-                    executed += int(result.valid.sum()) if self.layout.chunk > 1 else len(result.rewards)
+                    executed += int(result.valid.sum()) if self.layout.chunk > 1 else result.stepped
                     versions.add(reply["version"])
                     episodes += [(ret, length) for (_, ret), (_, length) in zip(result.episode_returns, result.episode_lengths)]
                     self.obs[s] = result.obs
@@ -79,13 +86,24 @@ class EnvWorker(PolicyHost):
                     if not self.replica:
                         idle += mid - start
                     busy += time.perf_counter() - mid
+                # GRPO, fused: once every episode of the window has ended there is nothing left
+                # to infer or step (a separate rollout worker expects all ``steps`` rounds).
+                if self.grpo and self.replica and all(b.all_done for b in self.batches):
+                    break
+            if self.grpo:
+                start = time.perf_counter()
+                episodes += self._next_window()
+                busy += time.perf_counter() - start
         lock_wait = getattr(self.turns, "last_wait_s", 0.0)
         idle += lock_wait
         self.inference = {"busy_s": inferring, "idle_s": lock_wait, "lock_wait_s": lock_wait}
         if len(versions) > 1:
             raise RuntimeError(f"env rank {self.rank} got actions from policy versions {sorted(versions)} in one rollout")
         (version,) = versions
+        # GRPO: last_obs is then the next window's first observation, which it never reads.
         trajectory = _Recorder.merge(records, self.obs)
+        if self.grpo:
+            trajectory = _pad_rows(trajectory, steps)
         # Every actor rank gets an equal share of this rank's envs (data parallel).
         share = self.layout.envs_per_rank // self.layout.actor_ranks
         for a in range(self.layout.actor_ranks):
@@ -95,6 +113,15 @@ class EnvWorker(PolicyHost):
             trajectories_out.put(part, key=a, weight=steps * share)
         trajectories_out.flush()
         return {"busy_s": busy, "idle_s": idle, "episodes": episodes, "env_steps": executed}
+
+    def _next_window(self) -> list[tuple[float, int]]:
+        """GRPO: cuts the episodes still running (their partial returns are reported as
+        episodes) and resets every env to its group's next seed."""
+        cut = []
+        for s, batch in enumerate(self.batches):
+            cut += [(ret, length) for _, ret, length in batch.unfinished_episodes()]
+            self.obs[s] = batch.reset()
+        return cut
 
     def act(self, envs: str, steps: int) -> dict:
         """The fused rollout's report: its inference ran inside ``interact``, which Ray has
@@ -114,6 +141,16 @@ class EnvWorker(PolicyHost):
             b.restore(snap)
         self.obs = state["obs"]
         torch.set_rng_state(state["rng"])
+
+
+def _pad_rows(trajectory: dict[str, Any], steps: int) -> dict[str, Any]:
+    """A window that stopped early, padded to ``steps`` rows so that every env rank sends the
+    same shape: zero rows have no episode end, so they fall outside every episode's mask."""
+    rows = len(trajectory["rewards"])
+    if rows == steps:
+        return trajectory
+    return {k: v if k == "last_obs" else np.concatenate([v, np.zeros((steps - rows, *v.shape[1:]), v.dtype)])
+            for k, v in trajectory.items()}
 
 
 class _Recorder:

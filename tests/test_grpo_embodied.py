@@ -1,0 +1,139 @@
+"""GRPO for embodied tasks: envs without auto-reset, config checks, and short trainings.
+
+GRPO plays one episode per env and rollout window, groups of envs starting from the same
+seed; the advantage and mask arithmetic itself is in tests/test_algorithms.py.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from m2flow.config import load_config, presets
+from m2flow.envs import EnvBatch
+from m2flow.runners.embodied import EmbodiedRunner, check_algorithm
+from m2flow.workers.layout import Layout
+
+# ------------------------------------------------------------------ EnvBatch without auto-reset
+
+
+def test_without_auto_reset_ended_envs_stay_done_until_reset():
+    batch = EnvBatch("CartPole-v1", 4, seed=0, group_size=2, auto_reset=False, env_kwargs={"max_episode_steps": 15})
+    obs = batch.reset()
+    assert np.array_equal(obs[0], obs[1]) and np.array_equal(obs[2], obs[3]) and not np.array_equal(obs[0], obs[2])
+    rng = np.random.default_rng(0)
+    ended: dict[int, int] = {}
+    lengths: dict[int, int] = {}
+    for t in range(20):
+        res = batch.step(rng.integers(0, 2, size=4))
+        assert res.stepped == 4 - len(ended)
+        for i in ended:  # a done env is skipped: no reward, no end, its last observation kept
+            assert res.rewards[i] == 0 and not res.terminated[i] and not res.truncated[i]
+            assert np.array_equal(res.obs[i], obs[i])
+        if t == 2:
+            assert batch.unfinished_episodes() == [(i, 3.0, 3) for i in range(4)]
+        for i in np.flatnonzero(res.terminated | res.truncated):
+            ended[int(i)] = t
+            assert np.array_equal(res.obs[i], res.final_obs[i])  # not reset
+        lengths |= dict(res.episode_lengths)
+        obs = res.obs
+    assert batch.all_done and sorted(ended) == [0, 1, 2, 3]  # the 15-step limit ends every episode
+    assert lengths == {i: t + 1 for i, t in ended.items()}
+    assert batch.unfinished_episodes() == []
+    second = batch.reset()  # every env starts its group's next episode
+    assert not batch.all_done
+    assert np.array_equal(second[0], second[1]) and np.array_equal(second[2], second[3])
+    assert not np.array_equal(second[0], obs[0])
+    assert batch.step(np.zeros(4, dtype=np.int64)).stepped == 4
+
+
+def test_without_auto_reset_chunks_skip_done_envs():
+    batch = EnvBatch("CartPole-v1", 2, seed=3, auto_reset=False, env_kwargs={"max_episode_steps": 6})
+    batch.reset()
+    alternate = np.tile([0, 1, 0, 1], (2, 1))  # keeps the pole up for the 6 steps
+    first, second, third = (batch.step_chunk(alternate) for _ in range(3))
+    assert first.valid.all() and not (first.truncated.any() or first.terminated.any())
+    assert second.valid.tolist() == [[True, True, False, False]] * 2 and second.truncated.all()
+    assert not third.valid.any() and not third.rewards.any() and not third.truncated.any()
+    assert np.array_equal(third.obs, second.final_obs)
+
+
+# ------------------------------------------------------------------ config
+
+
+def _check(overrides, env_ranks=1, actor_ranks=1, stages=1):
+    cfg = load_config("embodied/grpo_cartpole", overrides)
+    check_algorithm(cfg, Layout.build(cfg.env.num_envs, env_ranks, 1, actor_ranks, stages, cfg.policy.chunk))
+
+
+def test_grpo_config_errors():
+    _check([])
+    _check(["env.group_size=8"], env_ranks=2)
+    with pytest.raises(ValueError, match="unknown algorithm.name 'a2c'"):
+        _check(["algorithm.name=a2c"])
+    with pytest.raises(ValueError, match="needs env.group_size > 1"):
+        _check(["env.group_size=1"])
+    with pytest.raises(ValueError, match="env.num_envs=16 is not a multiple of env.group_size=3"):
+        _check(["env.group_size=3"])
+    with pytest.raises(ValueError, match="must sit in one env batch, but each has 4"):
+        _check(["env.group_size=8"], stages=4)
+    with pytest.raises(ValueError, match="each of the 4 actor ranks trains on 4 envs"):
+        _check(["env.group_size=8"], actor_ranks=4)
+    with pytest.raises(ValueError, match="set algorithm.norm_adv=false"):
+        _check(["algorithm.norm_adv=true"])
+    # PPO keeps accepting grouped seeds
+    cfg = load_config("embodied/ppo_cartpole", ["env.group_size=4"])
+    check_algorithm(cfg, Layout.build(8, 1, 1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("preset", [p for p in presets() if p.startswith("embodied/")])
+def test_embodied_presets_load_and_validate(preset):
+    cfg = load_config(preset)
+    check_algorithm(cfg, Layout.build(cfg.env.num_envs, 1, 1, 1, cfg.runner.stages, cfg.policy.chunk))
+
+
+# ------------------------------------------------------------------ training
+
+def _train(cluster, tmp_path, overrides):
+    cfg = load_config("embodied/grpo_cartpole", ["runner.progress=false", f"runner.out_dir={tmp_path}", *overrides])
+    runner = EmbodiedRunner(cfg, cluster)
+    try:
+        return runner, runner.train()
+    finally:
+        runner.close()
+
+
+def _one(env, rollout, actor):
+    return ["placement.mode=custom", f"placement.components.env={env}", f"placement.components.rollout={rollout}",
+            f"placement.components.actor={actor}"]
+
+
+def test_grpo_cartpole_learns(cluster, tmp_path):
+    """From a random policy (~22) to the 500 cap: seeds 1-6 of this preset need 10-43 windows
+    (all reach 150 within 24); seed 1 (the preset's) 11, a few seconds on 2 cores."""
+    _, history = _train(cluster, tmp_path, _one(0, 0, 0) + ["runner.target_return=450", "runner.total_env_steps=400000"])
+    first, last = history[0], history[-1]
+    assert first["episode_return"] < 40
+    assert last["episode_return"] >= 450, f"return {last['episode_return']:.1f} after {len(history)} windows"
+    assert all(row["episodes"] == 16 for row in history)  # one episode per env and window
+    assert "value_loss" not in last and "explained_variance" not in last  # no critic
+    assert (tmp_path / "learning_curve.png").exists()
+
+
+@pytest.mark.parametrize("fused, stages, rollout_steps, limit", [
+    (True, 1, 30, 10),     # every episode ends inside the window: the fused worker stops early
+    (False, 2, 20, 500),   # separate rollout, 2 stages, 2 actor ranks; the window cuts long episodes
+])
+def test_grpo_windows_hold_one_episode_per_env(cluster, tmp_path, fused, stages, rollout_steps, limit):
+    placement = _one(0, 0, 0) if fused else _one(0, 1, "0-1")
+    runner, history = _train(cluster, tmp_path, placement + [
+        f"runner.stages={stages}", f"runner.rollout_steps={rollout_steps}", f"env.kwargs.max_episode_steps={limit}",
+        f"runner.total_env_steps={3 * 16 * rollout_steps}"])
+    assert runner.fused is fused and len(history) == 3
+    previous = 0
+    for row in history:
+        assert row["episodes"] == 16 and row["episode_length"] <= min(limit, rollout_steps)
+        # env steps are exactly the steps of the window's episodes, cut ones included
+        assert math.isclose(row["env_steps"] - previous, 16 * row["episode_length"])
+        previous = row["env_steps"]
+        assert math.isfinite(row["policy_loss"]) and row["clip_fraction"] >= 0
