@@ -1,0 +1,112 @@
+"""GPU paths of the runtime: devices, CUDA_VISIBLE_DEVICES, CUDA IPC, NCCL.
+
+Skipped on machines without CUDA (CI has none); docs/architecture.md records where and when
+they last ran on a GPU. Pairwise NCCL needs two GPUs: NCCL refuses two ranks on one GPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+from m2flow.runtime.cluster import Cluster
+from m2flow.runtime.group import WorkerGroup
+from m2flow.runtime.placement import Placement
+from m2flow.runtime.worker import Worker
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class GpuPeer(Worker):
+    def __init__(self):
+        self.kept = []  # CUDA IPC: the sender's memory must outlive the receiver's mapping
+
+    def describe(self):
+        return {"device": self.device, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "count": torch.cuda.device_count(), "uuid": str(torch.cuda.get_device_properties(0).uuid)}
+
+    def send_cuda(self, group, rank, n):
+        t = torch.arange(n, dtype=torch.float32, device="cuda")
+        self.kept.append(t)
+        return self.send({"x": t, "step": 3}, group, rank)
+
+    def recv_cuda(self, group, rank):
+        got = self.recv(group, rank, timeout=60)
+        x = got["x"]
+        return {"transport": self.comm.last_transport, "is_cuda": x.is_cuda, "sum": x.sum().item(),
+                "step": got["step"]}
+
+    def all_reduce(self):
+        import torch.distributed as dist
+
+        self.init_process_group()
+        t = torch.full((4,), float(self.rank + 1), device="cuda")
+        dist.all_reduce(t)
+        return dist.get_backend(), t.tolist()
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster(tmp_path_factory):
+    import sys
+
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(num_cpus=4, run_dir=tmp_path_factory.mktemp("gpu-run"))
+    yield c
+    c.shutdown()
+
+
+def test_cluster_lists_each_gpu_as_a_device(gpu_cluster):
+    cuda = [d for d in gpu_cluster.devices if d.kind == "cuda"]
+    assert len(cuda) == torch.cuda.device_count() and gpu_cluster.device_kind == "cuda"
+
+
+def test_worker_sees_only_its_gpu(gpu_cluster):
+    last = torch.cuda.device_count() - 1
+    group = WorkerGroup(GpuPeer, Placement.from_config({"w": str(last)}, gpu_cluster)["w"])
+    try:
+        (info,) = group.describe().wait(timeout=120)
+    finally:
+        group.kill()
+    assert info["device"] == "cuda" and info["visible"] == str(last) and info["count"] == 1
+    assert info["uuid"] == str(torch.cuda.get_device_properties(last).uuid)
+
+
+def test_same_gpu_tensors_go_by_cuda_ipc(gpu_cluster):
+    p = Placement.from_config({"a": "0", "b": "0"}, gpu_cluster)
+    a, b = WorkerGroup(GpuPeer, p["a"]), WorkerGroup(GpuPeer, p["b"])
+    try:
+        received = b.call("recv_cuda", a.name, 0)
+        (transport,) = a.call("send_cuda", b.name, 0, 1000).wait(timeout=120)
+        (got,) = received.wait(timeout=120)
+    finally:
+        a.kill()
+        b.kill()
+    assert transport == "cuda_ipc"
+    assert got == {"transport": "cuda_ipc", "is_cuda": True, "sum": float(sum(range(1000))), "step": 3}
+
+
+def test_nccl_process_group_in_a_gpu_worker(gpu_cluster):
+    group = WorkerGroup(GpuPeer, Placement.from_config({"w": "0"}, gpu_cluster)["w"])
+    try:
+        (result,) = group.all_reduce().wait(timeout=180)
+    finally:
+        group.kill()
+    assert result == ("nccl", [1.0] * 4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="pairwise NCCL needs two GPUs")
+def test_different_gpus_go_by_nccl(gpu_cluster):
+    p = Placement.from_config({"a": "0", "b": "1"}, gpu_cluster)
+    a, b = WorkerGroup(GpuPeer, p["a"]), WorkerGroup(GpuPeer, p["b"])
+    try:
+        received = b.call("recv_cuda", a.name, 0)
+        (transport,) = a.call("send_cuda", b.name, 0, 1000).wait(timeout=120)
+        (got,) = received.wait(timeout=120)
+    finally:
+        a.kill()
+        b.kill()
+    assert transport == "nccl" and got["transport"] == "nccl" and got["sum"] == float(sum(range(1000)))
