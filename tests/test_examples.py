@@ -30,3 +30,12 @@ def test_runtime_demo_writes_a_trace(tmp_path):
     assert {"driver", "producer:0", "consumer:0", "learner:0", "learner:1"} <= processes
     cats = {e.get("cat") for e in events if e.get("ph") == "X"}
     assert {"call", "send", "recv", "lock", "channel"} <= cats
+
+
+def test_reasoning_tiny_preset_from_the_command_line(tmp_path):
+    out = run(["-m", "m2flow.cli", "train", "reasoning/grpo_arith_tiny", "runner.steps=2", "runner.progress=false",
+               f"runner.out_dir={tmp_path / 'run'}"], tmp_path)
+    assert "grpo: steps 0-1" in out
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("step,") and len(rows) == 1 + 3  # the evaluation before step 1, then 2 steps
+    assert (tmp_path / "run" / "checkpoints" / "step_000002.pt").is_file()

@@ -154,3 +154,15 @@ def load_lm(spec: str | Path, dtype: torch.dtype = torch.float32, cache_dir: str
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model.eval(), tokenizer
+
+
+def load_tokenizer(spec: str | Path, cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``load_lm(spec)`` without loading its weights."""
+    spec = str(spec)
+    if spec in TINY_CONFIGS:
+        return byte_tokenizer()
+    path = materialize_smollm2(cache_dir) if spec == SMOLLM2 else Path(spec)
+    if not path.is_dir():
+        raise ValueError(f"unknown model {spec!r}: expected a checkpoint directory, {SMOLLM2!r} or one of "
+                         f"{sorted(TINY_CONFIGS)}")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -11,8 +11,12 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
         from m2flow.runners.embodied import EmbodiedRunner
 
         runner = EmbodiedRunner(cfg)
+    elif cfg.flow == "reasoning":
+        from m2flow.runners.reasoning import ReasoningRunner
+
+        runner = ReasoningRunner(cfg)
     else:
-        raise ValueError(f"unknown flow {cfg.flow!r} (known: embodied)")
+        raise ValueError(f"unknown flow {cfg.flow!r} (known: embodied, reasoning)")
     try:
         return runner.train()
     finally:

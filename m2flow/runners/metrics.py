@@ -30,35 +30,92 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 
-class MetricsLogger:
-    def __init__(self, out_dir: str | Path, total_env_steps: int, progress: bool = True):
+class RunLog:
+    """A run's rows: CSV (``metrics.csv``), TensorBoard scalars, a rich progress bar, and a
+    curve of ``y`` against ``x`` (``learning_curve.png``) at the end."""
+
+    def __init__(self, out_dir: str | Path, total: float, x: str, y: str, progress: bool = True):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.history: list[dict[str, float]] = []
+        self.x, self.y = x, y
         self.console = Console()
-        self.env_steps = self.start_steps = 0
-        self.last_return = math.nan
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[stats]}"),
                                  TimeElapsedColumn(), console=self.console, disable=not progress)
-        self.task = self.progress.add_task("train", total=total_env_steps, stats="")
+        self.task = self.progress.add_task("train", total=total, stats="")
         self.progress.start()
+
+    def note(self, text: str) -> None:
+        self.console.print(text)
+
+    def read_csv(self) -> list[dict[str, float]]:
+        path = self.out_dir / "metrics.csv"
+        if not path.exists():
+            return []
+        with open(path, newline="") as f:
+            return [{k: float(v) if v else math.nan for k, v in row.items()} for row in csv.DictReader(f)]
+
+    def record(self, row: dict[str, float], stats: str) -> dict[str, float]:
+        """Appends ``row``: CSV rewritten, TensorBoard scalars at step ``row[x]``, progress bar."""
+        self.history.append(row)
+        for k, v in row.items():
+            if k != self.x and not (isinstance(v, float) and math.isnan(v)):
+                self.tb.add_scalar(k, v, row[self.x])
+        self._write_csv()
+        self.progress.update(self.task, completed=row[self.x], stats=stats)
+        return row
+
+    def _write_csv(self) -> None:
+        keys = list(dict.fromkeys(k for row in self.history for k in row))
+        with open(self.out_dir / "metrics.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(self.history)
+
+    def close(self) -> Path | None:
+        self.progress.stop()
+        self.tb.close()
+        return self.plot()
+
+    def plot(self) -> Path | None:
+        points = [(r[self.x], r[self.y]) for r in self.history if not math.isnan(r.get(self.y, math.nan))]
+        if not points:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(*zip(*points), marker="o" if len(points) < 30 else None)
+        ax.set_xlabel(self.x.replace("_", " "))
+        ax.set_ylabel(self.y.replace("_", " "))
+        ax.set_title(self.out_dir.name)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = self.out_dir / "learning_curve.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+class MetricsLogger(RunLog):
+    """The embodied flow's columns (module docstring), against env steps."""
+
+    def __init__(self, out_dir: str | Path, total_env_steps: int, progress: bool = True):
+        super().__init__(out_dir, total_env_steps, x="env_steps", y="episode_return", progress=progress)
+        self.env_steps = self.start_steps = 0
+        self.last_return = math.nan
 
     def resume(self, env_steps: int, last_return: float) -> None:
         """Continues a run: keeps the rows already in metrics.csv (up to ``env_steps``) and
         counts throughput from the steps this process adds."""
-        path = self.out_dir / "metrics.csv"
-        if path.exists():
-            with open(path, newline="") as f:
-                rows = [{k: float(v) if v else math.nan for k, v in row.items()} for row in csv.DictReader(f)]
-            self.history = [row for row in rows if row["env_steps"] <= env_steps]
+        self.history = [row for row in self.read_csv() if row["env_steps"] <= env_steps]
         self.env_steps = self.start_steps = env_steps
         self.last_return = last_return
-
-    def note(self, text: str) -> None:
-        self.console.print(text)
 
     def log_update(self, update: int, report: dict[str, Any], update_s: float, time_s: float) -> dict[str, float]:
         env, rollout, actor = report["env"], report["rollout"], report["actor"]
@@ -76,44 +133,4 @@ class MetricsLogger:
         for name, ranks in (("env", env), ("rollout", rollout), ("actor", actor)):
             for k in ("busy_s", "idle_s"):
                 row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
-        self.history.append(row)
-        for k, v in row.items():
-            if k != "update" and not (isinstance(v, float) and math.isnan(v)):
-                self.tb.add_scalar(k, v, self.env_steps)
-        self._write_csv()
-        self.progress.update(self.task, completed=self.env_steps,
-                             stats=f"{row['env_steps_per_s']:,.0f} steps/s  return {self.last_return:.1f}")
-        return row
-
-    def _write_csv(self) -> None:
-        keys = list(dict.fromkeys(k for row in self.history for k in row))
-        with open(self.out_dir / "metrics.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(self.history)
-
-    def close(self) -> Path | None:
-        self.progress.stop()
-        self.tb.close()
-        return self.plot()
-
-    def plot(self) -> Path | None:
-        points = [(r["env_steps"], r["episode_return"]) for r in self.history if not math.isnan(r["episode_return"])]
-        if not points:
-            return None
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(*zip(*points))
-        ax.set_xlabel("env steps")
-        ax.set_ylabel("episode return")
-        ax.set_title(self.out_dir.name)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = self.out_dir / "learning_curve.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
+        return self.record(row, f"{row['env_steps_per_s']:,.0f} steps/s  return {self.last_return:.1f}")

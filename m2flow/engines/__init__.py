@@ -1,0 +1,8 @@
+"""LM backends. Generation: one interface (``GenerationEngine``), a torch backend for any
+device and an optional vLLM backend for GPUs (imported only when asked for). Training and
+scoring: ``m2flow.engines.training``."""
+
+from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, build_engine
+from m2flow.engines.torch_engine import TorchEngine
+
+__all__ = ["Completion", "GenerationEngine", "SamplingParams", "TorchEngine", "build_engine"]

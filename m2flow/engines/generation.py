@@ -1,0 +1,110 @@
+"""The LM rollout engine's interface: sampling settings, completions, and the engine contract
+that every backend (``TorchEngine``, ``VLLMEngine``) implements."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1                   # samples per prompt
+    temperature: float = 1.0     # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0               # 0 = off
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()   # stop strings (besides EOS)
+    seed: int | None = None      # None: drawn from torch's global RNG, so torch.manual_seed governs it
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):  # a bare string would be read as a tuple of characters
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        checks = [(self.n >= 1, f"n must be >= 1, got {self.n}"),
+                  (math.isfinite(self.temperature) and self.temperature >= 0,
+                   f"temperature must be finite and >= 0, got {self.temperature}"),
+                  (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+                  (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+                  (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+                  (all(isinstance(s, str) and s for s in self.stop),
+                   f"stop strings must be non-empty strings, got {self.stop}")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Completion:
+    prompt_index: int          # index into the prompts given to generate()
+    sample_index: int          # 0..n-1
+    token_ids: list[int]       # generated tokens, including the EOS / the token that completed a stop string
+    logprobs: torch.Tensor     # [len(token_ids)] float32, on CPU: log_softmax(logits / T) at each token,
+                               # T = temperature (1 when greedy), of the full distribution before top-k/top-p
+    finish_reason: str         # "stop" (EOS or stop string) | "length"
+    text: str                  # decoded token_ids, special tokens skipped; a stop string stays in it
+
+
+class GenerationEngine(ABC):
+    """Generates groups of completions from a causal LM whose weights the actor updates.
+
+    ``model`` is the torch module the engine generates with (callers hash its weights to check
+    a sync); one ``generate`` call runs at a time per engine."""
+
+    model: torch.nn.Module
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[list[Completion]]:
+        """Yields each prompt's group of n completions (sorted by sample_index) the moment the whole group is done."""
+
+    @abstractmethod
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies weights in place; names as in ``model.named_parameters()`` / ``model.state_dict()``."""
+
+    @abstractmethod
+    def offload(self) -> None:
+        """Frees the KV cache and moves the weights to CPU (on CPU: frees the caches), so that a
+        collocated component can use the device."""
+
+    @abstractmethod
+    def onload(self) -> None:
+        """Undoes ``offload``."""
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_positions: int | None) -> list[list[int]]:
+    """The prompts as lists of ints, or a ValueError naming the first bad one."""
+    checked = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})")
+        if max_positions is not None and len(ids) >= max_positions:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens: no room to generate within the model's "
+                             f"{max_positions} positions")
+        checked.append(ids)
+    return checked
+
+
+def build_engine(backend: str, model, tokenizer, **options) -> GenerationEngine:
+    """A generation engine: ``"torch"`` (any device, the default) or ``"vllm"`` (GPU, optional).
+    ``options`` go to the backend's constructor (e.g. ``max_batch_size``)."""
+    if backend == "torch":
+        from m2flow.engines.torch_engine import TorchEngine
+        return TorchEngine(model, tokenizer, **options)
+    if backend == "vllm":
+        from m2flow.engines.vllm_engine import VLLMEngine
+        return VLLMEngine(model, tokenizer, **options)
+    raise ValueError(f"unknown generation backend {backend!r}: expected 'torch' or 'vllm'")

@@ -1,0 +1,259 @@
+"""Reasoning RL: LM rollout, reward, inference and actor, as one short loop.
+
+The loop in ``step`` is the same in every placement mode. Collocated, the components share
+every device and take turns under the device locks: the rollout generates the whole batch,
+then frees its KV cache (and on a GPU its weights) while the inference worker and the actor
+use the devices; the actor's optimizer state leaves while the rollout generates. Pipelined,
+the rollout has devices of its own and streams each group of completions on as soon as it
+is complete: reward, reference/old log-probs and the actor's forward and backward run on
+the first groups while the rollout still generates the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from m2flow.runners.metrics import RunLog
+from m2flow.runtime import Channel, Cluster, DeviceLock, Placement, WorkerGroup
+from m2flow.runtime.group import wait
+from m2flow.workers.inference import InferenceWorker
+from m2flow.workers.lm_actor import ALGORITHMS, LMActorWorker
+from m2flow.workers.lm_rollout import LMRolloutWorker
+from m2flow.workers.reward import RewardWorker
+
+COMPONENTS = ("rollout", "reward", "inference", "actor")
+SINGLE_RANK = ("reward", "inference")  # each is one rank: the stream passes through it in order
+
+
+def placement_config(cfg: DictConfig, num_devices: int, kind: str) -> dict[str, Any]:
+    """Device ranges per component for a placement mode.
+
+    collocated: every component on every device; pipelined: the rollout on the first half
+    of the devices, reward, inference and actor on the second; custom:
+    ``placement.components`` as given. On CPU slots a component's devices form one rank
+    (its threads span them); on GPUs, rollout and actor get a rank per device.
+    """
+    last = num_devices - 1
+    if cfg.mode == "custom":
+        given = OmegaConf.to_container(cfg.components, resolve=True)
+        missing = [c for c in COMPONENTS if given.get(c) is None]
+        if missing:
+            raise ValueError(f"placement.mode=custom needs placement.components for {missing}")
+        return given
+    if cfg.mode == "collocated":
+        ranges = {c: f"0-{last}" for c in COMPONENTS}
+    elif cfg.mode == "pipelined":
+        if num_devices < 2:
+            raise ValueError("placement.mode=pipelined needs >= 2 devices (set cluster.cpu_slots=2 to run it on one core)")
+        half = num_devices // 2
+        rest = f"{half}-{last}"
+        ranges = {"rollout": f"0-{half - 1}", "reward": rest, "inference": rest, "actor": rest}
+    else:
+        raise ValueError(f"unknown placement.mode {cfg.mode!r}: collocated | pipelined | custom")
+
+    def span(r: str) -> int:
+        lo, hi = (int(x) for x in r.split("-"))
+        return hi - lo + 1
+
+    out: dict[str, Any] = {}
+    for c, r in ranges.items():
+        whole = kind == "cpu" or c in SINGLE_RANK
+        out[c] = {"devices": r, "devices_per_proc": span(r)} if whole and span(r) > 1 else r
+    return out
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Config errors that would otherwise surface deep inside a worker."""
+    a, r = cfg.algorithm, cfg.rollout
+    if a.name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm.name {a.name!r}: {' | '.join(ALGORITHMS)}")
+    if r.n < 2 and a.name != "reinforce_pp":
+        raise ValueError(f"algorithm.name={a.name} compares the samples of a prompt: rollout.n must be >= 2, got {r.n}")
+    if a.old_logprobs not in ("rollout", "recompute"):
+        raise ValueError(f"algorithm.old_logprobs must be rollout | recompute, got {a.old_logprobs!r}")
+    if a.kl_in_reward and a.name != "reinforce_pp":
+        raise ValueError("algorithm.kl_in_reward=true needs algorithm.name=reinforce_pp (group-relative "
+                         "advantages take the KL term in the loss)")
+    if cfg.placement.granularity < 1:
+        raise ValueError(f"placement.granularity must be >= 1 group, got {cfg.placement.granularity}")
+    if cfg.data.prompts_per_step < 1:
+        raise ValueError(f"data.prompts_per_step must be >= 1, got {cfg.data.prompts_per_step}")
+
+
+def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
+    """(train, test) prompts as ``{"index", "token_ids", "answer"}``, chat-formatted with
+    the model's own tokenizer."""
+    from m2flow.data import arithmetic_problems, build_prompts, load_problems
+    from m2flow.models.lm import load_tokenizer
+
+    d = cfg.data
+    if d.source == "arithmetic":
+        levels = list(d.levels)
+        train = arithmetic_problems(d.train_size, levels, "train", seed=cfg.seed)
+        test = arithmetic_problems(d.test_size, levels, "test", seed=cfg.seed)
+    else:
+        problems = load_problems(d.source, d.question_key, d.answer_key)
+        cut = max(1, len(problems) - d.test_size)
+        train, test = problems[:cut], problems[cut:]
+    tokenizer = load_tokenizer(cfg.model.path)
+
+    def rows(problems):
+        return [{"index": i, "token_ids": list(p.token_ids), "answer": p.problem.answer}
+                for i, p in enumerate(build_prompts(problems, tokenizer, d.instruction))]
+
+    return rows(train), rows(test)
+
+
+class ReasoningRunner:
+    def __init__(self, cfg: DictConfig, cluster: Cluster | None = None):
+        from m2flow.data import PromptLoader
+
+        check_config(cfg)
+        self.cfg = cfg
+        c = cfg.cluster
+        self._own_cluster = cluster is None
+        self.cluster = cluster or Cluster(c.address, num_cpus=c.num_cpus, cpu_slots=c.cpu_slots)
+        ranges = placement_config(cfg.placement, len(self.cluster.devices), self.cluster.device_kind)
+        self.placement = Placement.from_config(ranges, self.cluster)
+        for name in SINGLE_RANK:
+            if self.placement[name].world_size != 1:
+                raise ValueError(f"placement: {name} must be one rank, got {self.placement[name].world_size}")
+        self.train_prompts, self.test_prompts = load_prompts(cfg)
+        if cfg.data.prompts_per_step > len(self.train_prompts):
+            raise ValueError(f"data.prompts_per_step={cfg.data.prompts_per_step} > {len(self.train_prompts)} train prompts")
+        self.loader = PromptLoader(self.train_prompts, cfg.data.prompts_per_step, seed=cfg.seed)
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        run = uuid.uuid4().hex[:6]
+        self.names = {n: f"{n}-{run}" for n in COMPONENTS}
+        devices = {n: {d.index for r in self.placement[n].ranks() for d in r.devices} for n in COMPONENTS}
+        # Components that share a device with another (the reward aside: it holds no model)
+        # take turns on it.
+        heavy = ("rollout", "inference", "actor")
+        turns = {n: any(devices[n] & devices[m] for m in heavy if m != n) for n in heavy}
+        if any(turns.values()):  # lock actors live as long as the process that made them: the driver
+            DeviceLock(sorted(set().union(*devices.values())), holder="driver")
+        self.rollout = WorkerGroup(LMRolloutWorker, self.placement["rollout"], args=(plain, turns["rollout"]),
+                                   name=self.names["rollout"])
+        self.reward = WorkerGroup(RewardWorker, self.placement["reward"], args=(plain,), name=self.names["reward"])
+        self.inference = WorkerGroup(InferenceWorker, self.placement["inference"], args=(plain, turns["inference"]),
+                                     name=self.names["inference"])
+        self.actor = WorkerGroup(LMActorWorker, self.placement["actor"], args=(plain, turns["actor"]),
+                                 name=self.names["actor"])
+        self.channels = {n: Channel.create(f"{n}-{run}") for n in ("samples", "scored", "batches")}
+
+    def sync_weights(self) -> dict:
+        """Actor rank 0 sends versioned weights, in buckets, to the rollout and inference ranks."""
+        start = time.perf_counter()
+        (pushed,), *_ = wait(self.actor.call("push_weights", [self.names["rollout"], self.names["inference"]], ranks=[0]),
+                             self.rollout.pull_weights(self.names["actor"]),
+                             self.inference.pull_weights(self.names["actor"]))
+        return pushed | {"weight_sync_s": time.perf_counter() - start}
+
+    def step(self) -> dict[str, Any]:
+        """One policy update: the macro flow. Returns what each component reported."""
+        sync = self.sync_weights()
+        prompts = next(self.loader)
+        samples, scored, batches = self.channels["samples"], self.channels["scored"], self.channels["batches"]
+        rollout, reward, inference, actor = wait(
+            self.rollout.generate(prompts, samples, self.cfg.placement.granularity),
+            self.reward.score(samples, scored, len(prompts)),
+            self.inference.logprobs(scored, batches, self.actor.world_size),
+            self.actor.train(batches),
+        )
+        return {"rollout": rollout, "reward": reward, "inference": inference, "actor": actor, "sync": sync}
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward of one greedy completion per held-out prompt (accuracy, with a 0/1 reward)."""
+        self.sync_weights()
+        texts = self.rollout.complete(self.test_prompts, 0.0).wait()
+        (scores,) = self.reward.score_texts(texts, [p["answer"] for p in self.test_prompts]).wait()
+        return {f"eval_{k}": v for k, v in scores.items()}
+
+    def train(self) -> list[dict[str, float]]:
+        r = self.cfg.runner
+        log = RunLog(r.out_dir, r.steps, x="step", y="eval_reward", progress=r.progress)
+        try:
+            return self._train(log)
+        finally:
+            log.close()
+
+    def _train(self, log: RunLog) -> list[dict[str, float]]:
+        r = self.cfg.runner
+        first = self.resume(r.resume, log) if r.get("resume") else 0
+        log.note(self.cluster.describe() + "\n" + self.placement.describe()
+                 + f"\n{self.cfg.algorithm.name}: steps {first}-{r.steps - 1} of {self.cfg.data.prompts_per_step} "
+                   f"prompts x {self.cfg.rollout.n} samples; granularity {self.cfg.placement.granularity} group(s)")
+        start = time.perf_counter()
+        if first == 0:
+            log.record({"step": 0, "time_s": 0.0, **self.evaluate()}, "evaluated")
+        for step in range(first, r.steps):
+            t0 = time.perf_counter()
+            report = self.step()
+            row = step_row(step + 1, report, time.perf_counter() - t0, time.perf_counter() - start)
+            done = step + 1 == r.steps
+            if done or (r.eval_every and (step + 1) % r.eval_every == 0):
+                row |= self.evaluate()
+            log.record(row, f"reward {row['reward']:.3f}  {row['step_s']:.1f} s/step")
+            if done or (r.checkpoint_every and (step + 1) % r.checkpoint_every == 0):
+                self.checkpoint(step + 1)
+        return log.history
+
+    # -- checkpoints -----------------------------------------------------------------
+    def checkpoint(self, steps_done: int) -> Path:
+        rollout, actor = wait(self.rollout.state(), self.actor.state())
+        path = Path(self.cfg.runner.out_dir) / "checkpoints" / f"step_{steps_done:06d}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"steps_done": steps_done, "loader": self.loader.state_dict(), "rollout": rollout, "actor": actor,
+                    "config": OmegaConf.to_container(self.cfg, resolve=True)}, path)
+        return path
+
+    def resume(self, path: str, log: RunLog) -> int:
+        ckpt = torch.load(path, weights_only=False)
+        for name, group in (("rollout", self.rollout), ("actor", self.actor)):
+            if len(ckpt[name]) != group.world_size:
+                raise ValueError(f"checkpoint {path} has {len(ckpt[name])} {name} rank(s), this placement has "
+                                 f"{group.world_size}: resume with the same placement")
+        wait(self.rollout.load_state(ckpt["rollout"]), self.actor.load_state(ckpt["actor"]))
+        self.loader.load_state_dict(ckpt["loader"])
+        log.history = [row for row in log.read_csv() if row["step"] <= ckpt["steps_done"]]
+        return ckpt["steps_done"]
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.destroy()
+        wait(self.reward.close())
+        for g in (self.rollout, self.reward, self.inference, self.actor):
+            g.shutdown()
+        if self._own_cluster:
+            self.cluster.shutdown()
+
+
+def step_row(step: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
+    """The metrics of one step (documented in docs/reasoning.md)."""
+    rollout, (reward,), (inference,), actor = report["rollout"], report["reward"], report["inference"], report["actor"]
+    row: dict[str, float] = {"step": step, "time_s": time_s, "step_s": step_s}
+    row |= {k: v for k, v in reward.items() if k not in ("busy_s", "idle_s")}
+    row["completion_tokens"] = sum(r["completion_tokens"] for r in rollout)
+    row["completion_length"] = row["completion_tokens"] / max(1, sum(r["completions"] for r in rollout))
+    row["truncated"] = sum(r["truncated"] for r in rollout) / max(1, sum(r["completions"] for r in rollout))
+    row["rollout_tokens_per_s"] = row["completion_tokens"] / max(max(r["busy_s"] for r in rollout), 1e-9)
+    skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
+            "completion_tokens", "optimizer_steps", "skipped_steps")
+    row |= {k: v for k, v in actor[0].items() if k not in skip}
+    row["optimizer_steps"] = actor[0].get("optimizer_steps", math.nan)
+    if "logprob_diff_max" in inference:
+        row["logprob_diff_max"] = inference["logprob_diff_max"]
+    row |= {k: report["sync"][k] for k in ("weight_sync_s", "weight_mb")}
+    for name, ranks in (("rollout", rollout), ("reward", [reward]), ("inference", [inference]), ("actor", actor)):
+        for k in ("busy_s", "idle_s"):
+            row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
+        if "peak_memory_mb" in ranks[0]:
+            row[f"{name}_peak_memory_mb"] = max(r["peak_memory_mb"] for r in ranks)
+    return row

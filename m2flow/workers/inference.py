@@ -1,0 +1,74 @@
+"""Inference worker: reference-model log-probs (for the KL term) and recomputed old-policy
+log-probs, on each scored batch as it streams by, micro-batched by a token budget.
+
+Its policy copy follows the actor's weights like the rollout's does. With neither a KL term
+nor recomputation configured it holds no model and passes batches through.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from m2flow.engines.training import compute_logprobs
+from m2flow.runtime import Channel
+from m2flow.workers.lm_common import END, load_model, memory_mb
+from m2flow.workers.lm_rollout import WeightReceiver
+
+
+class InferenceWorker(WeightReceiver):
+    def __init__(self, cfg: dict, take_turns: bool = False):
+        a = cfg["algorithm"]
+        self.temperature = cfg["rollout"]["temperature"] or 1.0  # greedy sampling reports T=1 log-probs
+        self.max_tokens = a["max_tokens_per_micro_batch"]
+        self.ref = load_model(cfg, self.device)[0].requires_grad_(False) if a["kl_coef"] > 0 else None
+        self.policy = load_model(cfg, self.device)[0].requires_grad_(False) if a["old_logprobs"] == "recompute" else None
+        self.turns = self.device_turns(take_turns and (self.ref is not None or self.policy is not None))
+        self.version = -1
+
+    def _receive_model(self) -> torch.nn.Module:
+        return self.policy
+
+    def pull_weights(self, actor_group: str) -> int:
+        if self.policy is None:  # nothing to follow
+            return self.version
+        return super().pull_weights(actor_group)
+
+    def logprobs(self, scored_in: Channel, batches_out: Channel, actor_ranks: int) -> dict:
+        """Adds ``ref_logprobs`` / ``old_logprobs`` to each batch and deals the batches out to
+        the actor ranks in turn; then an end marker to each."""
+        busy = idle = 0.0
+        diffs = []
+        i = 0
+        while True:
+            start = time.perf_counter()
+            batch = scored_in.get()
+            mid = time.perf_counter()
+            idle += mid - start
+            if batch == END:
+                break
+            if self.ref is not None or self.policy is not None:
+                with self.turns:
+                    idle += getattr(self.turns, "last_wait_s", 0.0)
+                    mid = time.perf_counter()
+                    if self.ref is not None:
+                        batch.ref_logprobs = compute_logprobs(self.ref, batch, self.max_tokens, self.temperature)
+                    if self.policy is not None:
+                        if batch.extras["version"] != self.version:
+                            raise RuntimeError(f"batch from policy version {batch.extras['version']}, the inference "
+                                               f"worker holds version {self.version}")
+                        recomputed = compute_logprobs(self.policy, batch, self.max_tokens, self.temperature)
+                        mask = batch.completion_mask.bool()
+                        diffs.append(float((recomputed - batch.old_logprobs)[mask].abs().max()) if mask.any() else 0.0)
+                        batch.old_logprobs = recomputed
+            batches_out.put(batch, key=i % actor_ranks, weight=batch.extras["groups"])
+            i += 1
+            busy += time.perf_counter() - mid
+        for rank in range(actor_ranks):
+            batches_out.put(END, key=rank)
+        batches_out.flush()
+        out = {"busy_s": busy, "idle_s": idle, "peak_memory_mb": memory_mb(self.device)}
+        if diffs:  # sampling vs recomputed log-probs of the same weights: should be round-off
+            out["logprob_diff_max"] = max(diffs)
+        return out

@@ -1,0 +1,207 @@
+"""LM actor: policy-gradient training on the batches streaming in, and weight sync out.
+
+Advantages (``algorithm.name``): ``grpo`` (group-normalised rewards), ``dr_grpo`` (not scaled
+by the group's std), ``rloo`` (leave-one-out baseline), ``reinforce_pp`` (REINFORCE++:
+token returns of KL-shaped rewards, whitened over the batch). The loss is the clipped
+surrogate with DAPO's knobs (clip-higher, dual clip, token-level aggregation), an optional
+KL term (k1/k2/k3, in the loss or in the reward) and an entropy bonus.
+
+Streaming: with a group-local advantage (grpo, dr_grpo, rloo), one epoch and one mini-batch,
+the actor runs forward and backward on each batch the moment it arrives, while the rollout
+is still generating, and takes the optimizer step once the last one is in. The loss is
+accumulated as a plain sum and the gradient divided by the step's token (or sequence)
+count at the end, when it is known: the same gradient as one pass over the whole batch.
+Otherwise the actor gathers the step's batches first, then trains epochs x mini-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from m2flow.algorithms import (
+    aggregate,
+    broadcast_to_tokens,
+    grpo_advantages,
+    kl_loss,
+    kl_penalty,
+    kl_shaped_rewards,
+    masked_mean,
+    policy_loss,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from m2flow.engines.training import LMTrainer, LossScale, SequenceBatch, concat_batches, named_weights
+from m2flow.runtime import Channel, Worker, dispatch
+from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
+
+GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
+ALGORITHMS = (*GROUP_LOCAL, "reinforce_pp")
+
+
+class LMActorWorker(Worker):
+    def __init__(self, cfg: dict, take_turns: bool = False):
+        self.cfg, a = cfg, cfg["algorithm"]
+        self.algo = a
+        model, self.tokenizer = load_model(cfg, self.device)
+        if self.world_size > 1:
+            self.init_process_group()
+        self.trainer = LMTrainer(model, a["lr"], max_tokens_per_micro_batch=a["max_tokens_per_micro_batch"],
+                                 weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"],
+                                 autocast_dtype=dtype_of(cfg["model"]["autocast"]), device=self.device,
+                                 temperature=cfg["rollout"]["temperature"] or 1.0)
+        self.streaming = a["name"] in GROUP_LOCAL and a["epochs"] == 1 and a["mini_batches"] == 1
+        self.norm_len = cfg["rollout"]["max_new_tokens"]  # Dr. GRPO's constant length
+        self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 1000 + self.rank)
+        self.turns = self.device_turns(take_turns)
+        self.version = 0
+        self.trainer.offload_optimizer()  # until its first turn
+
+    # -- weights ----------------------------------------------------------------------
+    def push_weights(self, groups: list[str], bucket_mb: float = 256.0) -> dict:
+        """Sends the weights, in buckets of about ``bucket_mb``, tagged with their version, to
+        every rank of each group in ``groups`` (``WeightReceiver.pull_weights``)."""
+        start = time.perf_counter()
+        buckets: list[dict[str, torch.Tensor]] = [{}]
+        size, limit = 0, bucket_mb * 2**20
+        for name, t in named_weights(self.trainer.model):
+            if buckets[-1] and size + t.nbytes > limit:
+                buckets.append({})
+                size = 0
+            buckets[-1][name] = t
+            size += t.nbytes
+        for i, bucket in enumerate(buckets):
+            message = {"tensors": bucket, "version": self.version, "last": i == len(buckets) - 1}
+            for group in groups:
+                self.broadcast(message, (self.group, self.rank), group)
+        return {"weight_sync_s": time.perf_counter() - start, "weight_buckets": len(buckets),
+                "weight_mb": sum(t.nbytes for b in buckets for t in b.values()) / 2**20}
+
+    def weights_hash(self) -> str:
+        return self.trainer.weights_hash()
+
+    # -- training ---------------------------------------------------------------------
+    def train(self, batches_in: Channel) -> dict:
+        """One policy update from this rank's share of the step's batches."""
+        start = time.perf_counter()
+        busy = idle = 0.0
+        batches = []
+        stats: dict[str, Any] = {}
+        tokens = seqs = 0
+        while True:
+            t0 = time.perf_counter()
+            batch = batches_in.get(key=self.rank)
+            idle += time.perf_counter() - t0
+            if batch == END:
+                break
+            if batch.extras["version"] != self.version:
+                raise RuntimeError(f"actor rank {self.rank} got a batch from policy version {batch.extras['version']}, "
+                                   f"it holds version {self.version}: the rollout's weights are stale")
+            if not self.streaming:
+                batches.append(batch)
+                continue
+            self._advantages(batch)
+            with self.turns:
+                idle += getattr(self.turns, "last_wait_s", 0.0)
+                t1 = time.perf_counter()
+                self.trainer.onload_optimizer()
+                raw = LossScale(tokens=self.world_size, sequences=self.world_size, world_size=self.world_size)
+                part = self.trainer.accumulate(batch, self._loss, raw)
+                busy += time.perf_counter() - t1
+            _add_weighted(stats, part, int(batch.completion_mask.sum()))
+            tokens += int(batch.completion_mask.sum())
+            seqs += len(batch)
+        with self.turns:
+            idle += getattr(self.turns, "last_wait_s", 0.0)
+            t1 = time.perf_counter()
+            self.trainer.onload_optimizer()
+            if self.streaming:
+                result = self._finish_streamed(stats, tokens, seqs)
+            else:
+                result = self._train_gathered(batches)
+            peak = memory_mb(self.device)
+            self.trainer.offload_optimizer()  # context switching: the rollout gets the room
+            busy += time.perf_counter() - t1
+        self.version += 1
+        return result | {"busy_s": busy, "idle_s": idle, "peak_memory_mb": peak, "version": self.version,
+                         "time_s": time.perf_counter() - start}
+
+    def _finish_streamed(self, stats: dict[str, Any], tokens: int, seqs: int) -> dict:
+        counts = torch.tensor([tokens, seqs], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(counts)
+        divisor = float(counts[0] if self.algo["loss_agg"] == "token-mean" else counts[1])
+        if divisor == 0:  # every group was dropped (dynamic sampling): no update this step
+            self.trainer.optimizer.zero_grad(set_to_none=True)
+            return {"optimizer_steps": 0, "completion_tokens": 0}
+        grad_norm = self.trainer.finish_step(grad_scale=self.world_size / divisor)
+        return {**_weighted_means(stats), "grad_norm": grad_norm, "optimizer_steps": int(grad_norm == grad_norm),
+                "completion_tokens": tokens}
+
+    def _train_gathered(self, batches: list[SequenceBatch]) -> dict:
+        if not batches:
+            raise RuntimeError(f"actor rank {self.rank} got no batch this step: every group was dropped, or there are "
+                               "more actor ranks than batches (lower placement.granularity or use fewer actor ranks)")
+        batch = concat_batches(batches, pad_id=self.tokenizer.pad_token_id or 0)
+        self._advantages(batch)
+        a = self.algo
+        return self.trainer.train_step(batch, self._loss, mini_batches=a["mini_batches"], epochs=a["epochs"],
+                                       generator=self.shuffle)
+
+    def _advantages(self, batch: SequenceBatch) -> None:
+        a, mask = self.algo, batch.completion_mask
+        rewards, n = batch.extras["reward"].float(), batch.extras["group_size"]
+        if a["name"] == "reinforce_pp":
+            kl = None
+            if a["kl_coef"] > 0 and a["kl_in_reward"]:
+                kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, a["kl_kind"])
+            batch.advantages = reinforce_pp_advantages(kl_shaped_rewards(rewards, mask, kl, a["kl_coef"]), mask)
+            return
+        if a["name"] == "rloo":
+            adv = rloo_advantages(rewards, n)
+        else:
+            adv = grpo_advantages(rewards, n, scale_by_std=a["name"] == "grpo")
+        batch.advantages = broadcast_to_tokens(adv, mask)
+
+    def _loss(self, logp: torch.Tensor, entropy: torch.Tensor | None, mb: SequenceBatch,
+              scale: LossScale) -> tuple[torch.Tensor, dict]:
+        """This micro-batch's share of the mini-batch loss (see ``LossScale``)."""
+        a, mask = self.algo, mb.completion_mask
+        totals = {"agg": a["loss_agg"], "norm_len": self.norm_len, "total_tokens": scale.tokens / scale.world_size,
+                  "total_seqs": scale.sequences / scale.world_size}
+        loss, stats = policy_loss(logp, mb.old_logprobs, mb.advantages, mask, a["clip"], a["clip_high"],
+                                  a["dual_clip"], **totals)
+        if a["kl_coef"] > 0 and not a["kl_in_reward"]:
+            kl = kl_loss(logp, mb.ref_logprobs, mask, a["kl_kind"], **totals)
+            loss = loss + a["kl_coef"] * kl
+            stats["kl"] = float(masked_mean(kl_penalty(logp.detach(), mb.ref_logprobs, a["kl_kind"]), mask))
+        if entropy is not None:
+            if a["entropy_coef"]:
+                loss = loss - a["entropy_coef"] * aggregate(entropy, mask, **totals)
+            stats["entropy"] = float(masked_mean(entropy.detach(), mask))
+        return loss, stats
+
+    # -- checkpoints ------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"trainer": self.trainer.state_dict(), "version": self.version, "shuffle": self.shuffle.get_state()}
+
+    @dispatch(split="per_rank")
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.trainer.onload_optimizer()
+        self.trainer.load_state_dict(state["trainer"])
+        self.trainer.offload_optimizer()
+        self.version = state["version"]
+        self.shuffle.set_state(state["shuffle"])
+
+
+def _add_weighted(sums: dict[str, Any], stats: dict[str, float], weight: int) -> None:
+    for k, v in stats.items():
+        total, w = sums.get(k, (0.0, 0))
+        sums[k] = (total + float(v) * weight, w + weight)
+
+
+def _weighted_means(sums: dict[str, Any]) -> dict[str, float]:
+    return {k: total / w if w else float("nan") for k, (total, w) in sums.items()}

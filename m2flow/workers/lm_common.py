@@ -1,0 +1,36 @@
+"""What the reasoning components share: loading the model a config names, memory readings,
+and the marker that ends a step's stream."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+END = "end-of-step"  # sent down a channel after a step's last batch
+
+
+def dtype_of(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(cfg: dict, device: str) -> tuple[torch.nn.Module, object]:
+    """``(model, tokenizer)`` of ``model.path`` on ``device``: every component loads the same
+    initial weights (tiny models from the run's seed)."""
+    from m2flow.models.lm import load_lm
+
+    m = cfg["model"]
+    model, tokenizer = load_lm(m["path"], dtype=dtype_of(m["dtype"]), seed=cfg["seed"])
+    return model.to(device), tokenizer
+
+
+def memory_mb(device: str) -> float:
+    """Peak memory of this process: CUDA's max allocated on a GPU, else peak RSS."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10

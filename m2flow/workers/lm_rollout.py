@@ -1,0 +1,134 @@
+"""LM rollout: groups of completions per prompt, streamed out as each group completes.
+
+Also the receiving side of weight sync, shared with the inference worker: the actor sends
+its weights in buckets (``push_weights``), tagged with a version; a receiver loads each
+bucket as it arrives, so no process holds a second full copy of the model.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from m2flow.engines import SamplingParams, build_engine
+from m2flow.engines.training import SequenceBatch
+from m2flow.runtime import Channel, Worker, dispatch
+from m2flow.workers.lm_common import load_model, memory_mb
+
+
+class WeightReceiver(Worker):
+    """A worker holding a model that follows the actor's weights."""
+
+    version: int
+
+    def _receive_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def _load_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        state = self._receive_model().state_dict()
+        with torch.no_grad():
+            for name, t in tensors.items():
+                state[name].copy_(t)  # in place: tied weights stay tied
+
+    def pull_weights(self, actor_group: str) -> int:
+        """Receives the actor's buckets until the last; returns the new version."""
+        while True:
+            message = self.broadcast(None, (actor_group, 0), self.group)
+            self._load_bucket(message["tensors"])
+            if message["last"]:
+                self.version = message["version"]
+                return self.version
+
+    def weights_hash(self) -> str:
+        from m2flow.engines.training import weights_hash
+
+        return weights_hash(self._receive_model())
+
+
+class LMRolloutWorker(WeightReceiver):
+    def __init__(self, cfg: dict, take_turns: bool = False):
+        self.cfg, r = cfg, cfg["rollout"]
+        torch.manual_seed(cfg["seed"] + 7919 * (self.rank + 1))  # sampling, reproducible per rank
+        model, self.tokenizer = load_model(cfg, self.device)
+        model.requires_grad_(False)
+        options = {"max_batch_size": r["max_batch_size"]} if r["backend"] == "torch" else {}
+        self.engine = build_engine(r["backend"], model, self.tokenizer, **options)
+        self.params = SamplingParams(n=r["n"], temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"],
+                                     max_new_tokens=r["max_new_tokens"], stop=tuple(r["stop"]))
+        self.turns = self.device_turns(take_turns)
+        self.version = -1  # no weights from the actor yet: generating before the first sync is an error
+        self.engine.offload()  # until its first turn
+
+    def _receive_model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    def _load_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.engine.load_weights(tensors.items())
+
+    @dispatch(split="scatter")
+    def generate(self, prompts: list[dict], samples_out: Channel, granularity: int) -> dict:
+        """Generates ``rollout.n`` completions per prompt; every ``granularity`` completed groups
+        go out as one ``SequenceBatch`` (``extras``: prompt index, answers, texts, finish
+        reasons, group size and policy version; ``old_logprobs``: the sampling log-probs)."""
+        if self.version < 0:
+            raise RuntimeError("the rollout has no weights: the actor must sync them first")
+        start = time.perf_counter()
+        stats = {"groups": 0, "completions": 0, "completion_tokens": 0, "truncated": 0}
+        with self.turns:
+            waited = getattr(self.turns, "last_wait_s", 0.0)
+            gen_start = time.perf_counter()
+            self.engine.onload()
+            pending: list[tuple[dict, list]] = []
+            for group in self.engine.generate([p["token_ids"] for p in prompts], self.params):
+                pending.append((prompts[group[0].prompt_index], group))
+                stats["groups"] += 1
+                stats["completions"] += len(group)
+                stats["completion_tokens"] += sum(len(c.token_ids) for c in group)
+                stats["truncated"] += sum(c.finish_reason == "length" for c in group)
+                if len(pending) == granularity:
+                    samples_out.put(self._batch(pending), weight=len(pending))
+                    pending = []
+            if pending:
+                samples_out.put(self._batch(pending), weight=len(pending))
+            samples_out.flush()
+            peak = memory_mb(self.device)
+            self.engine.offload()  # context switching: the KV cache (and on a GPU the weights) make room
+        busy = time.perf_counter() - gen_start
+        return stats | {"busy_s": busy, "idle_s": waited, "lock_wait_s": waited, "peak_memory_mb": peak,
+                        "tokens_per_s": stats["completion_tokens"] / max(busy, 1e-9), "time_s": time.perf_counter() - start}
+
+    def _batch(self, groups: list[tuple[dict, list]]) -> SequenceBatch:
+        rows = [(prompt, c) for prompt, group in groups for c in group]
+        batch = SequenceBatch.from_completions([p["token_ids"] for p, _ in rows], [c.token_ids for _, c in rows],
+                                               pad_id=self.tokenizer.pad_token_id or 0)
+        sampled = torch.zeros(batch.input_ids.shape)
+        for i, (p, c) in enumerate(rows):
+            start = len(p["token_ids"])
+            sampled[i, start:start + len(c.token_ids)] = c.logprobs
+        batch.old_logprobs = sampled
+        batch.extras = {"prompt_index": [p["index"] for p, _ in rows], "answer": [p["answer"] for p, _ in rows],
+                        "text": [c.text for _, c in rows], "finish_reason": [c.finish_reason for _, c in rows],
+                        "group_size": self.params.n, "groups": len(groups), "version": self.version}
+        return batch
+
+    @dispatch(split="scatter", gather="concat")
+    def complete(self, prompts: list[dict], temperature: float) -> list[str]:
+        """One completion per prompt (evaluation), outside the training stream."""
+        params = SamplingParams(n=1, temperature=temperature, top_p=self.params.top_p, top_k=self.params.top_k,
+                                max_new_tokens=self.params.max_new_tokens, stop=self.params.stop)
+        texts: dict[int, str] = {}
+        with self.turns:
+            self.engine.onload()
+            for (c,) in self.engine.generate([p["token_ids"] for p in prompts], params):
+                texts[c.prompt_index] = c.text
+            self.engine.offload()
+        return [texts[i] for i in range(len(prompts))]
+
+    def state(self) -> dict[str, Any]:
+        return {"rng": torch.get_rng_state()}
+
+    @dispatch(split="per_rank")
+    def load_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["rng"])

@@ -1,0 +1,82 @@
+"""Reward worker: scores completions as their groups stream in from the rollout.
+
+The reward functions run in ``RewardScorer``'s own process (math-verify needs a main thread);
+DAPO's soft overlong penalty is added here, and with dynamic sampling the groups whose
+rewards are all equal (no learning signal) are dropped before anything downstream pays for
+them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from m2flow.algorithms import dynamic_sampling_keep, overlong_penalty
+from m2flow.rewards import RewardScorer
+from m2flow.runtime import Channel, Worker
+from m2flow.workers.lm_common import END
+
+
+class RewardWorker(Worker):
+    def __init__(self, cfg: dict):
+        r = cfg["reward"]
+        self.scorer = RewardScorer(dict(r["functions"]), timeout_s=r["timeout_s"])
+        self.max_new_tokens = cfg["rollout"]["max_new_tokens"]
+        self.overlong = (r["overlong_buffer"], r["overlong_factor"])
+        self.dynamic_sampling = cfg["algorithm"]["dynamic_sampling"]
+
+    def score(self, samples_in: Channel, scored_out: Channel, num_groups: int) -> dict:
+        """Scores the step's ``num_groups`` groups, then sends the end marker."""
+        busy = idle = 0.0
+        seen = kept = 0
+        rewards_all, parts_all = [], {}
+        while seen < num_groups:
+            start = time.perf_counter()
+            batch = samples_in.get()
+            mid = time.perf_counter()
+            idle += mid - start
+            seen += batch.extras["groups"]
+            scores = self.scorer.score(batch.extras["text"], batch.extras["answer"])
+            rewards = torch.from_numpy(scores.total)
+            rewards_all.append(scores.total)
+            for name, part in scores.parts.items():
+                parts_all.setdefault(name, []).append(part)
+            buffer, factor = self.overlong
+            if buffer:
+                lengths = batch.completion_mask.sum(1)
+                rewards = rewards + overlong_penalty(lengths, self.max_new_tokens, buffer, factor)
+            batch.extras["reward"] = rewards
+            if self.dynamic_sampling:
+                n = batch.extras["group_size"]
+                keep = dynamic_sampling_keep(rewards, n)
+                groups = int(keep.sum())
+                rows = torch.arange(len(batch)).view(-1, n)[keep].reshape(-1)
+                batch = batch.select(rows) if groups else None
+            else:
+                groups = batch.extras["groups"]
+            if batch is not None:
+                batch.extras["groups"] = groups
+                scored_out.put(batch, weight=groups)
+                kept += groups
+            busy += time.perf_counter() - mid
+        scored_out.put(END)
+        scored_out.flush()
+        rewards = np.concatenate(rewards_all)
+        return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()), "groups_kept": kept,
+                "groups": seen, **{f"reward_{_short(k)}": float(np.concatenate(v).mean()) for k, v in parts_all.items()},
+                "busy_s": busy, "idle_s": idle}
+
+    def score_texts(self, texts: list[str], answers: list[str]) -> dict:
+        """Mean scores of finished texts (evaluation)."""
+        scores = self.scorer.score(texts, answers)
+        return {"reward": float(scores.total.mean()), **{_short(k): float(v.mean()) for k, v in scores.parts.items()}}
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def _short(spec: str) -> str:
+    """A reward's name in metrics: ``math``, or a function's name for ``package.module:function``."""
+    return spec.rpartition(":")[2]

@@ -1,0 +1,296 @@
+"""The LM rollout engine: log-probs exact against a plain forward (different prompt lengths,
+slots refilled), greedy equal to model.generate(), top-k/top-p, stop strings and EOS,
+streaming, seeding, weight sync, offload, bad input, and the benchmark script."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from m2flow.engines import SamplingParams, TorchEngine, build_engine
+from m2flow.engines.torch_engine import sample_tokens
+from m2flow.models.lm import load_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lively_lm(name):
+    """A tiny model re-initialised with larger weights: freshly initialised ones give nearly
+    uniform logits whose greedy path repeats one token, which would make greedy tests weak."""
+    model, tok = load_lm(name)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.03 if "embed" in param_name else 0.3))
+    return model, tok
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-gemma"])
+def lm(request):
+    return lively_lm(request.param)
+
+
+def make_prompts(lengths, seed=0, vocab=259):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]  # 0-2 are special tokens
+
+
+def reference_logprobs(model, prompt, completion, temperature):
+    """log_softmax(logits / T) at each completion token, from one unpadded forward of prompt + completion."""
+    ids = torch.tensor([prompt + completion], device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1), torch.tensor(completion, device=model.device)
+
+
+def greedy_ids(engine, prompts, max_new_tokens):
+    groups = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+    return {g[0].prompt_index: g[0].token_ids for g in groups}
+
+
+def test_logprobs_match_full_forward_with_refills(lm):
+    model, tok = lm
+    engine = TorchEngine(model, tok, max_batch_size=4)
+    prompts = make_prompts([3, 17, 41, 9, 26])
+    # Ten likely stop characters end sequences at different steps, so slots are refilled mid-batch.
+    params = SamplingParams(n=3, temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=24,
+                            stop=tuple("abcdefghij"), seed=1)
+    groups = list(engine.generate(prompts, params))
+    assert engine.stats["refills"] > 0
+    assert sorted(g[0].prompt_index for g in groups) == list(range(len(prompts)))
+    completions = [c for g in groups for c in g]
+    assert {c.finish_reason for c in completions} == {"stop", "length"}
+    assert len({len(c.token_ids) for c in completions}) > 3
+    for c in completions:
+        assert c.logprobs.dtype == torch.float32 and c.logprobs.shape == (len(c.token_ids),)
+        ref, tokens = reference_logprobs(model, prompts[c.prompt_index], c.token_ids, params.temperature)
+        assert (ref.gather(1, tokens[:, None]).squeeze(1) - c.logprobs).abs().max().item() <= 1e-3
+        # Every drawn token lies within the top-k of the exact distribution.
+        assert (ref.topk(params.top_k, -1).indices == tokens[:, None]).any(-1).all()
+
+
+def test_greedy_equals_model_generate(lm):
+    model, tok = lm
+    engine = TorchEngine(model, tok, max_batch_size=2)  # 4 prompts through 2 slots
+    prompts = make_prompts([5, 30, 12, 2], seed=1)
+    ours = greedy_ids(engine, prompts, 20)
+    for i, prompt in enumerate(prompts):
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20)[0, len(prompt):].tolist()
+        assert ours[i] == ref, f"prompt {i}"
+
+
+def test_greedy_logprobs_are_temperature_one(lm):
+    model, tok = lm
+    prompt = make_prompts([10], seed=2)[0]
+    [[c]] = TorchEngine(model, tok).generate([prompt], SamplingParams(temperature=0, max_new_tokens=8))
+    ref, tokens = reference_logprobs(model, prompt, c.token_ids, 1.0)
+    assert torch.allclose(ref.gather(1, tokens[:, None]).squeeze(1), c.logprobs, atol=1e-3)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    model, tok = lively_lm("tiny-llama")
+    engine = TorchEngine(model, tok)
+    prompts = make_prompts([4, 11, 7], seed=3)
+    greedy = list(engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12)))
+    for narrow in (SamplingParams(n=2, top_k=1, max_new_tokens=12, seed=5),
+                   SamplingParams(n=2, top_p=1e-6, max_new_tokens=12, seed=5)):
+        for group, ref in zip(engine.generate(prompts, narrow), greedy):
+            for c in group:  # same tokens; log-probs of the full distribution at T=1, as greedy reports
+                assert c.token_ids == ref[0].token_ids
+                assert torch.allclose(c.logprobs, ref[0].logprobs, atol=1e-5)
+
+
+def test_n_samples_groups_and_text():
+    model, tok = load_lm("tiny-qwen2")
+    engine = TorchEngine(model, tok, max_batch_size=5)
+    prompts = make_prompts([6, 9, 3, 14], seed=4)
+    groups = list(engine.generate(prompts, SamplingParams(n=3, max_new_tokens=10, seed=0)))
+    assert sorted(g[0].prompt_index for g in groups) == [0, 1, 2, 3]
+    for g in groups:
+        assert [c.sample_index for c in g] == [0, 1, 2] and len({c.prompt_index for c in g}) == 1
+        assert len({tuple(c.token_ids) for c in g}) == 3  # independent samples (random model, 259 tokens)
+        for c in g:
+            assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+            ended_by_eos = c.token_ids[-1] == tok.eos_token_id
+            assert c.finish_reason == ("stop" if ended_by_eos else "length")
+            assert (len(c.token_ids) <= 10) if ended_by_eos else (len(c.token_ids) == 10)
+            assert tok.eos_token_id not in c.token_ids[:-1]
+
+
+def test_seeded_sampling_is_reproducible():
+    model, tok = load_lm("tiny-llama")
+    engine = TorchEngine(model, tok, max_batch_size=3)
+    prompts = make_prompts([5, 8], seed=5)
+    run = lambda seed: [c.token_ids for g in engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16,
+                                                                                       seed=seed)) for c in g]
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_eos_stop_string_and_streaming():
+    model, tok = lively_lm("tiny-llama")
+    prompts = make_prompts([5, 12, 8, 20], seed=6)
+    ref = greedy_ids(TorchEngine(model, tok), prompts, 40)
+    # Stop string: the first printable ASCII pair in prompt 0's greedy completion.
+    chars = [tok.decode([t]) for t in ref[0]]
+    j = next(j for j in range(39) if all(len(c) == 1 and c.isascii() and c.isprintable() for c in chars[j:j + 2]))
+    stop = chars[j] + chars[j + 1]
+    first = next(i for i in range(40) if stop in tok.decode(ref[0][:i + 1]))
+    params = SamplingParams(temperature=0, max_new_tokens=40, stop=(stop,))
+    [[c]] = TorchEngine(model, tok).generate(prompts[:1], params)
+    assert c.token_ids == ref[0][:first + 1] and c.finish_reason == "stop" and c.text.endswith(stop)
+
+    # EOS: declare prompt 0's third token an end-of-sequence token (one the others never emit).
+    others = {t for i in (1, 2, 3) for t in ref[i]}
+    k = next(k for k in range(2, 40) if ref[0][k] not in others)
+    eos = ref[0][k]
+    model.generation_config.eos_token_id = [tok.eos_token_id, eos]
+    try:
+        engine = TorchEngine(model, tok, max_batch_size=4)
+    finally:
+        model.generation_config.eos_token_id = tok.eos_token_id
+    stream = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=40))
+    group = next(stream)
+    steps_at_first_group = engine.stats["decode_steps"]
+    rest = list(stream)
+    (c,) = group
+    assert c.prompt_index == 0 and c.finish_reason == "stop" and c.token_ids == ref[0][:ref[0].index(eos) + 1]
+    # Yielded while the other rows, all in the same batch, were still decoding.
+    assert steps_at_first_group < 39 == engine.stats["decode_steps"]
+    assert all(g[0].finish_reason == "length" and g[0].token_ids == ref[g[0].prompt_index] for g in rest)
+
+
+def test_length_limits():
+    model, tok = load_lm("tiny-gemma")
+    engine = TorchEngine(model, tok)
+    [[c]] = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=1, seed=0))
+    assert len(c.token_ids) == 1 and c.finish_reason in ("length", "stop")
+    max_positions = model.config.max_position_embeddings
+    [[c]] = engine.generate(make_prompts([max_positions - 3]), SamplingParams(max_new_tokens=10, seed=0))
+    assert len(c.token_ids) == 3 and c.finish_reason == "length"  # prompt + completion fill every position
+
+
+def test_load_weights_then_generate_uses_them():
+    model, tok = load_lm("tiny-llama")
+    other, _ = lively_lm("tiny-llama")
+    prompts = make_prompts([7, 15], seed=7)
+    engine = TorchEngine(model, tok)
+    before = greedy_ids(engine, prompts, 16)
+    expected = greedy_ids(TorchEngine(other, tok), prompts, 16)
+    assert before != expected
+    engine.load_weights(other.state_dict().items())
+    assert greedy_ids(engine, prompts, 16) == expected
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight  # tied weights stay tied
+    with pytest.raises(ValueError, match="no weight named"):
+        engine.load_weights([("model.nope.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_offload_onload_round_trip():
+    model, tok = lively_lm("tiny-qwen2")
+    engine = build_engine("torch", model, tok)
+    prompts = make_prompts([9, 4], seed=8)
+    before = greedy_ids(engine, prompts, 12)
+    assert engine.cache is not None
+    engine.offload()
+    assert engine.cache is None
+    with pytest.raises(RuntimeError, match="onload"):
+        engine.generate(prompts, SamplingParams())
+    engine.onload()
+    assert greedy_ids(engine, prompts, 12) == before
+
+
+def test_bad_input_is_a_clear_value_error():
+    model, tok = load_lm("tiny-llama")
+    engine = TorchEngine(model, tok)
+    for kwargs, message in [({"n": 0}, "n must be"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                            ({"top_k": -1}, "top_k"), ({"max_new_tokens": 0}, "max_new_tokens"),
+                            ({"stop": ("",)}, "stop")]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[5], []], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[5, 259]], SamplingParams())
+    with pytest.raises(ValueError, match="2048 positions"):
+        engine.generate(make_prompts([2048]), SamplingParams())
+    with pytest.raises(ValueError, match="max_batch_size"):
+        TorchEngine(model, tok, max_batch_size=0)
+    with pytest.raises(ValueError, match="unknown generation backend"):
+        build_engine("jax", model, tok)
+    assert list(engine.generate([], SamplingParams())) == []
+    assert SamplingParams(stop="ab").stop == ("ab",)
+
+
+def test_vllm_backend_missing_is_a_clear_import_error():
+    pytest.importorskip("transformers")
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vllm is installed")
+    except ImportError:
+        pass
+    model, tok = load_lm("tiny-llama")
+    with pytest.raises(ImportError, match="pip install vllm"):
+        build_engine("vllm", model, tok)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_logprobs_and_offload():
+    model, tok = lively_lm("tiny-llama")
+    model.to("cuda")
+    engine = TorchEngine(model, tok, max_batch_size=3)
+    prompts = make_prompts([4, 19, 11], seed=9)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, stop=tuple("abcdefghij"), seed=0)
+    for g in engine.generate(prompts, params):
+        for c in g:
+            ref, tokens = reference_logprobs(model, prompts[c.prompt_index], c.token_ids, 1.0)
+            assert (ref.gather(1, tokens[:, None]).squeeze(1).cpu() - c.logprobs).abs().max().item() <= 1e-3
+    before = greedy_ids(engine, prompts, 10)
+    engine.offload()
+    assert engine.cache is None and next(model.parameters()).device.type == "cpu"
+    engine.onload()
+    assert next(model.parameters()).device.type == "cuda"
+    assert greedy_ids(engine, prompts, 10) == before
+
+
+def test_benchmark_script_smoke():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rollout_engine.py"), "--model", "tiny-llama",
+                          "--prompts", "2", "--samples", "2", "--batch", "4", "--max-new-tokens", "8",
+                          "--repeats", "1"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["generate"]["tokens_per_s_best"] > 0 and result["engine"]["tokens_per_s_best"] > 0
+    assert result["ratio"] > 0 and len(result["engine"]["runs"]) == 1
+
+
+def test_sampling_follows_the_truncated_distribution():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0]))[None].expand(200_000, -1).clone()
+    generator = torch.Generator().manual_seed(0)
+    for params, expected in [(SamplingParams(), [0.4, 0.3, 0.2, 0.1, 0]),
+                             (SamplingParams(top_k=2), [4 / 7, 3 / 7, 0, 0, 0]),
+                             (SamplingParams(top_p=0.75), [4 / 9, 3 / 9, 2 / 9, 0, 0]),
+                             (SamplingParams(temperature=0.5), [16 / 30, 9 / 30, 4 / 30, 1 / 30, 0])]:
+        tokens, logprobs = sample_tokens(logits, params, generator)
+        freq = torch.bincount(tokens, minlength=5).double() / len(tokens)
+        assert torch.allclose(freq, torch.tensor(expected, dtype=torch.float64), atol=0.005), (params, freq)
+        # Log-probs stay those of the full tempered distribution, truncation or not.
+        full = torch.log_softmax(logits[0] / params.temperature, -1)
+        assert torch.allclose(logprobs, full[tokens])
+
+
+def test_prefill_in_chunks_is_exact():
+    model, tok = lively_lm("tiny-qwen2")
+    prompts = make_prompts([30, 5, 22, 14, 9], seed=10)
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=6, seed=3)
+    whole = list(TorchEngine(model, tok, max_batch_size=10).generate(prompts, params))
+    engine = TorchEngine(model, tok, max_batch_size=10, max_prefill_tokens=40)  # at most 40 padded tokens a forward
+    chunked = list(engine.generate(prompts, params))
+    assert engine.stats["prefill_forwards"] == 4 and engine.stats["prefill_tokens"] <= 4 * 40
+    for a, b in zip(whole, chunked):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids and torch.allclose(x.logprobs, y.logprobs, atol=1e-4)

@@ -1,0 +1,403 @@
+"""LM training/scoring backend: SequenceBatch, token-budget micro-batching, log-probs against
+plain unpadded forwards, gradient accumulation, learning, data parallel (2 gloo processes),
+offload and checkpoint round trips, weight hashing, and bad input."""
+
+import io
+import random
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from m2flow.engines import training
+from m2flow.engines.training import (
+    LMTrainer,
+    LossScale,
+    SequenceBatch,
+    compute_logprobs,
+    named_weights,
+    split_by_token_budget,
+    weights_hash,
+)
+from m2flow.models.lm import TINY_CONFIGS, load_lm
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def random_batch(rows: int, seed: int = 0) -> SequenceBatch:
+    """Prompts of 2-7 tokens and completions of 1-9 tokens: rows of many different lengths."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(2, 7))] for _ in range(rows)]
+    completions = [[rng.randrange(3, 259) for _ in range(rng.randint(1, 9))] for _ in range(rows)]
+    return SequenceBatch.from_completions(prompts, completions, pad_id=0)
+
+
+def token_mean_nll(logprobs, entropy, mb, scale):
+    """Mean negative log-likelihood over the mini-batch's completion tokens."""
+    loss = scale.token_mean(-logprobs, mb.completion_mask)
+    return loss, {"nll": (-logprobs * mb.completion_mask).sum() / mb.completion_mask.sum().clamp(min=1)}
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {name: t.detach().cpu().clone() for name, t in named_weights(model)}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def reference_logprobs(model, ids: torch.Tensor, temperature: float = 1.0):
+    """log p(ids[t] | ids[:t]) and the entropy of that distribution, t >= 1, one unpadded row."""
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0, :-1].double() / temperature
+    logp = logits.log_softmax(-1)
+    return logp.gather(-1, ids[1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def test_sequence_batch_layout_and_select():
+    b = SequenceBatch.from_completions([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 9, 10], [8, 11, 12, 13, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert b.completion_mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 0]]
+    assert len(b) == 2 and b.lengths.tolist() == [5, 4]
+    b.advantages = torch.arange(10.0).reshape(2, 5)
+    b.extras = {"reward": torch.tensor([1.0, 2.0]), "answers": ["a", "b"], "tag": "run-1"}
+    s = b.select([1])
+    assert s.input_ids.tolist() == [[8, 11, 12, 13, 0]] and s.advantages.tolist() == [[5, 6, 7, 8, 9]]
+    assert s.extras["reward"].tolist() == [2.0] and s.extras["answers"] == ["b"] and s.extras["tag"] == "run-1"
+    assert s.old_logprobs is None
+    t = s.truncate(4)
+    assert t.input_ids.shape == (1, 4) and t.advantages.shape == (1, 4)
+    assert b.to("cpu").input_ids.equal(b.input_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_compute_logprobs_matches_unpadded_forward(name, device):
+    model, _ = load_lm(name)
+    model.to(device)
+    batch = random_batch(6, seed=1)
+    assert len(set(batch.lengths.tolist())) > 2  # really ragged
+    for temperature in (1.0, 0.7):
+        whole, ent = compute_logprobs(model, batch, max_tokens=10_000, temperature=temperature, with_entropy=True)
+        assert whole.dtype == torch.float32 and whole.device.type == "cpu" and not model.training
+        # A budget of 16 tokens forces several micro-batches of 1-2 rows.
+        assert len(split_by_token_budget(batch, 16)) >= 4
+        small = compute_logprobs(model, batch, max_tokens=16, temperature=temperature)
+        assert (small - whole).abs().max().item() <= 1e-6
+        for i in range(len(batch)):
+            n = int(batch.lengths[i])
+            ref_lp, ref_ent = reference_logprobs(model, batch.input_ids[i, :n].to(device), temperature)
+            assert (whole[i, 1:n].double() - ref_lp.cpu()).abs().max().item() <= 1e-5
+            assert (ent[i, 1:n].double() - ref_ent.cpu()).abs().max().item() <= 1e-5
+            assert whole[i, 0] == 0 and (whole[i, n:] == 0).all() and (ent[i, n:] == 0).all()
+
+
+def test_compute_logprobs_bf16_autocast_returns_fp32():
+    model, _ = load_lm("tiny-llama")
+    batch = random_batch(4, seed=2)
+    fp32 = compute_logprobs(model, batch, max_tokens=64)
+    bf16 = compute_logprobs(model, batch, max_tokens=64, autocast_dtype=torch.bfloat16)
+    assert bf16.dtype == torch.float32
+    mask = batch.completion_mask.bool()
+    assert 0 < (bf16 - fp32)[mask].abs().max().item() < 0.1  # bf16 rounding, not a different function
+
+
+def test_split_by_token_budget_respects_budget_and_covers_rows():
+    batch = random_batch(40, seed=3)
+    lengths = batch.lengths
+    for budget in (1, 7, 16, 33, 100, 10_000):
+        groups = split_by_token_budget(batch, budget)
+        flat = torch.cat(groups).tolist()
+        assert sorted(flat) == list(range(len(batch)))  # every row exactly once
+        for g in groups:
+            padded = len(g) * int(lengths[g].max())
+            assert padded <= budget or len(g) == 1  # a lone row may exceed the budget
+        # Longest rows first: the micro-batches' longest rows never grow.
+        longest = [int(lengths[g].max()) for g in groups]
+        assert longest == sorted(longest, reverse=True)
+    assert len(split_by_token_budget(batch, 10_000)) == 1
+    assert all(len(g) == 1 for g in split_by_token_budget(batch, 1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_accumulation_matches_one_micro_batch(device):
+    batch = random_batch(10, seed=4)
+    results = {}
+    for budget in (10_000, 20):
+        model, _ = load_lm("tiny-qwen2")
+        # eps=1e-5 (as the embodied actor uses): with Adam's default 1e-8, a gradient of
+        # ~1e-9 (attention to a near-uniform context) is rescaled to a step of ~lr/10, so
+        # its float rounding in a different summation order would move weights by ~1e-5.
+        trainer = LMTrainer(model, lr=1e-3, eps=1e-5, weight_decay=0.01, max_tokens_per_micro_batch=budget,
+                            device=device)
+
+        def loss_fn(logprobs, entropy, mb, scale):
+            # The callback sees its own rows only, trimmed to their longest row.
+            assert mb.input_ids.shape[1] == int(mb.lengths.max())
+            assert len(mb) == 1 or mb.input_ids.numel() <= budget
+            assert logprobs.shape == entropy.shape == mb.input_ids.shape and logprobs.requires_grad
+            return token_mean_nll(logprobs, entropy, mb, scale)
+
+        stats = trainer.train_step(batch, loss_fn, mini_batches=2, epochs=2)
+        results[budget] = (snapshot(model), stats)
+    (big_w, big), (small_w, small) = results[10_000], results[20]
+    assert big["micro_batches"] == 4 and small["micro_batches"] > 12
+    assert big["optimizer_steps"] == small["optimizer_steps"] == 4
+    assert big["completion_tokens"] == small["completion_tokens"] == 2 * int(batch.completion_mask.sum())
+    assert abs(big["loss"] - small["loss"]) < 1e-5 and abs(big["nll"] - small["nll"]) < 1e-5
+    assert abs(big["grad_norm"] - small["grad_norm"]) < 1e-5
+    assert max_diff(big_w, small_w) <= 1e-6
+    assert max_diff(big_w, snapshot(load_lm("tiny-qwen2")[0])) > 1e-3  # the weights did move
+
+
+def test_logit_chunking_changes_nothing(monkeypatch):
+    """Log-softmax and entropy run over chunks of tokens (checkpointed in training): tiny
+    chunks give the same log-probs, entropies and updated weights as one chunk."""
+    batch = random_batch(6, seed=10)
+    results = []
+    for chunk_tokens in (4096, 5):
+        monkeypatch.setattr(training, "LOGIT_CHUNK_TOKENS", chunk_tokens)
+        model, _ = load_lm("tiny-llama")
+        scored = compute_logprobs(model, batch, max_tokens=200, with_entropy=True)
+        trainer = LMTrainer(model, lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=200)
+        stats = trainer.train_step(batch, lambda lp, ent, mb, scale: (
+            scale.token_mean(-lp - 0.1 * ent, mb.completion_mask), {}))
+        results.append((scored, stats["grad_norm"], snapshot(model)))
+    (lp_a, ent_a), norm_a, w_a = results[0]
+    (lp_b, ent_b), norm_b, w_b = results[1]
+    assert (lp_a - lp_b).abs().max() <= 1e-6 and (ent_a - ent_b).abs().max() <= 1e-6
+    assert abs(norm_a - norm_b) <= 1e-6 * norm_a and max_diff(w_a, w_b) <= 1e-6
+
+
+def test_training_raises_completion_logprob():
+    model, tok = load_lm("tiny-llama")
+    prompt = tok("What is 2+3? ", add_special_tokens=False)["input_ids"]
+    batch = SequenceBatch.from_completions([prompt], [tok("5", add_special_tokens=False)["input_ids"]
+                                                      + [tok.eos_token_id]], pad_id=tok.pad_token_id)
+
+    def completion_logprob():
+        return (compute_logprobs(model, batch, max_tokens=64) * batch.completion_mask).sum().item()
+
+    trainer = LMTrainer(model, lr=1e-2, max_tokens_per_micro_batch=64)
+    before = completion_logprob()
+    history = [trainer.train_step(batch, token_mean_nll)["nll"] for _ in range(15)]
+    after = completion_logprob()
+    assert before < -10 and after > before + 8, (before, after)  # near-uniform start (2 x log 259), then learnt
+    assert history[-1] < history[0] / 3
+    assert trainer.step == 15
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_autocast_training(device):
+    model, _ = load_lm("tiny-qwen2")
+    batch = random_batch(4, seed=8)
+    trainer = LMTrainer(model, lr=1e-2, max_tokens_per_micro_batch=32, autocast_dtype=torch.bfloat16, device=device)
+    dtypes = set()
+
+    def loss_fn(logprobs, entropy, mb, scale):
+        dtypes.update({logprobs.dtype, entropy.dtype})
+        return token_mean_nll(logprobs, entropy, mb, scale)
+
+    history = [trainer.train_step(batch, loss_fn) for _ in range(5)]
+    assert dtypes == {torch.float32}
+    assert history[-1]["nll"] < history[0]["nll"] - 0.5
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    assert history[-1]["peak_memory_mb"] > 0 and history[-1]["time_s"] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        batch = random_batch(8, seed=5)
+        results = {}
+        # Even shares: 4 rows each, 2 mini-batches x 2 epochs; the rows' lengths differ, so
+        # the ranks run different numbers of micro-batches.
+        model, _ = load_lm("tiny-llama")
+        trainer = LMTrainer(model, lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16)
+        stats = trainer.train_step(batch.select(range(4 * rank, 4 * rank + 4)), token_mean_nll, mini_batches=2,
+                                   epochs=2)
+        results["even"] = (snapshot(model), trainer.weights_hash(), stats)
+        # Uneven shares: rank 0 holds 1 row, rank 1 three, in 2 mini-batches: rank 0's
+        # second mini-batch is empty, yet it takes part in both steps.
+        model, _ = load_lm("tiny-llama")
+        trainer = LMTrainer(model, lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16)
+        rows = [0] if rank == 0 else [1, 2, 3]
+        stats = trainer.train_step(batch.select(rows), token_mean_nll, mini_batches=2)
+        results["uneven"] = (snapshot(model), trainer.weights_hash(), stats)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_matches_one_process(tmp_path):
+    """Two gloo ranks, each on its own rows, end with identical weights, equal to one process
+    training on all rows. The callback normalises by the *global* completion-token count
+    (LossScale.tokens) times world_size, because gradients are averaged over ranks."""
+    mp.spawn(_dp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = {r: torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)}
+    batch = random_batch(8, seed=5)
+
+    # One process: the same global mini-batches (rank 0's k-th share + rank 1's k-th share).
+    model, _ = load_lm("tiny-llama")
+    trainer = LMTrainer(model, lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16)
+    stats = trainer.train_step(batch.select([0, 1, 4, 5, 2, 3, 6, 7]), token_mean_nll, mini_batches=2, epochs=2)
+    even = (snapshot(model), stats["grad_norm"], stats["loss"])
+    model, _ = load_lm("tiny-llama")
+    trainer = LMTrainer(model, lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16)
+    first = trainer.train_step(batch.select([0, 1, 2]), token_mean_nll)  # global mini-batch 1
+    second = trainer.train_step(batch.select([3]), token_mean_nll)  # global mini-batch 2 (rank 1's row 3 alone)
+    uneven = (snapshot(model), (first["grad_norm"] + second["grad_norm"]) / 2, (first["loss"] + second["loss"]) / 2)
+
+    for key, (weights, grad_norm, loss) in (("even", even), ("uneven", uneven)):
+        (w0, h0, s0), (w1, h1, s1) = ranks[0][key], ranks[1][key]
+        assert h0 == h1  # bit-identical replicas
+        assert s0["optimizer_steps"] == s1["optimizer_steps"] == (4 if key == "even" else 2)
+        # Adam hides a constant gradient scale in the weights; the norm does not.
+        assert abs(s0["grad_norm"] - grad_norm) < 1e-6 * grad_norm and s0["grad_norm"] == s1["grad_norm"]
+        assert abs((s0["loss"] + s1["loss"]) / 2 - loss) < 1e-6, key  # ranks' losses average to the global one
+        assert max_diff(w0, weights) <= 1e-6, key
+    assert ranks[0]["even"][2]["micro_batches"] != ranks[1]["even"][2]["micro_batches"]
+    assert ranks[0]["uneven"][2]["micro_batches"] == 1 and ranks[1]["uneven"][2]["micro_batches"] >= 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offload_round_trip_keeps_training_identical(device):
+    batch = random_batch(6, seed=6)
+    plain_model, _ = load_lm("tiny-gemma")
+    plain = LMTrainer(plain_model, lr=1e-3, max_tokens_per_micro_batch=40, device=device)
+    switched_model, _ = load_lm("tiny-gemma")
+    switched = LMTrainer(switched_model, lr=1e-3, max_tokens_per_micro_batch=40, device=device)
+    for t in (plain, switched):
+        t.train_step(batch, token_mean_nll)
+    on_gpu = device != "cpu"
+    assert switched.offload_optimizer() is on_gpu
+    assert switched.offload_model() is on_gpu
+    if on_gpu:
+        assert all(p.device.type == "cpu" for p in switched_model.parameters())
+        assert all(v.device.type == "cpu" for s in switched.optimizer.state.values() for v in s.values())
+        with pytest.raises(RuntimeError, match="offloaded"):
+            switched.train_step(batch, token_mean_nll)
+    assert switched.onload_model() is on_gpu
+    assert switched.onload_optimizer() is on_gpu
+    for t in (plain, switched):
+        t.train_step(batch, token_mean_nll)
+    assert plain.weights_hash() == switched.weights_hash()
+
+
+def test_state_dict_round_trip():
+    batch = random_batch(6, seed=7)
+    model, _ = load_lm("tiny-llama")
+    trainer = LMTrainer(model, lr=1e-3, weight_decay=0.1, max_tokens_per_micro_batch=40)
+    trainer.train_step(batch, token_mean_nll, mini_batches=2)
+    buffer = io.BytesIO()
+    torch.save(trainer.state_dict(), buffer)
+    trainer.train_step(batch, token_mean_nll)
+
+    other_model, _ = load_lm("tiny-llama", seed=9)  # different weights until the checkpoint is loaded
+    resumed = LMTrainer(other_model, lr=1e-3, weight_decay=0.1, max_tokens_per_micro_batch=40)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer))
+    assert resumed.step == 2
+    resumed.train_step(batch, token_mean_nll)
+    assert resumed.step == trainer.step == 3
+    assert resumed.weights_hash() == trainer.weights_hash()
+
+
+def test_named_weights_and_hash():
+    a, _ = load_lm("tiny-qwen2")
+    b, _ = load_lm("tiny-qwen2")
+    names = [n for n, _ in named_weights(a)]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names  # tied: sent once
+    assert len(names) == len(set(names))
+    assert weights_hash(a) == weights_hash(b) == weights_hash(list(named_weights(b)))
+    with torch.no_grad():
+        b.model.norm.weight[0] += 1e-3
+    assert weights_hash(a) != weights_hash(b)
+    assert weights_hash(a) != weights_hash(load_lm("tiny-qwen2", dtype=torch.bfloat16)[0])
+
+
+def test_bad_input_raises_value_error():
+    model, _ = load_lm("tiny-llama")
+    batch = random_batch(3)
+    empty = SequenceBatch(torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4, dtype=torch.long),
+                          torch.zeros(0, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_tokens"):
+        split_by_token_budget(batch, 0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        compute_logprobs(model, batch, max_tokens=0)
+    with pytest.raises(ValueError, match="empty batch"):
+        compute_logprobs(model, empty, max_tokens=64)
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        LMTrainer(model, lr=1e-3, max_tokens_per_micro_batch=0)
+    trainer = LMTrainer(model, lr=1e-3, max_tokens_per_micro_batch=64)
+    with pytest.raises(ValueError, match="empty batch"):
+        trainer.train_step(empty, token_mean_nll)
+    with pytest.raises(ValueError, match="fewer rows"):
+        trainer.train_step(batch, token_mean_nll, mini_batches=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        trainer.train_step(batch, token_mean_nll, epochs=0)
+    assert trainer.step == 0
+    with pytest.raises(ValueError, match="no sequences"):
+        SequenceBatch.from_completions([], [], pad_id=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        SequenceBatch.from_completions([[]], [[5]], pad_id=0)
+    with pytest.raises(ValueError, match="shape"):
+        SequenceBatch(batch.input_ids, batch.attention_mask, batch.completion_mask[:, :-1])
+
+
+def test_loss_scale_shares_add_up():
+    g = torch.Generator().manual_seed(0)
+    values, mask = torch.randn(4, 6, generator=g), (torch.rand(4, 6, generator=g) > 0.4).long()
+    full = LossScale(tokens=int(mask.sum()), sequences=4, world_size=2)
+    # Two ranks holding two rows each: the mean over ranks of their summed shares is the mean.
+    shares = [full.token_mean(values[r * 2:(r + 1) * 2], mask[r * 2:(r + 1) * 2]) for r in (0, 1)]
+    assert torch.allclose(sum(shares) / 2, values[mask.bool()].mean(), atol=1e-6)
+    per_seq = values.sum(1)
+    assert torch.allclose((full.sequence_mean(per_seq[:2]) + full.sequence_mean(per_seq[2:])) / 2, per_seq.mean(),
+                          atol=1e-6)
+
+
+# -- streaming: accumulate parts, then one step ---------------------------------------
+
+
+def test_accumulating_parts_then_finish_step_equals_one_train_step():
+    """A mini-batch streamed in parts, each accumulated as a plain sum and divided by the
+    token count at the end, takes the same step as train_step over the whole batch."""
+    from m2flow.engines.training import concat_batches
+
+    model, _ = load_lm("tiny-llama", seed=3)
+    twin, _ = load_lm("tiny-llama", seed=3)
+    batch = random_batch(6, seed=5)
+    advantages = torch.linspace(-1.0, 1.0, len(batch))
+
+    def loss_fn(logp, entropy, mb, scale):
+        adv = mb.extras["adv"][:, None].expand_as(logp)
+        return scale.token_mean(-adv * logp, mb.completion_mask), {}
+
+    batch.extras["adv"] = advantages
+    whole = LMTrainer(model, 1e-2, max_tokens_per_micro_batch=64, eps=1e-5)
+    expected_norm = whole.train_step(batch, loss_fn)["grad_norm"]
+    parts = [batch.select(torch.arange(0, 2)), batch.select(torch.arange(2, 6))]
+    streamed = LMTrainer(twin, 1e-2, max_tokens_per_micro_batch=64, eps=1e-5)
+    for part in parts:
+        streamed.accumulate(part, loss_fn, LossScale(tokens=1, sequences=1))
+    norm = streamed.finish_step(grad_scale=1.0 / int(batch.completion_mask.sum()))
+    # Adam is blind to the gradient's scale: the norm checks it, the weights the direction
+    # (the first Adam step turns round-off in tiny gradients into ~1e-6 differences).
+    assert norm == pytest.approx(expected_norm, rel=1e-6)
+    for (name, a), (_, b) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+    joined = concat_batches(parts, pad_id=0)
+    width = batch.input_ids.shape[1]
+    assert torch.equal(joined.input_ids[:, :width], batch.input_ids) and torch.equal(joined.extras["adv"], advantages)
