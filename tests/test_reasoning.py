@@ -65,3 +65,14 @@ def test_grpo_raises_the_reward(cluster, tmp_path, mode):
     # After the last sync (the final evaluation), every copy of the weights is the actor's.
     assert len(set(hashes)) == 1
     assert (tmp_path / "metrics.csv").is_file() and (tmp_path / "learning_curve.png").is_file()
+
+
+def test_resume_reaches_the_same_weights(cluster, tmp_path):
+    """Stopped at step 2 and resumed to step 4: the same weights as 4 steps in one go."""
+    straight = _train(cluster, tmp_path / "straight", "runner.steps=4")[1]
+    _train(cluster, tmp_path / "split", "runner.steps=2")
+    checkpoint = tmp_path / "split" / "checkpoints" / "step_000002.pt"
+    resumed = _train(cluster, tmp_path / "split", "runner.steps=4", f"runner.resume={checkpoint}")[1]
+    assert resumed[0] == straight[0]
+    history = (tmp_path / "split" / "metrics.csv").read_text().splitlines()
+    assert [float(row.split(",")[0]) for row in history[1:]] == [0, 1, 2, 3, 4]

@@ -116,8 +116,9 @@ class LMRolloutWorker(WeightReceiver):
     @dispatch(split="scatter", gather="concat")
     def complete(self, prompts: list[dict], temperature: float) -> list[str]:
         """One completion per prompt (evaluation), outside the training stream."""
+        # A fixed seed: evaluating leaves the training stream's sampling RNG where it was.
         params = SamplingParams(n=1, temperature=temperature, top_p=self.params.top_p, top_k=self.params.top_k,
-                                max_new_tokens=self.params.max_new_tokens, stop=self.params.stop)
+                                max_new_tokens=self.params.max_new_tokens, stop=self.params.stop, seed=0)
         texts: dict[int, str] = {}
         with self.turns:
             self.engine.onload()
