@@ -196,6 +196,10 @@ class ReasoningRunner:
         for step in range(first, r.steps):
             t0 = time.perf_counter()
             report = self.step()
+            if step == first:
+                sync = report["sync"]
+                log.note(f"weights: {sync['weight_mb']:.0f} MB in {sync['weight_buckets']} bucket(s) "
+                         f"by {sync['weight_transport']}")
             row = step_row(step + 1, report, time.perf_counter() - t0, time.perf_counter() - start)
             done = step + 1 == r.steps
             if done or (r.eval_every and (step + 1) % r.eval_every == 0):

@@ -78,7 +78,8 @@ class LMActorWorker(Worker):
             for group in groups:
                 self.broadcast(message, (self.group, self.rank), group)
         return {"weight_sync_s": time.perf_counter() - start, "weight_buckets": len(buckets),
-                "weight_mb": sum(t.nbytes for b in buckets for t in b.values()) / 2**20}
+                "weight_mb": sum(t.nbytes for b in buckets for t in b.values()) / 2**20,
+                "weight_transport": self.comm.last_transport}
 
     def weights_hash(self) -> str:
         return self.trainer.weights_hash()
