@@ -31,6 +31,8 @@ def test_placements_by_mode():
     pipelined = placement_config(load_config(PRESET, ["placement.mode=pipelined"]).placement, 4, "cuda")
     assert pipelined["rollout"] == "0-1" and pipelined["actor"] == "2-3"
     assert pipelined["inference"] == {"devices": "2-3", "devices_per_proc": 2}  # one rank: the stream stays in order
+    hybrid = placement_config(load_config(PRESET, ["placement.mode=hybrid"]).placement, 2, "cpu")
+    assert hybrid["rollout"] == "0-0" and hybrid["actor"] == "0-1"  # an actor rank per slot, one beside the rollout
     with pytest.raises(ValueError, match="pipelined needs >= 2 devices"):
         placement_config(load_config(PRESET, ["placement.mode=pipelined"]).placement, 1, "cpu")
 
@@ -54,7 +56,7 @@ def _reward_gain(history):
     return sum(rewards[-k:]) / k - sum(rewards[:k]) / k, rewards
 
 
-@pytest.mark.parametrize("mode", ["collocated", "pipelined"])
+@pytest.mark.parametrize("mode", ["collocated", "pipelined", "hybrid"])
 def test_grpo_raises_the_reward(cluster, tmp_path, mode):
     history, hashes = _train(cluster, tmp_path, f"placement.mode={mode}", "algorithm.old_logprobs=recompute")
     gain, rewards = _reward_gain(history)

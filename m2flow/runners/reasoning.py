@@ -36,9 +36,11 @@ def placement_config(cfg: DictConfig, num_devices: int, kind: str) -> dict[str, 
     """Device ranges per component for a placement mode.
 
     collocated: every component on every device; pipelined: the rollout on the first half
-    of the devices, reward, inference and actor on the second; custom:
-    ``placement.components`` as given. On CPU slots a component's devices form one rank
-    (its threads span them); on GPUs, rollout and actor get a rank per device.
+    of the devices, reward, inference and actor on the second; hybrid: like pipelined, but
+    the actor has a rank on every device, so the ranks beside the rollout join in once it
+    has generated the step's batch; custom: ``placement.components`` as given. On CPU slots a
+    component's devices form one rank (its threads span them), except the hybrid actor's;
+    on GPUs, rollout and actor get a rank per device.
     """
     last = num_devices - 1
     if cfg.mode == "custom":
@@ -49,14 +51,15 @@ def placement_config(cfg: DictConfig, num_devices: int, kind: str) -> dict[str, 
         return given
     if cfg.mode == "collocated":
         ranges = {c: f"0-{last}" for c in COMPONENTS}
-    elif cfg.mode == "pipelined":
+    elif cfg.mode in ("pipelined", "hybrid"):
         if num_devices < 2:
-            raise ValueError("placement.mode=pipelined needs >= 2 devices (set cluster.cpu_slots=2 to run it on one core)")
+            raise ValueError(f"placement.mode={cfg.mode} needs >= 2 devices (set cluster.cpu_slots=2 to run it on one core)")
         half = num_devices // 2
         rest = f"{half}-{last}"
-        ranges = {"rollout": f"0-{half - 1}", "reward": rest, "inference": rest, "actor": rest}
+        ranges = {"rollout": f"0-{half - 1}", "reward": rest, "inference": rest,
+                  "actor": rest if cfg.mode == "pipelined" else f"0-{last}"}
     else:
-        raise ValueError(f"unknown placement.mode {cfg.mode!r}: collocated | pipelined | custom")
+        raise ValueError(f"unknown placement.mode {cfg.mode!r}: collocated | pipelined | hybrid | custom")
 
     def span(r: str) -> int:
         lo, hi = (int(x) for x in r.split("-"))
@@ -64,7 +67,7 @@ def placement_config(cfg: DictConfig, num_devices: int, kind: str) -> dict[str, 
 
     out: dict[str, Any] = {}
     for c, r in ranges.items():
-        whole = kind == "cpu" or c in SINGLE_RANK
+        whole = (kind == "cpu" and not (cfg.mode == "hybrid" and c == "actor")) or c in SINGLE_RANK
         out[c] = {"devices": r, "devices_per_proc": span(r)} if whole and span(r) > 1 else r
     return out
 
@@ -146,7 +149,9 @@ class ReasoningRunner:
                                      name=self.names["inference"])
         self.actor = WorkerGroup(LMActorWorker, self.placement["actor"], args=(plain, turns["actor"]),
                                  name=self.names["actor"])
-        self.channels = {n: Channel.create(f"{n}-{run}") for n in ("samples", "scored", "batches")}
+        # Actor ranks take batches one at a time, so that a rank that is free takes the next.
+        self.channels = {n: Channel.create(f"{n}-{run}", prefetch=1 if n == "batches" else 16)
+                         for n in ("samples", "scored", "batches")}
 
     def sync_weights(self) -> dict:
         """Actor rank 0 sends versioned weights, in buckets, to the rollout and inference ranks."""

@@ -36,11 +36,10 @@ class InferenceWorker(WeightReceiver):
         return super().pull_weights(actor_group)
 
     def logprobs(self, scored_in: Channel, batches_out: Channel, actor_ranks: int) -> dict:
-        """Adds ``ref_logprobs`` / ``old_logprobs`` to each batch and deals the batches out to
-        the actor ranks in turn; then an end marker to each."""
+        """Adds ``ref_logprobs`` / ``old_logprobs`` to each batch and passes it on; the actor
+        ranks take batches as they become free. Then one end marker per actor rank."""
         busy = idle = 0.0
         diffs = []
-        i = 0
         while True:
             start = time.perf_counter()
             batch = scored_in.get()
@@ -62,11 +61,10 @@ class InferenceWorker(WeightReceiver):
                         mask = batch.completion_mask.bool()
                         diffs.append(float((recomputed - batch.old_logprobs)[mask].abs().max()) if mask.any() else 0.0)
                         batch.old_logprobs = recomputed
-            batches_out.put(batch, key=i % actor_ranks, weight=batch.extras["groups"])
-            i += 1
+            batches_out.put(batch, weight=batch.extras["groups"])
             busy += time.perf_counter() - mid
-        for rank in range(actor_ranks):
-            batches_out.put(END, key=rank)
+        for _ in range(actor_ranks):  # after every batch: a rank that takes one has nothing left to take
+            batches_out.put(END)
         batches_out.flush()
         out = {"busy_s": busy, "idle_s": idle, "peak_memory_mb": memory_mb(self.device)}
         if diffs:  # sampling vs recomputed log-probs of the same weights: should be round-off

@@ -86,7 +86,8 @@ class LMActorWorker(Worker):
 
     # -- training ---------------------------------------------------------------------
     def train(self, batches_in: Channel) -> dict:
-        """One policy update from this rank's share of the step's batches."""
+        """One policy update from the step's batches; with several ranks, each trains on the
+        batches it takes (``batches_in`` must hand out one item per get: prefetch 1)."""
         start = time.perf_counter()
         busy = idle = 0.0
         batches = []
@@ -94,7 +95,7 @@ class LMActorWorker(Worker):
         tokens = seqs = 0
         while True:
             t0 = time.perf_counter()
-            batch = batches_in.get(key=self.rank)
+            batch = batches_in.get()  # whichever rank is free takes the next batch
             idle += time.perf_counter() - t0
             if batch == END:
                 break
@@ -144,8 +145,8 @@ class LMActorWorker(Worker):
 
     def _train_gathered(self, batches: list[SequenceBatch]) -> dict:
         if not batches:
-            raise RuntimeError(f"actor rank {self.rank} got no batch this step: every group was dropped, or there are "
-                               "more actor ranks than batches (lower placement.granularity or use fewer actor ranks)")
+            raise RuntimeError(f"actor rank {self.rank} got no batch this step: every group was dropped, or the other "
+                               "ranks took them all (lower placement.granularity, or use fewer actor ranks)")
         batch = concat_batches(batches, pad_id=self.tokenizer.pad_token_id or 0)
         self._advantages(batch)
         a = self.algo
