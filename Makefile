@@ -29,7 +29,9 @@ run: setup
 test: setup maniskill
 	$(PY) -m pytest -q
 
+# The runtime benchmark; the peer comparisons (docs/benchmarks.md) need the bench extra.
 bench: setup
+	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/runtime.py
 
 clean:

