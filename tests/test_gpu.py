@@ -75,8 +75,9 @@ def test_worker_sees_only_its_gpu(gpu_cluster):
     assert info["uuid"] == str(torch.cuda.get_device_properties(last).uuid)
 
 
-def test_same_gpu_tensors_go_by_cuda_ipc(gpu_cluster):
-    p = Placement.from_config({"a": "0", "b": "0"}, gpu_cluster)
+def exchange(cluster, a_devices: str, b_devices: str) -> tuple[str, dict]:
+    """Worker a sends a CUDA tensor to worker b: (the sender's transport, what b saw)."""
+    p = Placement.from_config({"a": a_devices, "b": b_devices}, cluster)
     a, b = WorkerGroup(GpuPeer, p["a"]), WorkerGroup(GpuPeer, p["b"])
     try:
         received = b.call("recv_cuda", a.name, 0)
@@ -85,6 +86,11 @@ def test_same_gpu_tensors_go_by_cuda_ipc(gpu_cluster):
     finally:
         a.kill()
         b.kill()
+    return transport, got
+
+
+def test_same_gpu_tensors_go_by_cuda_ipc(gpu_cluster):
+    transport, got = exchange(gpu_cluster, "0", "0")
     assert transport == "cuda_ipc"
     assert got == {"transport": "cuda_ipc", "is_cuda": True, "sum": float(sum(range(1000))), "step": 3}
 
@@ -100,13 +106,5 @@ def test_nccl_process_group_in_a_gpu_worker(gpu_cluster):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="pairwise NCCL needs two GPUs")
 def test_different_gpus_go_by_nccl(gpu_cluster):
-    p = Placement.from_config({"a": "0", "b": "1"}, gpu_cluster)
-    a, b = WorkerGroup(GpuPeer, p["a"]), WorkerGroup(GpuPeer, p["b"])
-    try:
-        received = b.call("recv_cuda", a.name, 0)
-        (transport,) = a.call("send_cuda", b.name, 0, 1000).wait(timeout=120)
-        (got,) = received.wait(timeout=120)
-    finally:
-        a.kill()
-        b.kill()
+    transport, got = exchange(gpu_cluster, "0", "1")
     assert transport == "nccl" and got["transport"] == "nccl" and got["sum"] == float(sum(range(1000)))

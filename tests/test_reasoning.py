@@ -78,3 +78,20 @@ def test_resume_reaches_the_same_weights(cluster, tmp_path):
     assert resumed[0] == straight[0]
     history = (tmp_path / "split" / "metrics.csv").read_text().splitlines()
     assert [float(row.split(",")[0]) for row in history[1:]] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("overrides", [
+    # streamed: group-local advantages, one pass; dynamic sampling and the overlong penalty
+    ("algorithm.name=dr_grpo", "algorithm.loss_agg=seq-mean-token-sum-norm", "algorithm.dynamic_sampling=true",
+     "reward.overlong_buffer=4", "algorithm.kl_coef=0.05"),
+    # gathered: batch-whitened advantages, KL in the reward, 2 epochs x 2 mini-batches, 2 actor ranks
+    ("algorithm.name=reinforce_pp", "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.epochs=2",
+     "algorithm.mini_batches=2", "placement.mode=hybrid"),
+    ("algorithm.name=rloo", "algorithm.dual_clip=3.0", "algorithm.entropy_coef=0.01"),
+], ids=["dr_grpo", "reinforce_pp-hybrid", "rloo"])
+def test_other_algorithms_train(cluster, tmp_path, overrides):
+    history, hashes = _train(cluster, tmp_path, "runner.steps=3", *overrides)
+    steps = [row for row in history if row["step"] > 0]
+    assert len(steps) == 3 and len(set(hashes)) == 1
+    assert all(math.isfinite(row["grad_norm"]) for row in steps if row["optimizer_steps"] > 0)
+    assert sum(row["optimizer_steps"] for row in steps) >= (12 if "algorithm.epochs=2" in overrides else 1)

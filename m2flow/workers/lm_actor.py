@@ -16,6 +16,7 @@ Otherwise the actor gathers the step's batches first, then trains epochs x mini-
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -140,15 +141,24 @@ class LMActorWorker(Worker):
             self.trainer.optimizer.zero_grad(set_to_none=True)
             return {"optimizer_steps": 0, "completion_tokens": 0}
         grad_norm = self.trainer.finish_step(grad_scale=self.world_size / divisor)
-        return {**_weighted_means(stats), "grad_norm": grad_norm, "optimizer_steps": int(grad_norm == grad_norm),
+        return {**_weighted_means(stats), "grad_norm": grad_norm, "optimizer_steps": int(math.isfinite(grad_norm)),
                 "completion_tokens": tokens}
 
     def _train_gathered(self, batches: list[SequenceBatch]) -> dict:
-        if not batches:
-            raise RuntimeError(f"actor rank {self.rank} got no batch this step: every group was dropped, or the other "
-                               "ranks took them all (lower placement.granularity, or use fewer actor ranks)")
-        batch = concat_batches(batches, pad_id=self.tokenizer.pad_token_id or 0)
-        self._advantages(batch)
+        """Epochs x mini-batches over the step's batches. A rank that took none still takes
+        part (with no rows) in every all-reduce of the others."""
+        pad = self.tokenizer.pad_token_id or 0
+        if batches:
+            batch = concat_batches(batches, pad_id=pad)
+            self._advantages(batch)
+        else:
+            empty = torch.zeros((0, 1), dtype=torch.long)
+            batch = SequenceBatch(empty + pad, empty, empty)
+        rows = torch.tensor([len(batch)], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(rows)
+        if rows.item() == 0:  # every group was dropped (dynamic sampling): no update this step
+            return {"optimizer_steps": 0, "completion_tokens": 0}
         a = self.algo
         return self.trainer.train_step(batch, self._loss, mini_batches=a["mini_batches"], epochs=a["epochs"],
                                        generator=self.shuffle)
