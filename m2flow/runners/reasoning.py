@@ -154,11 +154,13 @@ class ReasoningRunner:
                          for n in ("samples", "scored", "batches")}
 
     def sync_weights(self) -> dict:
-        """Actor rank 0 sends versioned weights, in buckets, to the rollout and inference ranks."""
+        """Actor rank 0 sends versioned weights, in buckets, to the rollout ranks and, when it
+        recomputes old log-probs, the inference rank. Only receivers are sent to: a message
+        nobody takes would pin the sender's shared-memory segment for good."""
         start = time.perf_counter()
-        (pushed,), *_ = wait(self.actor.call("push_weights", [self.names["rollout"], self.names["inference"]], ranks=[0]),
-                             self.rollout.pull_weights(self.names["actor"]),
-                             self.inference.pull_weights(self.names["actor"]))
+        receivers = [self.rollout] + ([self.inference] if self.cfg.algorithm.old_logprobs == "recompute" else [])
+        (pushed,), *_ = wait(self.actor.call("push_weights", [g.name for g in receivers], ranks=[0]),
+                             *(g.pull_weights(self.names["actor"]) for g in receivers))
         return pushed | {"weight_sync_s": time.perf_counter() - start}
 
     def step(self) -> dict[str, Any]:

@@ -30,11 +30,6 @@ class InferenceWorker(WeightReceiver):
     def _receive_model(self) -> torch.nn.Module:
         return self.policy
 
-    def pull_weights(self, actor_group: str) -> int:
-        if self.policy is None:  # nothing to follow
-            return self.version
-        return super().pull_weights(actor_group)
-
     def logprobs(self, scored_in: Channel, batches_out: Channel, actor_ranks: int) -> dict:
         """Adds ``ref_logprobs`` / ``old_logprobs`` to each batch and passes it on; the actor
         ranks take batches as they become free. Then one end marker per actor rank."""
