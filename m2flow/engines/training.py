@@ -529,12 +529,18 @@ class LMTrainer:
             n_completion, n_tokens = int(mb.completion_mask.sum()), int(mb.attention_mask.sum())
             mb = mb.to(self.device)
             with _autocast(self.device, self.autocast_dtype):
-                logprobs, entropy = _token_logprobs(self.model, mb, self.temperature, with_entropy)
+                logprobs, entropy = self.forward_tokens(mb, with_entropy)
             loss, stats = loss_fn(logprobs, entropy, mb, scale)
             loss.backward()
             total = total + loss.detach()
             acc.add(stats, n_completion, n_tokens)
         return float(total)
+
+    def forward_tokens(self, mb: SequenceBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """The per-token outputs the loss callback receives for micro-batch ``mb`` (on the
+        device, with gradients): log-probs and entropies here; a subclass training another
+        head (e.g. a critic's values) returns its own ``[b, l]`` tensor and ``None``."""
+        return _token_logprobs(self.model, mb, self.temperature, with_entropy)
 
     def _loss_scales(self, batch: SequenceBatch, shares: list[Tensor], world: int) -> list[LossScale]:
         """Completion tokens and rows per mini-batch, summed over ranks (one all-reduce)."""
