@@ -82,11 +82,13 @@ def test_compute_logprobs_matches_unpadded_forward(name, device):
     batch = random_batch(6, seed=1)
     assert len(set(batch.lengths.tolist())) > 2  # really ragged
     for temperature in (1.0, 0.7):
-        whole, ent = compute_logprobs(model, batch, max_tokens=10_000, temperature=temperature, with_entropy=True)
+        # Every token scored (share_prompts off); the shared-prompt path scores completions only.
+        whole, ent = compute_logprobs(model, batch, max_tokens=10_000, temperature=temperature, with_entropy=True,
+                                      share_prompts=False)
         assert whole.dtype == torch.float32 and whole.device.type == "cpu" and not model.training
         # A budget of 16 tokens forces several micro-batches of 1-2 rows.
         assert len(split_by_token_budget(batch, 16)) >= 4
-        small = compute_logprobs(model, batch, max_tokens=16, temperature=temperature)
+        small = compute_logprobs(model, batch, max_tokens=16, temperature=temperature, share_prompts=False)
         assert (small - whole).abs().max().item() <= 1e-6
         for i in range(len(batch)):
             n = int(batch.lengths[i])
@@ -94,6 +96,12 @@ def test_compute_logprobs_matches_unpadded_forward(name, device):
             assert (whole[i, 1:n].double() - ref_lp.cpu()).abs().max().item() <= 1e-5
             assert (ent[i, 1:n].double() - ref_ent.cpu()).abs().max().item() <= 1e-5
             assert whole[i, 0] == 0 and (whole[i, n:] == 0).all() and (ent[i, n:] == 0).all()
+        shared, shared_ent = compute_logprobs(model, batch, max_tokens=16, temperature=temperature,
+                                              with_entropy=True)
+        mask = batch.completion_mask.bool()
+        assert (shared - whole)[mask].abs().max().item() <= 1e-5
+        assert (shared_ent - ent)[mask].abs().max().item() <= 1e-5
+        assert (shared[~mask] == 0).all() and (shared_ent[~mask] == 0).all()
 
 
 def test_compute_logprobs_bf16_autocast_returns_fp32():
@@ -121,6 +129,55 @@ def test_split_by_token_budget_respects_budget_and_covers_rows():
         assert longest == sorted(longest, reverse=True)
     assert len(split_by_token_budget(batch, 10_000)) == 1
     assert all(len(g) == 1 for g in split_by_token_budget(batch, 1))
+
+
+def grouped_batch(prompts: int, n: int, seed: int = 0) -> SequenceBatch:
+    """``prompts`` prompts of 1-7 tokens with ``n`` completions of 0-9 tokens each (GRPO groups)."""
+    rng = random.Random(seed)
+    rows, completions = [], []
+    for _ in range(prompts):
+        prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, 7))]
+        for _ in range(n):
+            rows.append(prompt)
+            completions.append([rng.randrange(3, 259) for _ in range(rng.randint(0, 9))])
+    return SequenceBatch.from_completions(rows, completions, pad_id=0)
+
+
+def test_prompt_layout_finds_shared_prompts_and_refuses_other_layouts():
+    batch = SequenceBatch.from_completions([[5, 6], [5, 6], [7], [5, 6]], [[1], [2, 3], [], [4]], pad_id=0)
+    layout = training.PromptLayout.of(batch)
+    assert layout.prompt_lengths.tolist() == [2, 2, 1, 2] and layout.completion_lengths.tolist() == [1, 2, 0, 1]
+    assert layout.prompts.tolist() == [0, 0, 1, 0]
+    # A prompt's rows come together, longest first, when the budget allows.
+    assert [g.tolist() for g in split_by_token_budget(batch, 100, layout.prompts)] == [[1, 0, 3, 2]]
+    assert [g.tolist() for g in split_by_token_budget(batch, 8, layout.prompts)] == [[1, 0], [3, 2]]
+    left_padded = SequenceBatch(torch.tensor([[0, 5, 6]]), torch.tensor([[0, 1, 1]]), torch.tensor([[0, 0, 1]]))
+    assert training.PromptLayout.of(left_padded) is None
+    interleaved = SequenceBatch(torch.tensor([[5, 6, 7]]), torch.tensor([[1, 1, 1]]), torch.tensor([[0, 1, 0]]))
+    assert training.PromptLayout.of(interleaved) is None
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_shared_prompts_give_the_same_logprobs_and_gradients(name):
+    """Groups of rows with one prompt: each prompt forwarded once, the same log-probs, entropies
+    and gradients (the prompt's gradient summed over its rows) as full forwards of every row."""
+    model, _ = load_lm(name)
+    batch = grouped_batch(prompts=3, n=4, seed=5)
+    mask = batch.completion_mask.bool()
+    layout = training.PromptLayout.of(batch)
+    assert layout is not None and len(set(layout.prompts.tolist())) == 3
+    grads = []
+    for shared in (None, layout):
+        model.zero_grad()
+        logprobs, entropy = training._token_logprobs(model, batch, 0.7, True, shared)
+        (logprobs[mask].sum() + 0.1 * entropy[mask].sum()).backward()  # the full path also scores prompts
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        if shared is None:
+            full = logprobs.detach(), entropy.detach()
+    assert (logprobs - full[0])[mask].abs().max().item() <= 1e-5
+    assert (entropy - full[1])[mask].abs().max().item() <= 1e-5
+    assert (logprobs[~mask] == 0).all()
+    assert max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0]) <= 1e-4
 
 
 @pytest.mark.parametrize("device", DEVICES)

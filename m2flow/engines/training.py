@@ -12,6 +12,13 @@ meaningful only where ``completion_mask`` is 1.
 Work is cut into micro-batches by a token budget (rows x longest row of the micro-batch),
 longest rows first, each trimmed to its own longest row, so padding costs little and the
 first micro-batch is the largest (an out-of-memory shows at once, not mid-step).
+
+Shared prompts: the rows of a GRPO group share their prompt. When every row is prompt then
+completion (right-padded), each distinct prompt of a micro-batch is run once and its keys and
+values are reused by all its rows, which then forward only their completion; logits are
+computed for completion positions only. Same log-probs and gradients as the full forward (the
+prompt's gradient is the sum over its rows), for about half the FLOPs on short completions.
+Micro-batches then keep a prompt's rows together.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
 
 log = logging.getLogger(__name__)
 
@@ -160,25 +169,71 @@ def concat_batches(batches: Sequence[SequenceBatch], pad_id: int) -> SequenceBat
     return out
 
 
-def split_by_token_budget(batch: SequenceBatch, max_tokens: int) -> list[Tensor]:
+def split_by_token_budget(batch: SequenceBatch, max_tokens: int, prompts: Tensor | None = None) -> list[Tensor]:
     """Row indices of micro-batches whose padded size (rows x longest row in the micro-batch)
     is at most ``max_tokens``. Rows are taken longest first, so each micro-batch holds rows
-    of similar length; every row appears in exactly one micro-batch. A row longer than the
-    budget cannot be split and gets a micro-batch of its own (over the budget)."""
+    of similar length; with ``prompts`` (a prompt id per row) a prompt's rows come together,
+    longest first within it, so that they share its forward. Every row appears in exactly one
+    micro-batch. A row longer than the budget cannot be split and gets a micro-batch of its
+    own (over the budget)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     lengths = batch.lengths.cpu()
-    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    order = torch.argsort(lengths, descending=True, stable=True)
+    if prompts is not None:  # stable: longest first within each prompt
+        order = order[torch.argsort(prompts.cpu()[order], stable=True)]
     groups: list[list[int]] = []
     longest = 0
-    for i in order:
-        # Rows come longest first, so a group's longest row is its first one.
-        if groups and (len(groups[-1]) + 1) * longest <= max_tokens:
+    for i in order.tolist():
+        if groups and (len(groups[-1]) + 1) * max(longest, int(lengths[i])) <= max_tokens:
             groups[-1].append(i)
+            longest = max(longest, int(lengths[i]))
         else:
             groups.append([i])
             longest = int(lengths[i])
     return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """Where each row's prompt ends: ``prompt_lengths`` and ``completion_lengths`` per row, and
+    ``prompts``, an id per row that is equal for rows with the same prompt tokens."""
+
+    prompt_lengths: Tensor
+    completion_lengths: Tensor
+    prompts: Tensor
+
+    @staticmethod
+    def of(batch: SequenceBatch) -> PromptLayout | None:
+        """The layout when every row is prompt (at least one token) then completion, right-padded;
+        else ``None`` (e.g. left padding, or completion tokens between prompt tokens)."""
+        if len(batch) == 0:
+            return None
+        mask, lengths = batch.completion_mask.bool().cpu(), batch.lengths.cpu()
+        columns = torch.arange(mask.shape[1])
+        n_completion = mask.sum(dim=1)
+        starts = lengths - n_completion
+        completion = (columns >= starts[:, None]) & (columns < lengths[:, None])
+        real = columns < lengths[:, None]
+        if (starts < 1).any() or not torch.equal(completion, mask) \
+                or not torch.equal(real, batch.attention_mask.bool().cpu()):
+            return None
+        ids = batch.input_ids.cpu()
+        seen: dict[tuple[int, ...], int] = {}
+        prompts = [seen.setdefault(tuple(ids[i, :starts[i]].tolist()), len(seen)) for i in range(len(batch))]
+        return PromptLayout(starts, n_completion, torch.tensor(prompts, dtype=torch.long))
+
+    def select(self, indices: Tensor) -> PromptLayout:
+        return PromptLayout(self.prompt_lengths[indices], self.completion_lengths[indices], self.prompts[indices])
+
+
+def _micro_batches(batch: SequenceBatch, max_tokens: int,
+                   share_prompts: bool) -> Iterator[tuple[Tensor, SequenceBatch, PromptLayout | None]]:
+    """``(row indices, micro-batch, its prompt layout or None)`` by token budget; with
+    ``share_prompts`` and a batch laid out prompt-then-completion, a prompt's rows together."""
+    layout = PromptLayout.of(batch) if share_prompts else None
+    for idx in split_by_token_budget(batch, max_tokens, layout.prompts if layout else None):
+        yield idx, _micro_batch(batch, idx), layout.select(idx) if layout else None
 
 
 def _micro_batch(batch: SequenceBatch, indices: Tensor) -> SequenceBatch:
@@ -208,19 +263,12 @@ def _chunk_entropy(logits: Tensor, temperature: float) -> Tensor:
     return logits.logsumexp(dim=-1) - (logits.softmax(dim=-1) * logits).sum(dim=-1)
 
 
-def _token_logprobs(model: nn.Module, batch: SequenceBatch, temperature: float,
-                    with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """Per-token log-probs (and entropies of the predicting distribution), ``[b, l]`` fp32,
-    in the module's convention; 0 at position 0 and on padding."""
-    ids, mask = batch.input_ids, batch.attention_mask
-    # Explicit positions: 0.. on each row's real tokens whatever the padding side, rather
-    # than relying on a model's own derivation from the mask.
-    positions = (mask.long().cumsum(dim=1) - 1).clamp_(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, :-1]
-    targets = ids[:, 1:]
-    step = max(1, LOGIT_CHUNK_TOKENS // max(ids.shape[0], 1))
+def _scores(logits: Tensor, targets: Tensor, valid: Tensor, temperature: float,
+            with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``targets`` under ``logits`` ``[b, s, V]`` (and entropies), ``[b, s]`` fp32,
+    0 where not ``valid``."""
+    step = max(1, LOGIT_CHUNK_TOKENS // max(logits.shape[0], 1))
     checkpointed = torch.is_grad_enabled() and logits.requires_grad
-    valid = mask[:, 1:].bool()
     zero = logits.new_zeros((), dtype=torch.float32)
 
     def chunked(fn: Callable[..., Tensor], *args: Any) -> Tensor:
@@ -234,11 +282,95 @@ def _token_logprobs(model: nn.Module, batch: SequenceBatch, temperature: float,
             parts.append(torch.utils.checkpoint.checkpoint(fn, *chunk, use_reentrant=False) if checkpointed
                          else fn(*chunk))
         # torch.where, not a product: a padding position can never leak NaN or gradient.
-        return nn.functional.pad(torch.where(valid, torch.cat(parts, dim=1), zero), (1, 0))
+        return torch.where(valid, torch.cat(parts, dim=1), zero)
 
     logprobs = chunked(_chunk_logprobs, targets, temperature)
     entropy = chunked(_chunk_entropy, temperature) if with_entropy else None
     return logprobs, entropy
+
+
+def _token_logprobs(model: nn.Module, batch: SequenceBatch, temperature: float, with_entropy: bool,
+                    layout: PromptLayout | None = None) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs (and entropies of the predicting distribution), ``[b, l]`` fp32,
+    in the module's convention; 0 at position 0 and on padding. With a ``layout`` (and a
+    transformers model), each distinct prompt is forwarded once and only completion tokens
+    are scored: 0 on prompt tokens too."""
+    if layout is not None and isinstance(model, PreTrainedModel):
+        return _shared_prompt_logprobs(model, batch, layout, temperature, with_entropy)
+    ids, mask = batch.input_ids, batch.attention_mask
+    # Explicit positions: 0.. on each row's real tokens whatever the padding side, rather
+    # than relying on a model's own derivation from the mask.
+    positions = (mask.long().cumsum(dim=1) - 1).clamp_(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, :-1]
+    logprobs, entropy = _scores(logits, ids[:, 1:], mask[:, 1:].bool(), temperature, with_entropy)
+    pad = (1, 0)
+    return nn.functional.pad(logprobs, pad), None if entropy is None else nn.functional.pad(entropy, pad)
+
+
+class _PrefixCache(Cache):
+    """Per layer, the keys and values of each row's prompt prefix, ``[b, kv_heads, width, d]``
+    (columns past a row's own prefix are masked); ``update`` appends the suffix's keys and
+    values with a differentiable concatenation, so gradients reach the prefix."""
+
+    def __init__(self, layer_kv: list[tuple[Tensor, Tensor]]):
+        super().__init__(layers=[])
+        self.layer_kv = layer_kv
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.layer_kv[layer_idx]
+        return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layer_kv[0][0].shape[2]
+
+
+def _shared_prompt_logprobs(model: PreTrainedModel, batch: SequenceBatch, layout: PromptLayout, temperature: float,
+                            with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """``_token_logprobs`` with each distinct prompt forwarded once.
+
+    A row's prompt minus its last token is its prefix; the suffix is the last prompt token and
+    the completion minus its last token, whose logits predict exactly the completion tokens.
+    The prefixes (one per distinct prompt, right-padded: causal attention never looks at the
+    padding after a real token) give keys and values; each row's suffix attends to its
+    prompt's prefix columns and causally to its own suffix."""
+    ids, device = batch.input_ids, batch.input_ids.device
+    b, length = ids.shape
+    prompt_len = layout.prompt_lengths.to(device)
+    completion_len = layout.completion_lengths.to(device)
+    prefix_len = prompt_len - 1
+    distinct, which = torch.unique(layout.prompts.to(device), return_inverse=True)  # which: row -> its prompt
+    rows = torch.arange(b, device=device)
+    first_row = torch.full((len(distinct),), b, device=device).scatter_reduce(0, which, rows, "amin")
+    width = int(prefix_len.max())
+    cache = None
+    if width > 0:
+        prefix_ids = torch.where(torch.arange(width, device=device)[None, :] < prefix_len[first_row, None],
+                                 ids[first_row, :width], ids.new_zeros(()))
+        out = model(input_ids=prefix_ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        cache = _PrefixCache([(layer.keys[which], layer.values[which]) for layer in out.past_key_values.layers])
+    suffix_width = max(int(completion_len.max()), 1)
+    steps = torch.arange(suffix_width, device=device)
+    columns = (prefix_len[:, None] + steps[None, :]).clamp(max=length - 1)
+    suffix_ids = ids.gather(1, columns)
+    suffix_real = steps[None, :] < completion_len.clamp(min=1)[:, None]
+    query, key = steps[:, None], steps[None, :]
+    own = (key <= query) & (suffix_real[:, None, :] | (key == query))           # [b, s, s]
+    prefix = (torch.arange(width, device=device)[None, :] < prefix_len[:, None])  # [b, width]
+    allowed = torch.cat([prefix[:, None, :].expand(b, suffix_width, width), own], dim=2)
+    dtype = model.dtype
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    logits = model(input_ids=suffix_ids, attention_mask=additive[:, None], position_ids=columns,
+                   past_key_values=cache, use_cache=True).logits
+    targets = ids.gather(1, (columns + 1).clamp(max=length - 1))
+    valid = steps[None, :] < completion_len[:, None]
+    logprobs, entropy = _scores(logits, targets, valid, temperature, with_entropy)
+    # Back to the batch's columns: suffix step j of row i scores token prompt_len[i] + j.
+    at = prompt_len[:, None] + steps[None, :]
+
+    def place(x: Tensor) -> Tensor:
+        return x.new_zeros(b, length + suffix_width).scatter(1, at, x)[:, :length]
+
+    return place(logprobs), None if entropy is None else place(entropy)
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):
@@ -256,12 +388,13 @@ def _check_batch(batch: SequenceBatch, max_tokens: int) -> None:
 
 @torch.no_grad()
 def compute_logprobs(model: nn.Module, batch: SequenceBatch, max_tokens: int, temperature: float = 1.0,
-                     with_entropy: bool = False,
-                     autocast_dtype: torch.dtype | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                     with_entropy: bool = False, autocast_dtype: torch.dtype | None = None,
+                     share_prompts: bool = True) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs ``[B, L]`` (fp32, on the batch's device) of ``batch.input_ids`` under
     ``model`` at ``temperature``, in the module's convention; with ``with_entropy`` a pair
     ``(logprobs, entropy)``. Runs in eval mode without gradients, micro-batched so that no
-    forward pass exceeds ``max_tokens`` padded tokens (bar a single longer row)."""
+    forward pass exceeds ``max_tokens`` padded tokens (bar a single longer row).
+    ``share_prompts``: see the module docstring (then only completion tokens are scored)."""
     _check_batch(batch, max_tokens)
     device = next(model.parameters()).device
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
@@ -269,10 +402,9 @@ def compute_logprobs(model: nn.Module, batch: SequenceBatch, max_tokens: int, te
     was_training = model.training
     model.eval()
     try:
-        for idx in split_by_token_budget(batch, max_tokens):
-            mb = _micro_batch(batch, idx).to(device)
+        for idx, mb, layout in _micro_batches(batch, max_tokens, share_prompts):
             with _autocast(device, autocast_dtype):
-                lp, e = _token_logprobs(model, mb, temperature, with_entropy)
+                lp, e = _token_logprobs(model, mb.to(device), temperature, with_entropy, layout)
             rows = idx.to(out.device)
             out[rows, :lp.shape[1]] = lp.to(out.device)
             if ent is not None:
@@ -389,7 +521,8 @@ class LMTrainer:
                  max_grad_norm: float | None = 1.0, autocast_dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, temperature: float = 1.0,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 process_group: dist.ProcessGroup | None = None, bucket_mb: float = 256.0):
+                 process_group: dist.ProcessGroup | None = None, bucket_mb: float = 256.0,
+                 share_prompts: bool = True):
         if max_tokens_per_micro_batch < 1:
             raise ValueError(f"max_tokens_per_micro_batch must be at least 1, got {max_tokens_per_micro_batch}")
         if temperature <= 0:
@@ -403,6 +536,7 @@ class LMTrainer:
         self.max_grad_norm = max_grad_norm
         self.autocast_dtype = autocast_dtype
         self.temperature = temperature
+        self.share_prompts = share_prompts
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.step = 0  # optimizer steps taken
@@ -523,24 +657,25 @@ class LMTrainer:
                   acc: _Accumulated) -> float:
         """Forward and backward of every micro-batch of ``rows``; returns their summed loss."""
         total: Any = 0.0
-        for idx in split_by_token_budget(rows, self.max_tokens) if len(rows) else []:
-            mb = _micro_batch(rows, idx)
+        for _, mb, layout in _micro_batches(rows, self.max_tokens, self.share_prompts) if len(rows) else []:
             # Counted before the move: on the batch's (usually CPU) side, no device sync.
             n_completion, n_tokens = int(mb.completion_mask.sum()), int(mb.attention_mask.sum())
             mb = mb.to(self.device)
             with _autocast(self.device, self.autocast_dtype):
-                logprobs, entropy = self.forward_tokens(mb, with_entropy)
+                logprobs, entropy = self.forward_tokens(mb, with_entropy, layout)
             loss, stats = loss_fn(logprobs, entropy, mb, scale)
             loss.backward()
             total = total + loss.detach()
             acc.add(stats, n_completion, n_tokens)
         return float(total)
 
-    def forward_tokens(self, mb: SequenceBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    def forward_tokens(self, mb: SequenceBatch, with_entropy: bool,
+                       layout: PromptLayout | None = None) -> tuple[Tensor, Tensor | None]:
         """The per-token outputs the loss callback receives for micro-batch ``mb`` (on the
         device, with gradients): log-probs and entropies here; a subclass training another
-        head (e.g. a critic's values) returns its own ``[b, l]`` tensor and ``None``."""
-        return _token_logprobs(self.model, mb, self.temperature, with_entropy)
+        head (e.g. a critic's values) returns its own ``[b, l]`` tensor and ``None``.
+        ``layout``: the rows' prompts when they may share their forward (else ``None``)."""
+        return _token_logprobs(self.model, mb, self.temperature, with_entropy, layout)
 
     def _loss_scales(self, batch: SequenceBatch, shares: list[Tensor], world: int) -> list[LossScale]:
         """Completion tokens and rows per mini-batch, summed over ranks (one all-reduce)."""
