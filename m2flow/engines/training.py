@@ -538,7 +538,10 @@ class LMTrainer:
         self.temperature = temperature
         self.share_prompts = share_prompts
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # Fused: one kernel over all parameters; the default per-tensor loop took ~5x longer
+        # on a 135M model on the CPU (seconds per step).
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                           fused=True)
         self.step = 0  # optimizer steps taken
         self.group = process_group
         self.bucket_bytes = int(bucket_mb * 2**20)
