@@ -6,7 +6,8 @@ then frees its KV cache (and on a GPU its weights) while the inference worker an
 use the devices; the actor's optimizer state leaves while the rollout generates. Pipelined,
 the rollout has devices of its own and streams each group of completions on as soon as it
 is complete: reward, reference/old log-probs and the actor's forward and backward run on
-the first groups while the rollout still generates the rest.
+the first groups while the rollout still generates the rest. With ``algorithm.name=ppo`` a
+critic sits between the inference worker and the actor: it adds values and GAE advantages.
 """
 
 from __future__ import annotations
@@ -25,32 +26,40 @@ from m2flow.runtime import Channel, Cluster, DeviceLock, Placement, WorkerGroup
 from m2flow.runtime.group import wait
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.lm_actor import ALGORITHMS, LMActorWorker
+from m2flow.workers.lm_critic import LMCriticWorker
 from m2flow.workers.lm_rollout import LMRolloutWorker
 from m2flow.workers.reward import RewardWorker
 
 COMPONENTS = ("rollout", "reward", "inference", "actor")
-SINGLE_RANK = ("reward", "inference")  # each is one rank: the stream passes through it in order
+PPO_KEYS = ("gae_gamma", "gae_lambda", "critic_lr", "value_clip", "critic_epochs")
+SINGLE_RANK = ("reward", "inference", "critic")  # each is one rank: the stream passes through it in order
 
 
-def placement_config(cfg: DictConfig, num_devices: int, kind: str) -> dict[str, Any]:
+def components_of(cfg: DictConfig) -> tuple[str, ...]:
+    """The components a run creates: a critic only for ppo."""
+    return (*COMPONENTS, "critic") if cfg.algorithm.name == "ppo" else COMPONENTS
+
+
+def placement_config(cfg: DictConfig, num_devices: int, kind: str,
+                     components: tuple[str, ...] = COMPONENTS) -> dict[str, Any]:
     """Device ranges per component for a placement mode.
 
     collocated: every component on every device; pipelined: the rollout on the first half
-    of the devices, reward, inference and actor on the second; hybrid: like pipelined, but
-    the actor has a rank on every device, so the ranks beside the rollout join in once it
-    has generated the step's batch; custom: ``placement.components`` as given. On CPU slots a
-    component's devices form one rank (its threads span them), except the hybrid actor's;
-    on GPUs, rollout and actor get a rank per device.
+    of the devices, reward, inference, critic and actor on the second; hybrid: like
+    pipelined, but the actor has a rank on every device, so the ranks beside the rollout join
+    in once it has generated the step's batch; custom: ``placement.components`` as given. On
+    CPU slots a component's devices form one rank (its threads span them), except the hybrid
+    actor's; on GPUs, rollout and actor get a rank per device.
     """
     last = num_devices - 1
     if cfg.mode == "custom":
         given = OmegaConf.to_container(cfg.components, resolve=True)
-        missing = [c for c in COMPONENTS if given.get(c) is None]
+        missing = [c for c in components if given.get(c) is None]
         if missing:
             raise ValueError(f"placement.mode=custom needs placement.components for {missing}")
-        return given
+        return {c: given[c] for c in components}
     if cfg.mode == "collocated":
-        ranges = {c: f"0-{last}" for c in COMPONENTS}
+        ranges = {c: f"0-{last}" for c in components}
     elif cfg.mode in ("pipelined", "hybrid"):
         if num_devices < 2:
             raise ValueError(f"placement.mode={cfg.mode} needs >= 2 devices (set cluster.cpu_slots=2 to run it on one core)")
@@ -58,6 +67,8 @@ def placement_config(cfg: DictConfig, num_devices: int, kind: str) -> dict[str, 
         rest = f"{half}-{last}"
         ranges = {"rollout": f"0-{half - 1}", "reward": rest, "inference": rest,
                   "actor": rest if cfg.mode == "pipelined" else f"0-{last}"}
+        if "critic" in components:  # beside the inference worker, whose output it takes
+            ranges["critic"] = rest
     else:
         raise ValueError(f"unknown placement.mode {cfg.mode!r}: collocated | pipelined | hybrid | custom")
 
@@ -77,17 +88,39 @@ def check_config(cfg: DictConfig) -> None:
     a, r = cfg.algorithm, cfg.rollout
     if a.name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm.name {a.name!r}: {' | '.join(ALGORITHMS)}")
-    if r.n < 2 and a.name != "reinforce_pp":
+    if r.n < 2 and a.name not in ("reinforce_pp", "ppo"):
         raise ValueError(f"algorithm.name={a.name} compares the samples of a prompt: rollout.n must be >= 2, got {r.n}")
+    if r.n < 2 and a.dynamic_sampling:
+        raise ValueError("algorithm.dynamic_sampling=true drops groups whose rewards are all equal: with rollout.n=1 "
+                         "that is every group")
     if a.old_logprobs not in ("rollout", "recompute"):
         raise ValueError(f"algorithm.old_logprobs must be rollout | recompute, got {a.old_logprobs!r}")
-    if a.kl_in_reward and a.name != "reinforce_pp":
-        raise ValueError("algorithm.kl_in_reward=true needs algorithm.name=reinforce_pp (group-relative "
+    if a.kl_in_reward and a.name not in ("reinforce_pp", "ppo"):
+        raise ValueError("algorithm.kl_in_reward=true needs algorithm.name=reinforce_pp | ppo (group-relative "
                          "advantages take the KL term in the loss)")
+    if a.name == "ppo":
+        check_ppo_config(a)
     if cfg.placement.granularity < 1:
         raise ValueError(f"placement.granularity must be >= 1 group, got {cfg.placement.granularity}")
     if cfg.data.prompts_per_step < 1:
         raise ValueError(f"data.prompts_per_step must be >= 1, got {cfg.data.prompts_per_step}")
+
+
+def check_ppo_config(a: DictConfig) -> None:
+    """The critic's keys: there (a preset written before ppo lacks them) and in range."""
+    missing = [k for k in PPO_KEYS if k not in a]
+    if missing:
+        raise ValueError(f"algorithm.name=ppo needs algorithm.{', algorithm.'.join(missing)} "
+                         "(see examples/reasoning/ppo_arith_tiny.yaml)")
+    for key in ("gae_gamma", "gae_lambda"):
+        if not 0.0 <= a[key] <= 1.0:
+            raise ValueError(f"algorithm.{key} must be in [0, 1], got {a[key]}")
+    if a.critic_lr <= 0:
+        raise ValueError(f"algorithm.critic_lr must be > 0, got {a.critic_lr}")
+    if a.value_clip is not None and a.value_clip <= 0:
+        raise ValueError(f"algorithm.value_clip must be > 0 or null (no clipping), got {a.value_clip}")
+    if a.critic_epochs < 1:
+        raise ValueError(f"algorithm.critic_epochs must be >= 1, got {a.critic_epochs}")
 
 
 def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
@@ -123,9 +156,10 @@ class ReasoningRunner:
         c = cfg.cluster
         self._own_cluster = cluster is None
         self.cluster = cluster or Cluster(c.address, num_cpus=c.num_cpus, cpu_slots=c.cpu_slots)
-        ranges = placement_config(cfg.placement, len(self.cluster.devices), self.cluster.device_kind)
+        components = components_of(cfg)
+        ranges = placement_config(cfg.placement, len(self.cluster.devices), self.cluster.device_kind, components)
         self.placement = Placement.from_config(ranges, self.cluster)
-        for name in SINGLE_RANK:
+        for name in (c for c in SINGLE_RANK if c in components):
             if self.placement[name].world_size != 1:
                 raise ValueError(f"placement: {name} must be one rank, got {self.placement[name].world_size}")
         self.train_prompts, self.test_prompts = load_prompts(cfg)
@@ -134,11 +168,11 @@ class ReasoningRunner:
         self.loader = PromptLoader(self.train_prompts, cfg.data.prompts_per_step, seed=cfg.seed)
         plain = OmegaConf.to_container(cfg, resolve=True)
         run = uuid.uuid4().hex[:6]
-        self.names = {n: f"{n}-{run}" for n in COMPONENTS}
-        devices = {n: {d.index for r in self.placement[n].ranks() for d in r.devices} for n in COMPONENTS}
+        self.names = {n: f"{n}-{run}" for n in components}
+        devices = {n: {d.index for r in self.placement[n].ranks() for d in r.devices} for n in components}
         # Components that share a device with another (the reward aside: it holds no model)
         # take turns on it.
-        heavy = ("rollout", "inference", "actor")
+        heavy = [n for n in components if n != "reward"]
         turns = {n: any(devices[n] & devices[m] for m in heavy if m != n) for n in heavy}
         if any(turns.values()):  # lock actors live as long as the process that made them: the driver
             DeviceLock(sorted(set().union(*devices.values())), holder="driver")
@@ -149,9 +183,13 @@ class ReasoningRunner:
                                      name=self.names["inference"])
         self.actor = WorkerGroup(LMActorWorker, self.placement["actor"], args=(plain, turns["actor"]),
                                  name=self.names["actor"])
+        self.critic = None
+        if "critic" in components:
+            self.critic = WorkerGroup(LMCriticWorker, self.placement["critic"], args=(plain, turns["critic"]),
+                                      name=self.names["critic"])
         # Actor ranks take batches one at a time, so that a rank that is free takes the next.
         self.channels = {n: Channel.create(f"{n}-{run}", prefetch=1 if n == "batches" else 16)
-                         for n in ("samples", "scored", "batches")}
+                         for n in ("samples", "scored", "batches") + (("logprobs",) if self.critic else ())}
 
     def sync_weights(self) -> dict:
         """Actor rank 0 sends versioned weights, in buckets, to the rollout ranks and, when it
@@ -168,13 +206,16 @@ class ReasoningRunner:
         sync = self.sync_weights()
         prompts = next(self.loader)
         samples, scored, batches = self.channels["samples"], self.channels["scored"], self.channels["batches"]
-        rollout, reward, inference, actor = wait(
-            self.rollout.generate(prompts, samples, self.cfg.placement.granularity),
-            self.reward.score(samples, scored, len(prompts)),
-            self.inference.logprobs(scored, batches, self.actor.world_size),
-            self.actor.train(batches),
-        )
-        return {"rollout": rollout, "reward": reward, "inference": inference, "actor": actor, "sync": sync}
+        calls = {"rollout": self.rollout.generate(prompts, samples, self.cfg.placement.granularity),
+                 "reward": self.reward.score(samples, scored, len(prompts))}
+        if self.critic:  # ppo: the critic adds values, advantages and returns on the way to the actor
+            logprobs = self.channels["logprobs"]
+            calls["inference"] = self.inference.logprobs(scored, logprobs, 1)
+            calls["critic"] = self.critic.train(logprobs, batches, self.actor.world_size)
+        else:
+            calls["inference"] = self.inference.logprobs(scored, batches, self.actor.world_size)
+        calls["actor"] = self.actor.train(batches)
+        return dict(zip(calls, wait(*calls.values()))) | {"sync": sync}
 
     def evaluate(self) -> dict[str, float]:
         """Mean reward of one greedy completion per held-out prompt (accuracy, with a 0/1 reward)."""
@@ -217,21 +258,30 @@ class ReasoningRunner:
         return log.history
 
     # -- checkpoints -----------------------------------------------------------------
+    def _trained(self) -> dict[str, WorkerGroup]:
+        """The components whose state a checkpoint holds."""
+        return {"rollout": self.rollout, "actor": self.actor} | ({"critic": self.critic} if self.critic else {})
+
     def checkpoint(self, steps_done: int) -> Path:
-        rollout, actor = wait(self.rollout.state(), self.actor.state())
+        groups = self._trained()
+        states = dict(zip(groups, wait(*(g.state() for g in groups.values()))))
         path = Path(self.cfg.runner.out_dir) / "checkpoints" / f"step_{steps_done:06d}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"steps_done": steps_done, "loader": self.loader.state_dict(), "rollout": rollout, "actor": actor,
+        torch.save({"steps_done": steps_done, "loader": self.loader.state_dict(), **states,
                     "config": OmegaConf.to_container(self.cfg, resolve=True)}, path)
         return path
 
     def resume(self, path: str, log: RunLog) -> int:
         ckpt = torch.load(path, weights_only=False)
-        for name, group in (("rollout", self.rollout), ("actor", self.actor)):
+        groups = self._trained()
+        for name, group in groups.items():
+            if name not in ckpt:
+                raise ValueError(f"checkpoint {path} has no {name} state (a run with algorithm.name="
+                                 f"{ckpt['config']['algorithm']['name']}): resume with the same algorithm")
             if len(ckpt[name]) != group.world_size:
                 raise ValueError(f"checkpoint {path} has {len(ckpt[name])} {name} rank(s), this placement has "
                                  f"{group.world_size}: resume with the same placement")
-        wait(self.rollout.load_state(ckpt["rollout"]), self.actor.load_state(ckpt["actor"]))
+        wait(*(group.load_state(ckpt[name]) for name, group in groups.items()))
         self.loader.load_state_dict(ckpt["loader"])
         log.history = [row for row in log.read_csv() if row["step"] <= ckpt["steps_done"]]
         return ckpt["steps_done"]
@@ -240,8 +290,9 @@ class ReasoningRunner:
         for channel in self.channels.values():
             channel.destroy()
         wait(self.reward.close())
-        for g in (self.rollout, self.reward, self.inference, self.actor):
-            g.shutdown()
+        for g in (self.rollout, self.reward, self.inference, self.actor, self.critic):
+            if g is not None:
+                g.shutdown()
         if self._own_cluster:
             self.cluster.shutdown()
 
@@ -262,7 +313,12 @@ def step_row(step: int, report: dict[str, Any], step_s: float, time_s: float) ->
     if "logprob_diff_max" in inference:
         row["logprob_diff_max"] = inference["logprob_diff_max"]
     row |= {k: report["sync"][k] for k in ("weight_sync_s", "weight_mb")}
-    for name, ranks in (("rollout", rollout), ("reward", [reward]), ("inference", [inference]), ("actor", actor)):
+    parts = [("rollout", rollout), ("reward", [reward]), ("inference", [inference]), ("actor", actor)]
+    if "critic" in report:
+        (critic,) = report["critic"]
+        row |= {k: v for k, v in critic.items() if k not in ("busy_s", "idle_s", "peak_memory_mb")}
+        parts.append(("critic", [critic]))
+    for name, ranks in parts:
         for k in ("busy_s", "idle_s"):
             row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
         if "peak_memory_mb" in ranks[0]:

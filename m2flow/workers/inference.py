@@ -22,6 +22,7 @@ class InferenceWorker(WeightReceiver):
         a = cfg["algorithm"]
         self.temperature = cfg["rollout"]["temperature"] or 1.0  # greedy sampling reports T=1 log-probs
         self.max_tokens = a["max_tokens_per_micro_batch"]
+        self.share_prompts = a.get("share_prompts", True)
         self.ref = load_model(cfg, self.device)[0].requires_grad_(False) if a["kl_coef"] > 0 else None
         self.policy = load_model(cfg, self.device)[0].requires_grad_(False) if a["old_logprobs"] == "recompute" else None
         self.turns = self.device_turns(take_turns and (self.ref is not None or self.policy is not None))
@@ -30,9 +31,10 @@ class InferenceWorker(WeightReceiver):
     def _receive_model(self) -> torch.nn.Module:
         return self.policy
 
-    def logprobs(self, scored_in: Channel, batches_out: Channel, actor_ranks: int) -> dict:
-        """Adds ``ref_logprobs`` / ``old_logprobs`` to each batch and passes it on; the actor
-        ranks take batches as they become free. Then one end marker per actor rank."""
+    def logprobs(self, scored_in: Channel, batches_out: Channel, readers: int) -> dict:
+        """Adds ``ref_logprobs`` / ``old_logprobs`` to each batch and passes it on, to the actor
+        ranks (which take batches as they become free) or the critic. Then one end marker per
+        reader of ``batches_out``."""
         busy = idle = 0.0
         diffs = []
         while True:
@@ -47,18 +49,20 @@ class InferenceWorker(WeightReceiver):
                     idle += getattr(self.turns, "last_wait_s", 0.0)
                     mid = time.perf_counter()
                     if self.ref is not None:
-                        batch.ref_logprobs = compute_logprobs(self.ref, batch, self.max_tokens, self.temperature)
+                        batch.ref_logprobs = compute_logprobs(self.ref, batch, self.max_tokens, self.temperature,
+                                                               share_prompts=self.share_prompts)
                     if self.policy is not None:
                         if batch.extras["version"] != self.version:
                             raise RuntimeError(f"batch from policy version {batch.extras['version']}, the inference "
                                                f"worker holds version {self.version}")
-                        recomputed = compute_logprobs(self.policy, batch, self.max_tokens, self.temperature)
+                        recomputed = compute_logprobs(self.policy, batch, self.max_tokens, self.temperature,
+                                                      share_prompts=self.share_prompts)
                         mask = batch.completion_mask.bool()
                         diffs.append(float((recomputed - batch.old_logprobs)[mask].abs().max()) if mask.any() else 0.0)
                         batch.old_logprobs = recomputed
             batches_out.put(batch, weight=batch.extras["groups"])
             busy += time.perf_counter() - mid
-        for _ in range(actor_ranks):  # after every batch: a rank that takes one has nothing left to take
+        for _ in range(readers):  # after every batch: a rank that takes one has nothing left to take
             batches_out.put(END)
         batches_out.flush()
         out = {"busy_s": busy, "idle_s": idle, "peak_memory_mb": memory_mb(self.device)}

@@ -2,7 +2,8 @@
 
 Advantages (``algorithm.name``): ``grpo`` (group-normalised rewards), ``dr_grpo`` (not scaled
 by the group's std), ``rloo`` (leave-one-out baseline), ``reinforce_pp`` (REINFORCE++:
-token returns of KL-shaped rewards, whitened over the batch). The loss is the clipped
+token returns of KL-shaped rewards, whitened over the batch), ``ppo`` (GAE advantages that
+the critic worker sets on each batch, whitened over the step). The loss is the clipped
 surrogate with DAPO's knobs (clip-higher, dual clip, token-level aggregation), an optional
 KL term (k1/k2/k3, in the loss or in the reward) and an entropy bonus.
 
@@ -11,7 +12,8 @@ the actor runs forward and backward on each batch the moment it arrives, while t
 is still generating, and takes the optimizer step once the last one is in. The loss is
 accumulated as a plain sum and the gradient divided by the step's token (or sequence)
 count at the end, when it is known: the same gradient as one pass over the whole batch.
-Otherwise the actor gathers the step's batches first, then trains epochs x mini-batches.
+Otherwise (ppo included: its advantages are whitened over the step) the actor gathers the
+step's batches first, then trains epochs x mini-batches.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from m2flow.runtime import Channel, Worker, dispatch
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
 
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
-ALGORITHMS = (*GROUP_LOCAL, "reinforce_pp")
+ALGORITHMS = (*GROUP_LOCAL, "reinforce_pp", "ppo")
 
 
 class LMActorWorker(Worker):
@@ -53,7 +55,8 @@ class LMActorWorker(Worker):
         self.trainer = LMTrainer(model, a["lr"], max_tokens_per_micro_batch=a["max_tokens_per_micro_batch"],
                                  weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"],
                                  autocast_dtype=dtype_of(cfg["model"]["autocast"]), device=self.device,
-                                 temperature=cfg["rollout"]["temperature"] or 1.0)
+                                 temperature=cfg["rollout"]["temperature"] or 1.0,
+                                 share_prompts=a.get("share_prompts", True))
         self.streaming = a["name"] in GROUP_LOCAL and a["epochs"] == 1 and a["mini_batches"] == 1
         self.norm_len = cfg["rollout"]["max_new_tokens"]  # Dr. GRPO's constant length
         self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 1000 + self.rank)
@@ -165,6 +168,11 @@ class LMActorWorker(Worker):
 
     def _advantages(self, batch: SequenceBatch) -> None:
         a, mask = self.algo, batch.completion_mask
+        if a["name"] == "ppo":
+            if batch.advantages is None:
+                raise RuntimeError("algorithm.name=ppo: a batch reached the actor without advantages; the critic "
+                                   "worker sets them, between the inference worker and the actor")
+            return
         rewards, n = batch.extras["reward"].float(), batch.extras["group_size"]
         if a["name"] == "reinforce_pp":
             kl = None

@@ -1,0 +1,128 @@
+"""PPO with a critic for LMs: the value model's alignment, the critic's trainer, GAE and
+whitening over the step, config checks, and a short PPO run of the tiny preset that raises
+the reward and resumes the critic from a checkpoint."""
+
+import math
+
+import pytest
+import torch
+
+from m2flow.algorithms import kl_penalty, kl_shaped_rewards, masked_whiten, token_gae, value_loss_tokens
+from m2flow.config import load_config
+from m2flow.engines.critic import CriticTrainer, ValueModel
+from m2flow.engines.training import SequenceBatch, concat_batches
+from m2flow.models.lm import tiny_lm
+from m2flow.runners.reasoning import ReasoningRunner, check_config, components_of, placement_config
+from m2flow.workers.lm_critic import add_gae, whiten_advantages
+
+PRESET = "reasoning/ppo_arith_tiny"
+
+
+def _batch(prompts, completions):
+    return SequenceBatch.from_completions(prompts, completions, pad_id=0)
+
+
+def test_value_at_t_is_read_before_token_t():
+    lm, _ = tiny_lm("tiny-llama")
+    critic = ValueModel(lm)
+    torch.nn.init.normal_(critic.head.weight)  # a zero head would make every value 0
+    batch = _batch([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]])  # row 1 padded by 1
+    with torch.no_grad():
+        values = critic(batch.input_ids, batch.attention_mask)
+        hidden = lm.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        expected = critic.head(hidden).squeeze(-1)
+    # values[:, t] comes from the hidden state at t - 1, whose logits predict token t.
+    torch.testing.assert_close(values[0, 1:5], expected[0, 0:4])
+    torch.testing.assert_close(values[1, 1:4], expected[1, 0:3])
+    assert values[:, 0].eq(0).all() and values[1, 4] == 0  # position 0 and padding
+    # Changing token 3 leaves the values up to position 3 as they were and changes position 4's.
+    changed = batch.input_ids.clone()
+    changed[0, 3] = 42
+    with torch.no_grad():
+        after = critic(changed, batch.attention_mask)
+    torch.testing.assert_close(after[0, :4], values[0, :4])
+    assert not torch.allclose(after[0, 4], values[0, 4])
+    # The trainer's micro-batched, no-grad values are the same numbers.
+    trainer = CriticTrainer(critic, 1e-3, max_tokens_per_micro_batch=4)
+    torch.testing.assert_close(trainer.values(batch), values)
+
+
+def test_critic_trainer_fits_returns():
+    lm, _ = tiny_lm("tiny-qwen2")
+    trainer = CriticTrainer(ValueModel(lm), 1e-2, max_tokens_per_micro_batch=16)
+    batch = _batch([[3, 4], [5, 6, 7], [8]], [[9, 10, 11], [12], [13, 14]])
+    batch.values = trainer.values(batch)
+    batch.returns = batch.completion_mask * torch.tensor([[1.0], [-0.5], [0.25]])
+
+    def loss_fn(values, _entropy, mb, scale):
+        return value_loss_tokens(values, mb.values, mb.returns, mb.completion_mask, None, total_tokens=scale.tokens)
+
+    first = trainer.train_step(batch, loss_fn, with_entropy=False)["loss"]
+    for _ in range(30):
+        last = trainer.train_step(batch, loss_fn, with_entropy=False)["loss"]
+    assert first == pytest.approx(float((batch.returns[batch.completion_mask.bool()] ** 2).mean()))  # V = 0 at first
+    assert last < 0.05 * first
+
+
+def test_gae_whitened_over_the_step_not_per_batch():
+    algo = {"kl_coef": 0.1, "kl_in_reward": True, "kl_kind": "k1", "gae_gamma": 1.0, "gae_lambda": 0.9}
+    parts = [_batch([[1, 2]], [[3, 4, 5]]), _batch([[1], [2, 3]], [[6], [7, 8]])]
+    for i, b in enumerate(parts):
+        b.extras["reward"] = torch.arange(len(b), dtype=torch.float32) + i
+        b.old_logprobs = -0.5 * b.completion_mask
+        b.ref_logprobs = -0.25 * b.completion_mask
+        add_gae(b, 0.1 * b.completion_mask.float().cumsum(1), algo)
+    whole = concat_batches(parts, pad_id=0)
+    whiten_advantages(parts)
+    mask = whole.completion_mask
+    rewards = kl_shaped_rewards(whole.extras["reward"], mask, kl_penalty(whole.old_logprobs, whole.ref_logprobs, "k1"),
+                                0.1)
+    advantages, returns = token_gae(rewards, whole.values, mask, 1.0, 0.9)
+    joined = concat_batches(parts, pad_id=0)
+    torch.testing.assert_close(joined.advantages, masked_whiten(advantages, mask))
+    torch.testing.assert_close(joined.returns, returns)  # targets: raw advantages + values
+
+
+def test_ppo_configs_and_placement():
+    cfg = load_config(PRESET)
+    check_config(cfg)  # rollout.n = 1: no groups needed
+    assert components_of(cfg)[-1] == "critic"
+    assert "critic" not in components_of(load_config("reasoning/grpo_arith_tiny"))
+    cases = [
+        ("algorithm.gae_lambda=1.5", "gae_lambda must be in \\[0, 1\\]"),
+        ("algorithm.critic_lr=0", "critic_lr must be > 0"),
+        ("algorithm.value_clip=0", "value_clip must be > 0 or null"),
+        ("algorithm.critic_epochs=0", "critic_epochs must be >= 1"),
+        ("algorithm.dynamic_sampling=true", "with rollout.n=1 that is every group"),
+    ]
+    for override, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_config(load_config(PRESET, [override]))
+    pipelined = load_config(PRESET, ["placement.mode=pipelined"])
+    ranges = placement_config(pipelined.placement, 4, "cuda", components_of(pipelined))
+    assert ranges["critic"] == ranges["inference"] == {"devices": "2-3", "devices_per_proc": 2}
+    custom = load_config(PRESET, ["placement.mode=custom", *(f"placement.components.{c}=0-0" for c in
+                                                             ("rollout", "reward", "inference", "actor"))])
+    with pytest.raises(ValueError, match="needs placement.components for \\['critic'\\]"):
+        placement_config(custom.placement, 1, "cpu", components_of(custom))
+
+
+def test_ppo_raises_the_reward_and_resumes_the_critic(cluster, tmp_path):
+    """8 steps (the critic's value loss reported, the reward rising), then step 8 again from
+    the checkpoint of step 7: the same actor and critic weights."""
+    cfg = load_config(PRESET, [f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.steps=8",
+                               "runner.checkpoint_every=7", "algorithm.lr=1e-2"])
+    runner = ReasoningRunner(cfg, cluster=cluster)
+    try:
+        history = runner.train()
+        straight = [runner.actor.weights_hash().wait()[0], runner.critic.weights_hash().wait()[0]]
+        runner.cfg.runner.resume = str(tmp_path / "checkpoints" / "step_000007.pt")
+        runner.train()
+        resumed = [runner.actor.weights_hash().wait()[0], runner.critic.weights_hash().wait()[0]]
+    finally:
+        runner.close()
+    steps = [row for row in history if row["step"] > 0]
+    assert all(math.isfinite(row["value_loss"]) and row["critic_busy_s"] > 0 for row in steps)
+    rewards = [row["reward"] for row in steps]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, [round(r, 3) for r in rewards]
+    assert resumed == straight
