@@ -37,8 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
-from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +293,8 @@ def _token_logprobs(model: nn.Module, batch: SequenceBatch, temperature: float, 
     in the module's convention; 0 at position 0 and on padding. With a ``layout`` (and a
     transformers model), each distinct prompt is forwarded once and only completion tokens
     are scored: 0 on prompt tokens too."""
+    from transformers import PreTrainedModel  # here: importing transformers is slow and not always needed
+
     if layout is not None and isinstance(model, PreTrainedModel):
         return _shared_prompt_logprobs(model, batch, layout, temperature, with_entropy)
     ids, mask = batch.input_ids, batch.attention_mask
@@ -307,23 +307,6 @@ def _token_logprobs(model: nn.Module, batch: SequenceBatch, temperature: float, 
     return nn.functional.pad(logprobs, pad), None if entropy is None else nn.functional.pad(entropy, pad)
 
 
-class _PrefixCache(Cache):
-    """Per layer, the keys and values of each row's prompt prefix, ``[b, kv_heads, width, d]``
-    (columns past a row's own prefix are masked); ``update`` appends the suffix's keys and
-    values with a differentiable concatenation, so gradients reach the prefix."""
-
-    def __init__(self, layer_kv: list[tuple[Tensor, Tensor]]):
-        super().__init__(layers=[])
-        self.layer_kv = layer_kv
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = self.layer_kv[layer_idx]
-        return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layer_kv[0][0].shape[2]
-
-
 def _shared_prompt_logprobs(model: PreTrainedModel, batch: SequenceBatch, layout: PromptLayout, temperature: float,
                             with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     """``_token_logprobs`` with each distinct prompt forwarded once.
@@ -333,6 +316,24 @@ def _shared_prompt_logprobs(model: PreTrainedModel, batch: SequenceBatch, layout
     The prefixes (one per distinct prompt, right-padded: causal attention never looks at the
     padding after a real token) give keys and values; each row's suffix attends to its
     prompt's prefix columns and causally to its own suffix."""
+    from transformers.cache_utils import Cache, DynamicCache
+
+    class _PrefixCache(Cache):
+        """Per layer, the keys and values of each row's prompt prefix, ``[b, kv_heads, width, d]``
+        (columns past a row's own prefix are masked); ``update`` appends the suffix's keys and
+        values with a differentiable concatenation, so gradients reach the prefix."""
+
+        def __init__(self, layer_kv: list[tuple[Tensor, Tensor]]):
+            super().__init__(layers=[])
+            self.layer_kv = layer_kv
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            keys, values = self.layer_kv[layer_idx]
+            return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return self.layer_kv[0][0].shape[2]
+
     ids, device = batch.input_ids, batch.input_ids.device
     b, length = ids.shape
     prompt_len = layout.prompt_lengths.to(device)
