@@ -315,24 +315,8 @@ def _shared_prompt_logprobs(model: PreTrainedModel, batch: SequenceBatch, layout
     the completion minus its last token, whose logits predict exactly the completion tokens.
     The prefixes (one per distinct prompt, right-padded: causal attention never looks at the
     padding after a real token) give keys and values; each row's suffix attends to its
-    prompt's prefix columns and causally to its own suffix."""
-    from transformers.cache_utils import Cache, DynamicCache
-
-    class _PrefixCache(Cache):
-        """Per layer, the keys and values of each row's prompt prefix, ``[b, kv_heads, width, d]``
-        (columns past a row's own prefix are masked); ``update`` appends the suffix's keys and
-        values with a differentiable concatenation, so gradients reach the prefix."""
-
-        def __init__(self, layer_kv: list[tuple[Tensor, Tensor]]):
-            super().__init__(layers=[])
-            self.layer_kv = layer_kv
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            keys, values = self.layer_kv[layer_idx]
-            return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
-
-        def get_seq_length(self, layer_idx: int = 0) -> int:
-            return self.layer_kv[0][0].shape[2]
+    prompt's prefix columns (the rest are masked) and causally to its own suffix."""
+    from transformers.cache_utils import DynamicCache
 
     ids, device = batch.input_ids, batch.input_ids.device
     b, length = ids.shape
@@ -348,7 +332,11 @@ def _shared_prompt_logprobs(model: PreTrainedModel, batch: SequenceBatch, layout
         prefix_ids = torch.where(torch.arange(width, device=device)[None, :] < prefix_len[first_row, None],
                                  ids[first_row, :width], ids.new_zeros(()))
         out = model(input_ids=prefix_ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
-        cache = _PrefixCache([(layer.keys[which], layer.values[which]) for layer in out.past_key_values.layers])
+        # Each row's prompt's keys and values; the suffix forward appends its own to them (a
+        # differentiable concatenation, so gradients reach the prompt's forward).
+        cache = DynamicCache()
+        for i, layer in enumerate(out.past_key_values.layers):
+            cache.update(layer.keys[which], layer.values[which], i)
     suffix_width = max(int(completion_len.max()), 1)
     steps = torch.arange(suffix_width, device=device)
     columns = (prefix_len[:, None] + steps[None, :]).clamp(max=length - 1)
