@@ -14,8 +14,10 @@ Both systems get the same hyperparameters, from one of two sets (``--hparams``):
          on one thread.
 
 m2flow's side is the preset ``embodied/ppo_halfcheetah`` (its env id replaced by ``--env``) with
-the set's values as overrides, one run per placement mode; ``hybrid`` runs with
-``runner.stages=2`` (elastic pipelining).
+the set's values as overrides, one run per placement mode (``MODES``): ``hybrid`` runs with
+``runner.stages=2`` (elastic pipelining); ``ahead`` puts the env workers (rollout fused) on
+slot 0 and the actor on slot 1 with ``runner.collect_ahead=true``, so each update's rollout
+overlaps the training on the previous one (off-policy by one version).
 
 For every seed, SB3 runs first and then each m2flow mode, so slow drifts of the machine
 touch both. Reported per system/mode and seed:
@@ -95,7 +97,16 @@ def m2flow_overrides(hp: dict) -> list[str]:
 # busy) costs far more than it saves. --sb3-threads lets a quiet machine re-check it.
 SB3_DEFAULT_THREADS = 1
 
-MODES = ("collocated", "hybrid", "disaggregated")
+# m2flow's placement per benchmark mode, as config overrides.
+MODES = {
+    "collocated": ["placement.mode=collocated", "runner.stages=1"],
+    "hybrid": ["placement.mode=hybrid", "runner.stages=2"],  # elastic pipelining
+    "disaggregated": ["placement.mode=disaggregated", "runner.stages=1"],
+    # Env with the fused rollout on slot 0, the actor on slot 1; each update's rollout runs
+    # while the actor trains on the previous one (its data one policy version old).
+    "ahead": ["placement.mode=custom", "placement.components.env=0", "placement.components.rollout=0",
+              "placement.components.actor=1", "placement.actor_devices_per_proc=1", "runner.collect_ahead=true"],
+}
 
 
 def log(text: str) -> None:
@@ -185,9 +196,8 @@ def run_m2flow(env_id: str, steps: int, seed: int, mode: str, out_dir: Path, ext
     from m2flow.config import load_config
     from m2flow.runners import run
 
-    overrides = [f"env.id={env_id}", f"seed={seed}", f"runner.total_env_steps={steps}", f"placement.mode={mode}",
-                 f"runner.stages={2 if mode == 'hybrid' else 1}", "runner.progress=false", f"runner.out_dir={out_dir}",
-                 *extra]
+    overrides = [f"env.id={env_id}", f"seed={seed}", f"runner.total_env_steps={steps}", *MODES[mode],
+                 "runner.progress=false", f"runner.out_dir={out_dir}", *extra]
     cfg = load_config("embodied/ppo_halfcheetah", overrides)
     with contextlib.redirect_stdout(sys.stderr):  # the runner's notes and Ray's worker logs
         history = run(cfg)
@@ -243,7 +253,7 @@ def main() -> None:
     p.add_argument("--env", default="HalfCheetah-v5")
     p.add_argument("--steps", type=int, default=200_000, help="env steps per run, rounded down to whole updates")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--modes", nargs="+", default=["collocated", "hybrid"], choices=MODES)
+    p.add_argument("--modes", nargs="+", default=["collocated", "hybrid"], choices=list(MODES))
     p.add_argument("--sb3-threads", type=int, default=SB3_DEFAULT_THREADS)
     p.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                    help="extra m2flow config overrides for every mode (e.g. cluster.cpu_slots=3); SB3 is unaffected")

@@ -72,7 +72,7 @@ def test_load_jsonl_gsm8k_style(tmp_path):
 
 
 def test_load_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow", reason="pyarrow is not a dependency; Parquet reading needs it")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = tmp_path / "train.parquet"

@@ -42,6 +42,25 @@ def test_ppo_cartpole_learns_in_every_mode(cluster, tmp_path, mode, stages, env,
     assert all(last[f"{c}_busy_s"] > 0 for c in ("env", "rollout", "actor"))
 
 
+def test_collect_ahead_learns(cluster, tmp_path):
+    """Env (rollout fused) on one device, actor on another, each update's rollout collected
+    while the actor trains on the previous one: the data is one version old, and PPO still
+    learns CartPole."""
+    overrides = ["placement.mode=custom", "placement.components.env=0", "placement.components.rollout=0",
+                 "placement.components.actor=1", "placement.actor_devices_per_proc=1", "runner.collect_ahead=true",
+                 "runner.progress=false", f"runner.out_dir={tmp_path}", "runner.target_return=450"]
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    try:
+        assert runner.fused
+        history = runner.train()
+    finally:
+        runner.close()
+    last = history[-1]
+    assert last["episode_return"] >= 450 and last["env_steps"] <= 100_000, last
+    # The first update's data was collected with its own weights; every later one's ahead of them.
+    assert [row["policy_lag"] for row in history] == [0] + [1] * (len(history) - 1)
+
+
 def test_placement_modes_from_config():
     cfg = load_config("embodied/ppo_cartpole")
     assert placement_config(cfg.placement, 2) == {"env": "0-1", "rollout": "0-1", "actor": "0-1"}
@@ -63,12 +82,15 @@ def test_bad_overrides_are_clear_errors():
         load_config("embodied/nope")
 
 
-def test_resume_continues_exactly(cluster, tmp_path):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_resume_continues_exactly(cluster, tmp_path, ahead):
     """A run resumed from its checkpoint at update N reaches the same weights at 2N as
-    the uninterrupted run: simulators, sampling RNGs, optimizer and shuffling all restored."""
+    the uninterrupted run: simulators, sampling RNGs, optimizer and shuffling all restored.
+    Collecting ahead, no rollout runs past a checkpoint."""
     common = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
               "placement.components.actor=0-1", "runner.stages=2", "runner.progress=false",
-              "runner.total_env_steps=1024", "env.kwargs.max_episode_steps=20"]  # 4 updates; truncations too
+              "runner.total_env_steps=1024", "env.kwargs.max_episode_steps=20",  # 4 updates; truncations too
+              f"runner.collect_ahead={str(ahead).lower()}"]
 
     def run(out, *extra):
         runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", common + [f"runner.out_dir={out}", *extra]), cluster)
@@ -82,6 +104,7 @@ def test_resume_continues_exactly(cluster, tmp_path):
     assert len(history) == 4 and len(set(straight)) == 1  # both actor ranks hold the same weights
     resumed, rest = run(tmp_path / "b", f"runner.resume={tmp_path / 'a' / 'checkpoints' / 'update_000002.pt'}")
     assert [row["update"] for row in rest] == [2, 3]
+    assert [row["policy_lag"] for row in history] == ([0, 1, 0, 1] if ahead else [0] * 4)
     assert resumed == straight
     assert rest[-1]["env_steps"] == history[-1]["env_steps"]
 

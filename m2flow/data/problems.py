@@ -32,10 +32,8 @@ class Prompt:
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+        import pyarrow.parquet as pq
+
         return pq.read_table(path).to_pylist()
     if path.suffix in (".jsonl", ".json"):
         with path.open() as f:

@@ -132,6 +132,7 @@ class EmbodiedRunner:
         self.trajectories = Channel.create(f"trajectories-{run}")
         self.steps_per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
         self.total_updates = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)
+        self.collecting: tuple | None = None  # a rollout started ahead of its update (runner.collect_ahead)
 
     def sync_weights(self) -> float:
         """Actor rank 0 broadcasts versioned weights to every rollout rank."""
@@ -140,15 +141,30 @@ class EmbodiedRunner:
              self.rollout.pull_weights(self.names["actor"]))
         return time.perf_counter() - start
 
-    def step(self, update: int) -> dict[str, Any]:
-        """One PPO update: the macro flow. Returns what each component reported."""
-        sync_s = self.sync_weights()
+    def collect(self) -> tuple:
+        """Starts one rollout: env and rollout stream trajectories into the channel."""
         steps = self.cfg.runner.rollout_steps
-        env, rollout, actor = wait(
-            self.env.interact(self.names["rollout"], self.trajectories, steps),
-            self.rollout.act(self.names["env"], steps),
-            self.actor.train(self.trajectories, update, self.total_updates),
-        )
+        return self.env.interact(self.names["rollout"], self.trajectories, steps), self.rollout.act(self.names["env"], steps)
+
+    def step(self, update: int, collect_next: bool = False) -> dict[str, Any]:
+        """One PPO update: the macro flow. Returns what each component reported.
+
+        On-policy, the rollout and the actor's training (which starts on the trajectories as
+        they stream in) make up the step. With ``collect_next``, the next update's rollout
+        runs with this update's starting weights while the actor trains (its data is then
+        one version old, which the PPO ratio accounts for)."""
+        if self.collecting is None:  # nothing collected ahead: the first update, or the one after a pause
+            sync_s, collecting = self.sync_weights(), self.collect()
+            ahead = self.collect() if collect_next else None  # the same weights: it queues behind this one
+        else:
+            collecting, sync_s = self.collecting, 0.0
+            wait(*collecting)  # the rollout workers are free again: they can take the new weights
+            if collect_next:
+                sync_s = self.sync_weights()
+            ahead = self.collect() if collect_next else None
+        training = self.actor.train(self.trajectories, update, self.total_updates)
+        env, rollout, actor = wait(*collecting, training)
+        self.collecting = ahead
         return {"env": env, "rollout": rollout, "actor": actor, "weight_sync_s": sync_s}
 
     def train(self) -> list[dict[str, float]]:
@@ -168,13 +184,19 @@ class EmbodiedRunner:
         start = time.perf_counter()
         for update in range(first, self.total_updates):
             t0 = time.perf_counter()
-            report = self.step(update)
+            saving = bool(r.checkpoint_every) and (update + 1) % r.checkpoint_every == 0
+            # A checkpoint holds no trajectories in flight: nothing is collected past it.
+            ahead = bool(r.get("collect_ahead")) and update + 1 < self.total_updates and not saving
+            report = self.step(update, collect_next=ahead)
             row = logger.log_update(update, report, time.perf_counter() - t0, time.perf_counter() - start)
             done = update + 1 == self.total_updates
             if r.get("target_return") is not None and row["episodes"] and row["episode_return"] >= r.target_return:
                 logger.note(f"mean return {row['episode_return']:.1f} >= {r.target_return} after {row['env_steps']} env steps")
                 done = True
-            if done or (r.checkpoint_every and (update + 1) % r.checkpoint_every == 0):
+            if done and self.collecting is not None:  # stopped early: the rollout ahead goes untrained
+                wait(*self.collecting)
+                self.collecting = None
+            if done or saving:
                 self.checkpoint(update + 1, logger)
             if done:
                 break

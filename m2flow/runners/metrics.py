@@ -11,6 +11,8 @@ Logged every update (``metrics.csv`` columns and TensorBoard scalars):
   episode_length       their mean length; episodes: how many ended
   policy_loss, value_loss, entropy, approx_kl, clip_fraction, grad_norm, epochs,
   explained_variance   PPO statistics of actor rank 0, averaged over its minibatches
+  policy_lag           policy versions between the weights trained and those that collected
+                       the data (0 on-policy; 1 with runner.collect_ahead)
   weight_sync_s        actor -> rollout weight broadcast time
   {env,rollout,actor}_busy_s / _idle_s
                        per-component busy time (stepping, inferring, training) and idle

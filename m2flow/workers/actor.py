@@ -76,9 +76,13 @@ class ActorWorker(Worker):
         parts = [trajectories_in.get(key=self.rank) for _ in range(self.layout.env_ranks)]
         parts.sort(key=lambda p: p["env_rank"])  # arrival order varies; the batch must not
         waited = time.perf_counter() - start
-        stale = {p["policy_version"] for p in parts} - {self.version}
+        # Collected ahead (runner.collect_ahead), the data is one version behind the weights.
+        allowed = {self.version - 1, self.version} if self.cfg["runner"].get("collect_ahead") else {self.version}
+        stale = {p["policy_version"] for p in parts} - allowed
         if stale:
-            raise RuntimeError(f"actor rank {self.rank} at policy version {self.version} got trajectories of version(s) {sorted(stale)}")
+            raise RuntimeError(f"actor rank {self.rank} at policy version {self.version} got trajectories of version(s) "
+                               f"{sorted(stale)}, expected {sorted(allowed)}")
+        lag = self.version - min(p["policy_version"] for p in parts)
         data = {k: torch.as_tensor(np.concatenate([p[k] for p in parts], axis=1 if k != "last_obs" else 0))
                 for k in parts[0] if k not in ("policy_version", "env_rank")}
         if self.algo.get("anneal_lr"):
@@ -90,7 +94,7 @@ class ActorWorker(Worker):
         self.version += 1
         lock_wait = getattr(self.turns, "last_wait_s", 0.0)
         stats |= {"busy_s": time.perf_counter() - start - waited - lock_wait, "idle_s": waited + lock_wait,
-                  "lock_wait_s": lock_wait}
+                  "lock_wait_s": lock_wait, "policy_lag": lag}
         return stats
 
     def _advantages(self, d: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
