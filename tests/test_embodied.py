@@ -42,16 +42,17 @@ def test_ppo_cartpole_learns_in_every_mode(cluster, tmp_path, mode, stages, env,
     assert all(last[f"{c}_busy_s"] > 0 for c in ("env", "rollout", "actor"))
 
 
-def test_collect_ahead_learns(cluster, tmp_path):
-    """Env (rollout fused) on one device, actor on another, each update's rollout collected
-    while the actor trains on the previous one: the data is one version old, and PPO still
-    learns CartPole."""
-    overrides = ["placement.mode=custom", "placement.components.env=0", "placement.components.rollout=0",
-                 "placement.components.actor=1", "placement.actor_devices_per_proc=1", "runner.collect_ahead=true",
+@pytest.mark.parametrize("rollout", ["0", "1"], ids=["fused", "separate"])
+def test_collect_ahead_learns(cluster, tmp_path, rollout):
+    """Env on one device (the rollout fused into it, or on a device of its own), the actor on
+    another; each update's rollout is collected while the actor trains on the previous one:
+    the data is one version old, and PPO still learns CartPole."""
+    overrides = ["placement.mode=custom", "placement.components.env=0", f"placement.components.rollout={rollout}",
+                 "placement.components.actor=2", "placement.actor_devices_per_proc=1", "runner.collect_ahead=true",
                  "runner.progress=false", f"runner.out_dir={tmp_path}", "runner.target_return=450"]
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
     try:
-        assert runner.fused
+        assert runner.fused is (rollout == "0")
         history = runner.train()
     finally:
         runner.close()
@@ -82,7 +83,8 @@ def test_bad_overrides_are_clear_errors():
         load_config("embodied/nope")
 
 
-@pytest.mark.parametrize("ahead", [False, True])
+# Collecting ahead also runs in test_collect_ahead_learns; its resume variant is slow.
+@pytest.mark.parametrize("ahead", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["on-policy", "ahead"])
 def test_resume_continues_exactly(cluster, tmp_path, ahead):
     """A run resumed from its checkpoint at update N reaches the same weights at 2N as
     the uninterrupted run: simulators, sampling RNGs, optimizer and shuffling all restored.

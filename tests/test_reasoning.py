@@ -56,7 +56,8 @@ def _reward_gain(history):
     return sum(rewards[-k:]) / k - sum(rewards[:k]) / k, rewards
 
 
-@pytest.mark.parametrize("mode", ["collocated", "pipelined", "hybrid"])
+# Hybrid also trains in test_other_algorithms_train (reinforce_pp); its learning run is slow.
+@pytest.mark.parametrize("mode", ["collocated", "pipelined", pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_grpo_raises_the_reward(cluster, tmp_path, mode):
     history, hashes = _train(cluster, tmp_path, f"placement.mode={mode}", "algorithm.old_logprobs=recompute")
     gain, rewards = _reward_gain(history)
@@ -90,11 +91,19 @@ def test_resume_reaches_the_same_weights(cluster, tmp_path):
     # gathered: batch-whitened advantages, KL in the reward, 2 epochs x 2 mini-batches, 2 actor ranks
     ("algorithm.name=reinforce_pp", "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.epochs=2",
      "algorithm.mini_batches=2", "placement.mode=hybrid"),
-    ("algorithm.name=rloo", "algorithm.dual_clip=3.0", "algorithm.entropy_coef=0.01"),
-], ids=["dr_grpo", "reinforce_pp-hybrid", "rloo"])
+    # pipelined, each step's rollout generated while the actor trains on the previous one
+    ("algorithm.name=rloo", "algorithm.dual_clip=3.0", "algorithm.entropy_coef=0.01", "placement.mode=pipelined",
+     "runner.collect_ahead=true", "algorithm.old_logprobs=recompute"),
+], ids=["dr_grpo", "reinforce_pp-hybrid", "rloo-pipelined-ahead"])
 def test_other_algorithms_train(cluster, tmp_path, overrides):
     history, hashes = _train(cluster, tmp_path, "runner.steps=3", *overrides)
     steps = [row for row in history if row["step"] > 0]
     assert len(steps) == 3 and len(set(hashes)) == 1
+    # Generated ahead, steps 2 and 3 train on completions of the weights before the last update;
+    # the inference worker recomputes their log-probs with those same weights.
+    ahead = "runner.collect_ahead=true" in overrides
+    assert [row["policy_lag"] for row in steps] == ([0, 1, 1] if ahead else [0, 0, 0])
+    if ahead:
+        assert max(row["logprob_diff_max"] for row in steps) <= 1e-3
     assert all(math.isfinite(row["grad_norm"]) for row in steps if row["optimizer_steps"] > 0)
     assert sum(row["optimizer_steps"] for row in steps) >= (12 if "algorithm.epochs=2" in overrides else 1)

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from m2flow.envs import make_env
 from m2flow.runners.metrics import MetricsLogger
 from m2flow.runtime import Channel, Cluster, DeviceLock, Placement, WorkerGroup
-from m2flow.runtime.group import wait
+from m2flow.runtime.group import start_together, wait
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.env import EnvWorker
 from m2flow.workers.layout import Layout
@@ -121,14 +121,16 @@ class EmbodiedRunner:
         self.fused = bool(cfg.placement.get("fuse", True)) and [r.devices for r in env_ranks] == [r.devices for r in rollout_ranks]
         if self.fused:
             self.env = WorkerGroup(EnvWorker, self.placement["env"], args=(plain, self.layout, spaces, shared),
-                                   name=self.names["env"])
+                                   name=self.names["env"], wait=False)
             self.rollout, self.names["rollout"] = self.env, self.names["env"]
         else:
-            self.env = WorkerGroup(EnvWorker, self.placement["env"], args=(plain, self.layout), name=self.names["env"])
+            self.env = WorkerGroup(EnvWorker, self.placement["env"], args=(plain, self.layout), name=self.names["env"],
+                                   wait=False)
             self.rollout = WorkerGroup(RolloutWorker, self.placement["rollout"], args=(plain, self.layout, *spaces, shared),
-                                       name=self.names["rollout"])
+                                       name=self.names["rollout"], wait=False)
         self.actor = WorkerGroup(ActorWorker, self.placement["actor"], args=(plain, self.layout, *spaces, shared),
-                                 name=self.names["actor"])
+                                 name=self.names["actor"], wait=False)
+        start_together(*{id(g): g for g in (self.env, self.rollout, self.actor)}.values())  # processes start in parallel
         self.trajectories = Channel.create(f"trajectories-{run}")
         self.steps_per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
         self.total_updates = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, Placement, WorkerGroup
-from m2flow.runtime.group import wait
+from m2flow.runtime.group import start_together, wait
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.lm_actor import ALGORITHMS, LMActorWorker
 from m2flow.workers.lm_critic import LMCriticWorker
@@ -176,17 +176,22 @@ class ReasoningRunner:
         turns = {n: any(devices[n] & devices[m] for m in heavy if m != n) for n in heavy}
         if any(turns.values()):  # lock actors live as long as the process that made them: the driver
             DeviceLock(sorted(set().union(*devices.values())), holder="driver")
+        # The groups start their processes in parallel (importing torch and transformers and
+        # building a model take seconds each).
         self.rollout = WorkerGroup(LMRolloutWorker, self.placement["rollout"], args=(plain, turns["rollout"]),
-                                   name=self.names["rollout"])
-        self.reward = WorkerGroup(RewardWorker, self.placement["reward"], args=(plain,), name=self.names["reward"])
+                                   name=self.names["rollout"], wait=False)
+        self.reward = WorkerGroup(RewardWorker, self.placement["reward"], args=(plain,), name=self.names["reward"],
+                                  wait=False)
         self.inference = WorkerGroup(InferenceWorker, self.placement["inference"], args=(plain, turns["inference"]),
-                                     name=self.names["inference"])
+                                     name=self.names["inference"], wait=False)
         self.actor = WorkerGroup(LMActorWorker, self.placement["actor"], args=(plain, turns["actor"]),
-                                 name=self.names["actor"])
+                                 name=self.names["actor"], wait=False)
         self.critic = None
         if "critic" in components:
             self.critic = WorkerGroup(LMCriticWorker, self.placement["critic"], args=(plain, turns["critic"]),
-                                      name=self.names["critic"])
+                                      name=self.names["critic"], wait=False)
+        start_together(*(g for g in (self.rollout, self.reward, self.inference, self.actor, self.critic) if g))
+        self.pending: dict[str, Any] | None = None  # a step's stream started ahead (runner.collect_ahead)
         # Actor ranks take batches one at a time, so that a rank that is free takes the next.
         self.channels = {n: Channel.create(f"{n}-{run}", prefetch=1 if n == "batches" else 16)
                          for n in ("samples", "scored", "batches") + (("logprobs",) if self.critic else ())}
@@ -201,10 +206,9 @@ class ReasoningRunner:
                              *(g.pull_weights(self.names["actor"]) for g in receivers))
         return pushed | {"weight_sync_s": time.perf_counter() - start}
 
-    def step(self) -> dict[str, Any]:
-        """One policy update: the macro flow. Returns what each component reported."""
-        sync = self.sync_weights()
-        prompts = next(self.loader)
+    def launch(self, prompts: list[dict]) -> dict[str, Any]:
+        """Starts one step's stream, up to the batches channel: rollout -> reward -> inference
+        (-> critic)."""
         samples, scored, batches = self.channels["samples"], self.channels["scored"], self.channels["batches"]
         calls = {"rollout": self.rollout.generate(prompts, samples, self.cfg.placement.granularity),
                  "reward": self.reward.score(samples, scored, len(prompts))}
@@ -214,7 +218,28 @@ class ReasoningRunner:
             calls["critic"] = self.critic.train(logprobs, batches, self.actor.world_size)
         else:
             calls["inference"] = self.inference.logprobs(scored, batches, self.actor.world_size)
-        calls["actor"] = self.actor.train(batches)
+        return calls
+
+    def step(self, generate_next: bool = False) -> dict[str, Any]:
+        """One policy update: the macro flow. Returns what each component reported.
+
+        On-policy, the actor trains on the completions of the weights it starts from, as they
+        stream in. With ``generate_next``, the next step's rollout starts with those weights as
+        soon as this step's rollout is done, and runs while the actor trains: its data is then
+        one version old (the ratio is taken against the log-probs it was sampled with)."""
+        if self.pending is None:  # nothing generated ahead: the first step, or the one after a pause
+            sync, calls = self.sync_weights(), self.launch(next(self.loader))
+            ahead = self.launch(next(self.loader)) if generate_next else None  # same weights: it queues behind
+        else:
+            calls = self.pending
+            # The receivers of the weights are done with this step's stream (the calls of one
+            # worker run in order, so waiting is what a sync would do anyway).
+            receivers = ["rollout"] + (["inference"] if self.cfg.algorithm.old_logprobs == "recompute" else [])
+            wait(*(calls[n] for n in receivers))
+            sync = self.sync_weights() if generate_next else {"weight_sync_s": 0.0}
+            ahead = self.launch(next(self.loader)) if generate_next else None
+        calls = calls | {"actor": self.actor.train(self.channels["batches"])}
+        self.pending = ahead
         return dict(zip(calls, wait(*calls.values()))) | {"sync": sync}
 
     def evaluate(self) -> dict[str, float]:
@@ -243,17 +268,20 @@ class ReasoningRunner:
             log.record({"step": 0, "time_s": 0.0, **self.evaluate()}, "evaluated")
         for step in range(first, r.steps):
             t0 = time.perf_counter()
-            report = self.step()
+            done = step + 1 == r.steps
+            evaluating = done or (bool(r.eval_every) and (step + 1) % r.eval_every == 0)
+            saving = done or (bool(r.checkpoint_every) and (step + 1) % r.checkpoint_every == 0)
+            # Nothing is generated past an evaluation or a checkpoint (which holds no stream in flight).
+            report = self.step(generate_next=bool(r.get("collect_ahead")) and not (evaluating or saving))
             if step == first:
                 sync = report["sync"]
                 log.note(f"weights: {sync['weight_mb']:.0f} MB in {sync['weight_buckets']} bucket(s) "
                          f"by {sync['weight_transport']}")
             row = step_row(step + 1, report, time.perf_counter() - t0, time.perf_counter() - start)
-            done = step + 1 == r.steps
-            if done or (r.eval_every and (step + 1) % r.eval_every == 0):
+            if evaluating:
                 row |= self.evaluate()
             log.record(row, f"reward {row['reward']:.3f}  {row['step_s']:.1f} s/step")
-            if done or (r.checkpoint_every and (step + 1) % r.checkpoint_every == 0):
+            if saving:
                 self.checkpoint(step + 1)
         return log.history
 
@@ -312,7 +340,7 @@ def step_row(step: int, report: dict[str, Any], step_s: float, time_s: float) ->
     row["optimizer_steps"] = actor[0].get("optimizer_steps", math.nan)
     if "logprob_diff_max" in inference:
         row["logprob_diff_max"] = inference["logprob_diff_max"]
-    row |= {k: report["sync"][k] for k in ("weight_sync_s", "weight_mb")}
+    row |= {k: report["sync"].get(k, 0.0) for k in ("weight_sync_s", "weight_mb")}  # 0: no sync this step
     parts = [("rollout", rollout), ("reward", [reward]), ("inference", [inference]), ("actor", actor)]
     if "critic" in report:
         (critic,) = report["critic"]

@@ -100,6 +100,17 @@ class GroupHandle:
         raise TimeoutError(f"{self.group.name}.{self.method}() not finished after {timeout}s on rank(s) {sorted(ranks)}")
 
 
+def start_together(*groups: WorkerGroup) -> None:
+    """Waits until every rank of ``groups`` (made with ``wait=False``) is constructed. If one
+    fails or times out, every group is killed and the first error raised."""
+    try:
+        wait(*(g._starting for g in groups), timeout=max(g.init_timeout_s for g in groups))
+    except BaseException:
+        for g in groups:
+            g.kill()
+        raise
+
+
 def wait(*handles: GroupHandle, timeout: float | None = None) -> list:
     """Waits for several group calls that run together; the first failure in any of them
     is raised at once (a consumer whose producer died must not wait forever)."""
@@ -123,7 +134,11 @@ class WorkerGroup:
     """Launches one Ray actor per rank of a component placement."""
 
     def __init__(self, cls: type, placement: ComponentPlacement, *, args: tuple = (), kwargs: Mapping | None = None,
-                 name: str | None = None, session: str | None = None, init_timeout_s: float = 300.0):
+                 name: str | None = None, session: str | None = None, init_timeout_s: float = 300.0,
+                 wait: bool = True):
+        """Starts the ranks; with ``wait`` (default) returns once every rank is constructed.
+        Without, call ``ready`` (or ``start_together`` for several groups): groups then
+        start their processes in parallel."""
         self.cls = cls
         self.name = name or placement.component
         self.placement = placement
@@ -143,17 +158,21 @@ class WorkerGroup:
         node_order: dict[str, list[int]] = {}
         for r in ranks:
             node_order.setdefault(r.node_id, []).append(r.rank)
-        try:
-            master_addr, master_port = ray.get(self.actors[0]._m2flow_address.remote(), timeout=init_timeout_s)
-            refs = []
-            for r, actor in zip(ranks, self.actors):
-                info = WorkerInfo(self.name, r.rank, self.world_size, r.devices, node_order[r.node_id].index(r.rank),
-                                  master_addr, master_port, session)
-                refs.append(actor._m2flow_call.remote("_m2flow_init", info, tuple(args), dict(kwargs or {})))
-            GroupHandle(self, "__init__", list(range(self.world_size)), refs, "list").wait(init_timeout_s)
-        except BaseException:
-            self.kill()
-            raise
+        # Rank 0's address, resolved by Ray before each rank's constructor runs: nothing here
+        # waits for a process to start.
+        master = self.actors[0]._m2flow_address.remote()
+        refs = []
+        for r, actor in zip(ranks, self.actors):
+            info = WorkerInfo(self.name, r.rank, self.world_size, r.devices, node_order[r.node_id].index(r.rank), session)
+            refs.append(actor._m2flow_call.remote("_m2flow_init", info, master, tuple(args), dict(kwargs or {})))
+        self._starting = GroupHandle(self, "__init__", list(range(self.world_size)), refs, "list")
+        self.init_timeout_s = init_timeout_s
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Waits until every rank is constructed; if one fails, kills the group and raises."""
+        start_together(self)
 
     # -- calls -----------------------------------------------------------------
     def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> GroupHandle:

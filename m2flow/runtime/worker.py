@@ -35,8 +35,6 @@ class WorkerInfo:
     world_size: int
     devices: tuple[Device, ...]
     local_rank: int
-    master_addr: str
-    master_port: int
     session: str
 
 
@@ -87,8 +85,9 @@ class Worker:
     world_size: int
 
     # -- set-up, called by WorkerGroup --------------------------------------------
-    def _m2flow_init(self, info: WorkerInfo, args: tuple, kwargs: dict) -> None:
-        self._m2flow_info = info
+    def _m2flow_init(self, info: WorkerInfo, master: tuple[str, int], args: tuple, kwargs: dict) -> None:
+        """``master``: rank 0's address for torch.distributed's rendezvous."""
+        self._m2flow_master = master
         self.group, self.rank, self.world_size = info.group, info.rank, info.world_size
         self.local_rank, self.devices = info.local_rank, info.devices
         self.device = "cuda" if info.devices[0].kind == "cuda" else "cpu"
@@ -96,8 +95,8 @@ class Worker:
             RANK=str(info.rank),
             WORLD_SIZE=str(info.world_size),
             LOCAL_RANK=str(info.local_rank),
-            MASTER_ADDR=info.master_addr,
-            MASTER_PORT=str(info.master_port),
+            MASTER_ADDR=master[0],
+            MASTER_PORT=str(master[1]),
             M2FLOW_SESSION=info.session,
         )
         if self.device == "cuda":
@@ -208,10 +207,10 @@ class Worker:
         if dist.is_initialized():
             return
         backend = backend or ("nccl" if self.device == "cuda" else "gloo")
-        info = self._m2flow_info
+        host, port = self._m2flow_master
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            init_method=f"tcp://{host}:{port}",
             rank=self.rank,
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -62,6 +62,8 @@ class LMActorWorker(Worker):
         self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 1000 + self.rank)
         self.turns = self.device_turns(take_turns)
         self.version = 0
+        # Generated ahead (runner.collect_ahead), a batch may be one version behind the weights.
+        self.lags = (0, 1) if cfg["runner"].get("collect_ahead") else (0,)
         self.trainer.offload_optimizer()  # until its first turn
 
     # -- weights ----------------------------------------------------------------------
@@ -96,16 +98,19 @@ class LMActorWorker(Worker):
         busy = idle = 0.0
         batches = []
         stats: dict[str, Any] = {}
-        tokens = seqs = 0
+        tokens = seqs = policy_lag = 0
         while True:
             t0 = time.perf_counter()
             batch = batches_in.get()  # whichever rank is free takes the next batch
             idle += time.perf_counter() - t0
             if batch == END:
                 break
-            if batch.extras["version"] != self.version:
+            lag = self.version - batch.extras["version"]
+            if lag not in self.lags:
                 raise RuntimeError(f"actor rank {self.rank} got a batch from policy version {batch.extras['version']}, "
-                                   f"it holds version {self.version}: the rollout's weights are stale")
+                                   f"it holds version {self.version} and accepts a lag of {list(self.lags)}: "
+                                   "the rollout's weights are stale")
+            policy_lag = max(policy_lag, lag)
             if not self.streaming:
                 batches.append(batch)
                 continue
@@ -133,7 +138,7 @@ class LMActorWorker(Worker):
             busy += time.perf_counter() - t1
         self.version += 1
         return result | {"busy_s": busy, "idle_s": idle, "peak_memory_mb": peak, "version": self.version,
-                         "time_s": time.perf_counter() - start}
+                         "time_s": time.perf_counter() - start, "policy_lag": policy_lag}
 
     def _finish_streamed(self, stats: dict[str, Any], tokens: int, seqs: int) -> dict:
         counts = torch.tensor([tokens, seqs], dtype=torch.float64)
