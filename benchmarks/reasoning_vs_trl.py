@@ -25,7 +25,10 @@ Protocol (/work/shared/PEERS.md, Reasoning), the same for both systems:
 
 Variants (``--variants``): ``trl`` (TRL's defaults: loss_type dapo, gradient checkpointing
 on), ``trl_no_gc`` (the same with gradient checkpointing off), ``m2flow_collocated``,
-``m2flow_pipelined``. Each (beta, variant) runs in its own subprocess, one after another,
+``m2flow_pipelined``, ``m2flow_hybrid_ahead`` (hybrid placement with
+``runner.collect_ahead=true``: each step trains on completions of the weights before the last
+update, where TRL and the other variants are on-policy; one extra, untimed step at the end
+trains on the last rollout started ahead). Each (beta, variant) runs in its own subprocess, one after another,
 never two at once: TRL and Ray never share a process. Each runs ``--warmup`` steps, then
 ``--steps`` timed steps; reported per variant: mean (and each) seconds per timed step, model
 load and start-up excluded. TRL's step is the time between the ends of consecutive
@@ -60,7 +63,7 @@ from pathlib import Path
 PRESET = "reasoning/grpo_arith_smollm2"
 PROMPTS_PER_STEP, SAMPLES, MAX_NEW_TOKENS, LR = 4, 8, 64, 1e-6
 MICRO_BATCH = 8  # sequences per forward/backward in both systems
-VARIANTS = ("trl", "trl_no_gc", "m2flow_collocated", "m2flow_pipelined")
+VARIANTS = ("trl", "trl_no_gc", "m2flow_collocated", "m2flow_pipelined", "m2flow_hybrid_ahead")
 
 
 def log(text: str) -> None:
@@ -221,19 +224,22 @@ COMPONENT_KEYS = ("rollout_busy_s", "rollout_idle_s", "reward_busy_s", "reward_i
 def run_m2flow(spec: dict) -> dict:
     from m2flow.runners.reasoning import ReasoningRunner, step_row
 
-    mode = spec["variant"].removeprefix("m2flow_")
+    mode, _, ahead = spec["variant"].removeprefix("m2flow_").partition("_")
     cfg = base_config(spec["model_dir"], spec["beta"], mode, spec["micro_batch_tokens"])
     cfg.runner.out_dir = spec["out_dir"]
+    cfg.runner.collect_ahead = ahead == "ahead"
     with contextlib.redirect_stdout(sys.stderr):
         runner = ReasoningRunner(cfg)
         try:
             rows = []
             for i in range(spec["warmup"] + spec["steps"]):
                 t0 = time.perf_counter()
-                report = runner.step()
+                report = runner.step(generate_next=cfg.runner.collect_ahead)
                 dt = time.perf_counter() - t0
                 rows.append(step_row(i + 1, report, dt, dt))
                 log(f"    step {i + 1}: {dt:.1f} s")
+            if cfg.runner.collect_ahead:
+                runner.step()  # trains on the last rollout started ahead (untimed)
         finally:
             runner.close()
     timed = rows[spec["warmup"]:]
@@ -243,7 +249,7 @@ def run_m2flow(spec: dict) -> dict:
         "split": {k: statistics.fmean(r[k] for r in timed) for k in COMPONENT_KEYS},
         "completion_length": statistics.fmean(r["completion_length"] for r in timed),
         "reward": statistics.fmean(r["reward"] for r in timed),
-        "settings": {"placement.mode": mode,
+        "settings": {"placement.mode": mode, "runner.collect_ahead": cfg.runner.collect_ahead,
                      "algorithm.max_tokens_per_micro_batch": spec["micro_batch_tokens"],
                      "placement.granularity": cfg.placement.granularity,
                      "cluster.cpu_slots": cfg.cluster.cpu_slots or os.cpu_count()},
@@ -314,7 +320,9 @@ def main() -> None:
         "variants": {"trl": "TRL defaults (loss_type dapo, gradient checkpointing on)",
                      "trl_no_gc": "TRL defaults, gradient checkpointing off",
                      "m2flow_collocated": "every component on every CPU slot, taking turns",
-                     "m2flow_pipelined": "rollout on slot 0; reward, inference, actor on slot 1, streamed"},
+                     "m2flow_pipelined": "rollout on slot 0; reward, inference, actor on slot 1, streamed",
+                     "m2flow_hybrid_ahead": "rollout on slot 0, actor ranks on slots 0 and 1; each step's rollout "
+                                            "runs while the actor trains on the previous one (one version behind)"},
         "protocol": {"prompts_per_step": PROMPTS_PER_STEP, "samples": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
                      "temperature": 1.0, "lr": LR, "dtype": "float32", "reward": "last_number",
                      "micro_batch_sequences": MICRO_BATCH, "m2flow_max_tokens_per_micro_batch": budget},
