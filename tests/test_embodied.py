@@ -149,3 +149,22 @@ def test_fused_rollout_matches_separate_rollout(cluster, tmp_path):
             runner.close()
         assert len(history) == 3 and history[-1]["rollout_busy_s"] > 0
     assert digests[0] == digests[1]
+
+
+def test_success_rate_is_logged_where_envs_report_success(tmp_path):
+    from m2flow.runners.metrics import MetricsLogger
+
+    def report(episodes):
+        ranks = [{"env_steps": 10, "episodes": episodes, "busy_s": 1.0, "idle_s": 0.0}]
+        return {"env": ranks, "rollout": ranks, "actor": [{"busy_s": 1.0, "idle_s": 0.0}], "weight_sync_s": 0.0}
+
+    log = MetricsLogger(tmp_path / "with", total_env_steps=30, progress=False)
+    rows = [log.log_update(u, report(eps), 1.0, u + 1.0)
+            for u, eps in enumerate([[(1.0, 5, True), (0.0, 5, False), (2.0, 5, True), (0.0, 5, True)], [],
+                                     [(0.0, 5, False)]])]
+    log.close()
+    assert [r["success_rate"] for r in rows] == [0.75, 0.75, 0.0]  # kept while no episode ends
+    assert "success_rate" in (tmp_path / "with" / "metrics.csv").read_text().splitlines()[0]
+    plain = MetricsLogger(tmp_path / "without", total_env_steps=10, progress=False)
+    assert "success_rate" not in plain.log_update(0, report([(1.0, 5, None)]), 1.0, 1.0)
+    plain.close()

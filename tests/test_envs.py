@@ -302,3 +302,45 @@ def test_snapshot_restore_continues_bit_for_bit(env_id):
         np.testing.assert_array_equal(x.rewards, y.rewards)
         np.testing.assert_array_equal(x.truncated, y.truncated)
         assert x.episode_returns == y.episode_returns
+
+
+class ScriptedSuccess(gym.Env):
+    """Episodes of 4 steps (truncated); ``info["success"]`` is true exactly at the step where
+    the action is 1, as ManiSkill and Meta-World report it."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(1, np.float32), 0.0, False, self.t == 4, {"success": np.array([action == 1])}
+
+
+gym.register("ScriptedSuccess-v0", entry_point=ScriptedSuccess)
+
+
+def test_success_is_any_step_of_the_episode_and_none_without_reports():
+    batch = EnvBatch("ScriptedSuccess-v0", 2, seed=0)
+    batch.reset()
+    # env 0 succeeds at its 2nd step only, env 1 never; then env 1 at the 1st step of episode 2.
+    plan = [[0, 0], [1, 0], [0, 0], [0, 0], [0, 1], [0, 0], [0, 0], [0, 0]]
+    ended = []
+    for t, actions in enumerate(plan):
+        res = batch.step(np.array(actions))
+        assert len(res.episode_successes) == len(res.episode_returns)
+        ended += [(t, i, s) for (i, _), s in zip(res.episode_returns, res.episode_successes)]
+        if t == 5:  # mid-episode: the success so far is in the snapshot and continues from it
+            snap = batch.snapshot()
+    assert ended == [(3, 0, True), (3, 1, False), (7, 0, False), (7, 1, True)]
+    batch.restore(snap)
+    res = [batch.step(np.zeros(2, dtype=np.int64)) for _ in range(2)][-1]
+    assert res.episode_successes == [False, True]
+    cartpole = EnvBatch("CartPole-v1", 1, seed=0)
+    cartpole.reset()
+    res = cartpole.step_chunk(np.zeros((1, 40), dtype=np.int64))  # CartPole falls within 40 steps
+    assert res.episode_successes == [None]

@@ -31,7 +31,7 @@ def test_without_auto_reset_ended_envs_stay_done_until_reset():
             assert res.rewards[i] == 0 and not res.terminated[i] and not res.truncated[i]
             assert np.array_equal(res.obs[i], obs[i])
         if t == 2:
-            assert batch.unfinished_episodes() == [(i, 3.0, 3) for i in range(4)]
+            assert batch.unfinished_episodes() == [(i, 3.0, 3, None) for i in range(4)]
         for i in np.flatnonzero(res.terminated | res.truncated):
             ended[int(i)] = t
             assert np.array_equal(res.obs[i], res.final_obs[i])  # not reset

@@ -69,6 +69,7 @@ def test_same_seed_same_episodes_across_auto_resets():
             np.testing.assert_array_equal(getattr(ra, field), getattr(rb, field))
         ended += len(ra.episode_returns)
         assert all(np.isfinite(r) for _, r in ra.episode_returns)
+        assert all(s in (True, False) for s in ra.episode_successes)  # the success rate's source
     assert ended == 4, "two time-limit resets per env"
     first = EnvBatch(TASK, 1, seed=3, env_kwargs={"max_episode_steps": 6}).reset()
     np.testing.assert_array_equal(first[0], obs_a[0])

@@ -54,6 +54,7 @@ class StepResult:
     final_obs: np.ndarray  # [N, *obs_shape] float32, last obs where an episode ended, else obs
     episode_returns: list[tuple[int, float]]  # (env index, raw undiscounted return)
     episode_lengths: list[tuple[int, int]]  # (env index, length), same order as returns
+    episode_successes: list[bool | None]  # same order: reached success (None: the env reports none)
     stepped: int  # envs this call stepped: N, or fewer without auto-reset
 
 
@@ -74,6 +75,7 @@ class ChunkResult:
     final_obs: np.ndarray  # [N, *obs_shape] float32, as in StepResult
     episode_returns: list[tuple[int, float]]
     episode_lengths: list[tuple[int, int]]
+    episode_successes: list[bool | None]
 
 
 class EnvBatch:
@@ -90,6 +92,9 @@ class EnvBatch:
     ``training`` is True; ``state_dict``/``load_state_dict`` save and restore them. In
     ``step_chunk`` the discounted return advances every executed step, while ``obs_rms`` sees
     only the observations after the chunk, the ones the policy acts on.
+
+    Success (``episode_successes``): an episode succeeded if the env's ``info["success"]``
+    (ManiSkill, Meta-World) was true at any of its steps; None for envs that report none.
 
     Observations must be a ``Box`` (flat state vectors; ManiSkill's ``obs_mode="state"``).
     """
@@ -130,6 +135,8 @@ class EnvBatch:
         self._episodes_started = np.zeros(num_envs, dtype=np.int64)
         self._episode_return = np.zeros(num_envs)
         self._episode_length = np.zeros(num_envs, dtype=np.int64)
+        self._episode_success = np.zeros(num_envs, dtype=bool)
+        self._reports_success = False  # whether the env's info ever held "success"
         self._discounted_return = np.zeros(num_envs)  # for reward scaling only
         self._done = np.zeros(num_envs, dtype=bool)  # ended, awaiting reset(): only without auto-reset
 
@@ -141,6 +148,7 @@ class EnvBatch:
             self._obs[i] = self._reset_env(i)
         self._episode_return[:] = 0.0
         self._episode_length[:] = 0
+        self._episode_success[:] = False
         self._discounted_return[:] = 0.0
         self._done[:] = False
         return self._normalize(self._obs, update=True)
@@ -154,10 +162,10 @@ class EnvBatch:
         raw_rewards, terminated, truncated = self._advance(actions, self._all, final_raw)
         done = terminated | truncated
         rewards = self._scale_rewards(raw_rewards, self._all, done)
-        returns, lengths = self._record_episodes(raw_rewards, self._all, done)
+        returns, lengths, successes = self._record_episodes(raw_rewards, self._all, done)
         obs = self._normalize(self._obs, update=True)
         return StepResult(obs, rewards, terminated, truncated,
-                          self._final_obs(obs, final_raw, done), returns, lengths, self.num_envs)
+                          self._final_obs(obs, final_raw, done), returns, lengths, successes, self.num_envs)
 
     def step_chunk(self, actions: np.ndarray) -> ChunkResult:
         """Execute an action chunk [N, k, *act_shape]; see ``ChunkResult`` for semantics."""
@@ -170,6 +178,7 @@ class EnvBatch:
         final_raw = np.empty_like(self._obs)
         returns: list[tuple[int, float]] = []
         lengths: list[tuple[int, int]] = []
+        successes: list[bool | None] = []
         active = self._all if self.auto_reset else np.flatnonzero(~self._done)
         for j in range(k if active.size else 0):
             raw, term, trunc = self._advance(actions[:, j], active, final_raw)
@@ -178,9 +187,10 @@ class EnvBatch:
             rewards[active, j] = self._scale_rewards(raw, active, done)
             terminated[active] = term
             truncated[active] = trunc
-            step_returns, step_lengths = self._record_episodes(raw, active, done)
+            step_returns, step_lengths, step_successes = self._record_episodes(raw, active, done)
             returns += step_returns
             lengths += step_lengths
+            successes += step_successes
             active = active[~done]
             if active.size == 0:
                 break
@@ -188,17 +198,17 @@ class EnvBatch:
         obs = self._normalize(self._obs, update=True, rows=None if self.auto_reset else ~self._done)
         return ChunkResult(obs, rewards, valid, terminated, truncated,
                            self._final_obs(obs, final_raw, terminated | truncated),
-                           returns, lengths)
+                           returns, lengths, successes)
 
     @property
     def all_done(self) -> bool:
         """Without auto-reset: every env's episode has ended (nothing left to step)."""
         return bool(self._done.all())
 
-    def unfinished_episodes(self) -> list[tuple[int, float, int]]:
-        """(env index, raw return so far, length) of the episodes under way, in env order:
-        those a rollout window cuts off when GRPO resets every env at its end."""
-        return [(i, float(self._episode_return[i]), int(self._episode_length[i]))
+    def unfinished_episodes(self) -> list[tuple[int, float, int, bool | None]]:
+        """(env index, raw return so far, length, success so far) of the episodes under way, in
+        env order: those a rollout window cuts off when GRPO resets every env at its end."""
+        return [(i, float(self._episode_return[i]), int(self._episode_length[i]), self._success(i))
                 for i in np.flatnonzero(self._episode_length > 0).tolist()]
 
     def state_dict(self) -> dict[str, Any]:
@@ -221,9 +231,11 @@ class EnvBatch:
     def snapshot(self) -> dict[str, Any]:
         """The whole batch mid-rollout: simulators, RNGs, episode counters, statistics.
         ``restore`` of it continues exactly where this batch is (checkpoint and resume)."""
-        fields = ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_discounted_return", "_done")
+        fields = ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_episode_success",
+                  "_discounted_return", "_done")
         return {"envs": [_env_snapshot(env) for env in self.envs], "stats": self.state_dict(),
-                "training": self.training, **{f: getattr(self, f).copy() for f in fields}}
+                "training": self.training, "reports_success": self._reports_success,
+                **{f: getattr(self, f).copy() for f in fields}}
 
     def restore(self, snap: dict[str, Any]) -> None:
         if len(snap["envs"]) != self.num_envs:
@@ -231,7 +243,9 @@ class EnvBatch:
         self.envs = [_env_restore(env, s) for env, s in zip(self.envs, snap["envs"])]
         self.load_state_dict(snap["stats"])
         self.training = snap["training"]
-        for f in ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_discounted_return", "_done"):
+        self._reports_success = snap["reports_success"]
+        for f in ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_episode_success",
+                  "_discounted_return", "_done"):
             getattr(self, f)[...] = snap[f]
 
     def observations(self) -> np.ndarray:
@@ -254,10 +268,10 @@ class EnvBatch:
         rewards, terminated, truncated = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
         rewards[ids] = self._scale_rewards(raw_rewards, ids, done)
         terminated[ids], truncated[ids] = term, trunc
-        returns, lengths = self._record_episodes(raw_rewards, ids, done)
+        returns, lengths, successes = self._record_episodes(raw_rewards, ids, done)
         obs = self._normalize(self._obs, update=True, rows=~self._done)
         return StepResult(obs, rewards, terminated, truncated,
-                          self._final_obs(obs, final_raw, terminated | truncated), returns, lengths, len(ids))
+                          self._final_obs(obs, final_raw, terminated | truncated), returns, lengths, successes, len(ids))
 
     def _reset_env(self, i: int) -> np.ndarray:
         episode = int(self._episodes_started[i])
@@ -295,8 +309,11 @@ class EnvBatch:
         if self._discrete:
             actions = actions.tolist()  # plain ints, as Discrete envs expect
         for k, i in enumerate(ids.tolist()):
-            obs, reward, term, trunc, _ = envs[i].step(actions[i])
+            obs, reward, term, trunc, info = envs[i].step(actions[i])
             rewards[k] = reward
+            if "success" in info:  # recorded before an auto-reset below starts the next episode
+                self._reports_success = True
+                self._episode_success[i] |= bool(np.any(info["success"]))
             if term or trunc:
                 terminated[k] = term
                 truncated[k] = trunc
@@ -322,15 +339,20 @@ class EnvBatch:
 
     def _record_episodes(
         self, rewards: np.ndarray, ids: np.ndarray, done: np.ndarray
-    ) -> tuple[list[tuple[int, float]], list[tuple[int, int]]]:
+    ) -> tuple[list[tuple[int, float]], list[tuple[int, int]], list[bool | None]]:
         self._episode_return[ids] += rewards
         self._episode_length[ids] += 1
         ended = ids[done].tolist()
         returns = [(i, float(self._episode_return[i])) for i in ended]
         lengths = [(i, int(self._episode_length[i])) for i in ended]
+        successes = [self._success(i) for i in ended]
         self._episode_return[ended] = 0.0
         self._episode_length[ended] = 0
-        return returns, lengths
+        self._episode_success[ended] = False
+        return returns, lengths, successes
+
+    def _success(self, i: int) -> bool | None:
+        return bool(self._episode_success[i]) if self._reports_success else None
 
     def _normalize(self, obs: np.ndarray, update: bool, rows: np.ndarray | None = None) -> np.ndarray:
         """``rows`` (a mask): the observations that update the statistics; without

@@ -215,6 +215,7 @@ class EmbodiedRunner:
         path = Path(self.cfg.runner.out_dir) / "checkpoints" / f"update_{updates_done:06d}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"updates_done": updates_done, "env_steps": logger.env_steps, "last_return": logger.last_return,
+                    "last_success": logger.last_success,
                     "env": env, "rollout": rollout, "actor": actor,
                     "config": OmegaConf.to_container(self.cfg, resolve=True)}, path)
         return path
@@ -230,7 +231,7 @@ class EmbodiedRunner:
                 raise ValueError(f"checkpoint {path} has {len(ckpt[name])} {name} rank(s), this placement has "
                                  f"{group.world_size}: resume with the same placement")
         wait(*(group.load_state(ckpt[name]) for name, group in groups))
-        logger.resume(ckpt["env_steps"], ckpt["last_return"])
+        logger.resume(ckpt["env_steps"], ckpt["last_return"], ckpt["last_success"])
         return ckpt["updates_done"]
 
     def close(self) -> None:

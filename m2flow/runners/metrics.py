@@ -9,6 +9,9 @@ Logged every update (``metrics.csv`` columns and TensorBoard scalars):
   episode_return       mean raw (unnormalised) return of the episodes that ended in this
                        update; the previous value when none ended
   episode_length       their mean length; episodes: how many ended
+  success_rate         the fraction of them that reached success (the env's info["success"]
+                       at any step: ManiSkill, Meta-World); the previous value when none
+                       ended; absent for envs that report no success
   policy_loss, value_loss, entropy, approx_kl, clip_fraction, grad_norm, epochs,
   explained_variance   PPO statistics of actor rank 0, averaged over its minibatches
   policy_lag           policy versions between the weights trained and those that collected
@@ -110,29 +113,35 @@ class MetricsLogger(RunLog):
     def __init__(self, out_dir: str | Path, total_env_steps: int, progress: bool = True):
         super().__init__(out_dir, total_env_steps, x="env_steps", y="episode_return", progress=progress)
         self.env_steps = self.start_steps = 0
-        self.last_return = math.nan
+        self.last_return = self.last_success = math.nan
 
-    def resume(self, env_steps: int, last_return: float) -> None:
+    def resume(self, env_steps: int, last_return: float, last_success: float = math.nan) -> None:
         """Continues a run: keeps the rows already in metrics.csv (up to ``env_steps``) and
         counts throughput from the steps this process adds."""
         self.history = [row for row in self.read_csv() if row["env_steps"] <= env_steps]
         self.env_steps = self.start_steps = env_steps
-        self.last_return = last_return
+        self.last_return, self.last_success = last_return, last_success
 
     def log_update(self, update: int, report: dict[str, Any], update_s: float, time_s: float) -> dict[str, float]:
         env, rollout, actor = report["env"], report["rollout"], report["actor"]
         self.env_steps += sum(e["env_steps"] for e in env)
         episodes = [ep for e in env for ep in e["episodes"]]
         if episodes:
-            self.last_return = sum(r for r, _ in episodes) / len(episodes)
+            self.last_return = sum(r for r, _, _ in episodes) / len(episodes)
+        successes = [s for _, _, s in episodes if s is not None]
+        if successes:
+            self.last_success = sum(successes) / len(successes)
         row: dict[str, float] = {
             "update": update, "env_steps": self.env_steps, "time_s": time_s, "update_s": update_s,
             "env_steps_per_s": (self.env_steps - self.start_steps) / time_s, "episode_return": self.last_return,
-            "episode_length": sum(n for _, n in episodes) / len(episodes) if episodes else math.nan,
+            "episode_length": sum(n for _, n, _ in episodes) / len(episodes) if episodes else math.nan,
             "episodes": len(episodes), "weight_sync_s": report["weight_sync_s"],
         }
+        if not math.isnan(self.last_success):
+            row["success_rate"] = self.last_success
         row |= {k: v for k, v in actor[0].items() if k not in ("busy_s", "idle_s", "lock_wait_s")}
         for name, ranks in (("env", env), ("rollout", rollout), ("actor", actor)):
             for k in ("busy_s", "idle_s"):
                 row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
-        return self.record(row, f"{row['env_steps_per_s']:,.0f} steps/s  return {self.last_return:.1f}")
+        success = "" if math.isnan(self.last_success) else f"  success {self.last_success:.2f}"
+        return self.record(row, f"{row['env_steps_per_s']:,.0f} steps/s  return {self.last_return:.1f}{success}")

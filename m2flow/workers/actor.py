@@ -181,7 +181,7 @@ class ActorWorker(Worker):
                 grad_norm = torch.nn.utils.clip_grad_norm_([self.flat], a["max_grad_norm"])
                 self.optimizer.step()
                 kls.append(st["approx_kl"])
-                for key, value in (("policy_loss", pg_loss.item()), ("value_loss", v_loss), ("entropy", ent.item()),
+                for key, value in (("policy_loss", pg_loss.item()), ("value_loss", None if v_loss is None else v_loss.item()), ("entropy", ent.item()),
                                    ("approx_kl", st["approx_kl"]), ("clip_fraction", st["clip_fraction"]),
                                    ("grad_norm", float(grad_norm))):
                     if value is not None:

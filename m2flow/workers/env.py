@@ -58,7 +58,7 @@ class EnvWorker(PolicyHost):
         busy = idle = inferring = 0.0
         executed = 0  # env steps: a chunk cut short by an episode end counts its executed actions
         records = [_Recorder() for _ in self.batches]
-        episodes: list[tuple[float, int]] = []
+        episodes: list[tuple[float, int, bool | None]] = []  # (raw return, length, success) of each ended one
         versions = set()
         server = self.layout.rollout_of(self.rank)
         with self.turns:  # a lock only when hosting the rollout on shared devices
@@ -79,7 +79,8 @@ class EnvWorker(PolicyHost):
                     records[s].add(self.obs[s], reply, result)
                     executed += int(result.valid.sum()) if self.layout.chunk > 1 else result.stepped
                     versions.add(reply["version"])
-                    episodes += [(ret, length) for (_, ret), (_, length) in zip(result.episode_returns, result.episode_lengths)]
+                    episodes += [(ret, length, success) for (_, ret), (_, length), success
+                                 in zip(result.episode_returns, result.episode_lengths, result.episode_successes)]
                     self.obs[s] = result.obs
                     if t < steps - 1 and not self.replica:
                         self.isend(result.obs, policy, server, tag=("obs", s))
@@ -114,12 +115,12 @@ class EnvWorker(PolicyHost):
         trajectories_out.flush()
         return {"busy_s": busy, "idle_s": idle, "episodes": episodes, "env_steps": executed}
 
-    def _next_window(self) -> list[tuple[float, int]]:
+    def _next_window(self) -> list[tuple[float, int, bool | None]]:
         """GRPO: cuts the episodes still running (their partial returns are reported as
         episodes) and resets every env to its group's next seed."""
         cut = []
         for s, batch in enumerate(self.batches):
-            cut += [(ret, length) for _, ret, length in batch.unfinished_episodes()]
+            cut += [(ret, length, success) for _, ret, length, success in batch.unfinished_episodes()]
             self.obs[s] = batch.reset()
         return cut
 
