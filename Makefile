@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.m2flow-installed
 
-.PHONY: setup maniskill run test bench clean
+.PHONY: setup maniskill metaworld run test bench clean
 
 setup: $(STAMP)
 
@@ -23,11 +23,16 @@ $(STAMP): pyproject.toml
 maniskill: setup
 	bash scripts/setup_maniskill.sh $(PY)
 
+# Meta-World pins mujoco 3.3: a venv of its own over the main one (scripts/setup_metaworld.sh).
+metaworld: setup
+	bash scripts/setup_metaworld.sh $(VENV) $(VENV)-metaworld
+
 run: setup
 	$(PY) -m m2flow.cli train embodied/ppo_cartpole
 
-test: setup maniskill
+test: setup maniskill metaworld
 	$(PY) -m pytest -q
+	$(VENV)-metaworld/bin/python -m pytest -q tests/test_metaworld.py
 
 # The runtime benchmark; the peer comparisons (docs/benchmarks.md) need the bench extra.
 bench: setup
@@ -35,4 +40,4 @@ bench: setup
 	$(PY) benchmarks/runtime.py
 
 clean:
-	rm -rf $(VENV) .m2flow runs
+	rm -rf $(VENV) $(VENV)-metaworld .m2flow runs

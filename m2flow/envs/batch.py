@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import copy
 import pickle
 
 import gymnasium as gym
@@ -386,15 +387,18 @@ def _env_snapshot(env: gym.Env) -> dict[str, Any]:
     """MuJoCo envs pickle as their constructor arguments, not their state, so their MjData
     is saved whole: envs also read derived fields that ``mj_step`` left behind (e.g. body
     positions from before the last integration), so the physics state alone would not
-    continue bit for bit. An env whose adapter saves itself (ManiSkill: see ``make_env``)
-    does so; other envs pickle whole."""
+    continue bit for bit. Beside it, the env's own attributes of plain types (Meta-World keeps
+    its step count, goal and previous observation there). An env whose adapter saves itself
+    (ManiSkill: see ``make_env``) does so; other envs pickle whole."""
     if hasattr(env, "snapshot"):
         return {"own": env.snapshot()}
     base = env.unwrapped
     if not hasattr(base, "data") or not hasattr(base, "model"):
         return {"pickled": cloudpickle.dumps(env)}
     wrappers = [{k: v for k, v in vars(w).items() if k in _WRAPPER_STATE} for w in _wrappers(env)]
-    return {"data": pickle.dumps(base.data), "rng": base.np_random.bit_generator.state, "wrappers": wrappers}
+    attrs = {k: v for k, v in vars(base).items() if isinstance(v, _PLAIN) and not k.startswith("_ezpickle")}
+    return {"data": pickle.dumps(base.data), "rng": base.np_random.bit_generator.state, "wrappers": wrappers,
+            "attrs": copy.deepcopy(attrs)}
 
 
 def _env_restore(env: gym.Env, snap: dict[str, Any]) -> gym.Env:
@@ -407,12 +411,22 @@ def _env_restore(env: gym.Env, snap: dict[str, Any]) -> gym.Env:
     import mujoco
 
     base = env.unwrapped
-    mujoco.mj_copyData(base.data, base.model, pickle.loads(snap["data"]))
+    data = pickle.loads(snap["data"])
+    if hasattr(mujoco, "mj_copyData"):
+        mujoco.mj_copyData(base.data, base.model, data)
+    else:  # older mujoco (Meta-World pins 3.3): the env takes the restored MjData itself
+        base.data = data
+        if getattr(base, "mujoco_renderer", None) is not None:
+            base.mujoco_renderer.data = data
+    vars(base).update(copy.deepcopy(snap["attrs"]))
     base.np_random.bit_generator.state = snap["rng"]
     for w, state in zip(_wrappers(env), snap["wrappers"]):
         vars(w).update(state)
     return env
 
+
+# An env's attributes saved beside its MjData: plain values, not the simulator or spaces.
+_PLAIN = (bool, int, float, str, type(None), np.ndarray, np.generic, list, tuple, dict)
 
 # Per-episode wrapper fields: TimeLimit's step count, OrderEnforcing's reset flag.
 _WRAPPER_STATE = ("_elapsed_steps", "_has_reset")

@@ -100,7 +100,21 @@ def _make_metaworld(task: str, **kwargs: Any) -> gym.Env:
     # The benchmark seed fixes MT1's set of goal positions; unseeded, every env of a batch
     # would draw its own set and runs would not repeat. Episode seeds come from reset().
     kwargs.setdefault("seed", 0)
-    return gym.make("Meta-World/MT1", env_name=task, **kwargs)
+    # Its observations leave their declared bounds (hand and goal coordinates): gymnasium's
+    # checker would warn about that for every env made.
+    kwargs.setdefault("disable_env_checker", True)
+    return _SeededTaskChoice(gym.make("Meta-World/MT1", env_name=task, **kwargs))
+
+
+class _SeededTaskChoice(gym.Wrapper):
+    """Meta-World picks an episode's task (its goal) from the env's RNG *before* the reset
+    seeds it, so envs reset with different seeds would all start on the task that
+    ``gym.make``'s seed drew. Seeding the RNG first makes the pick follow the reset's seed."""
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        if seed is not None:
+            self.unwrapped._np_random, _ = gym.utils.seeding.np_random(seed)
+        return self.env.reset(seed=seed, options=options)
 
 
 def _route_mujoco_warnings() -> None:
