@@ -105,8 +105,24 @@ def test_snapshot_restore_continues():
     assert truncations == 2, "both envs reach the time limit after the restore"
 
 
+@pytest.mark.parametrize("ignore", [False, True])
+def test_success_ends_the_episode_unless_terminations_are_ignored(ignore):
+    from mani_skill.utils.structs.pose import Pose
+
+    env = make_env(TASK, ignore_terminations=ignore)
+    env.reset(seed=0)
+    base = env.unwrapped
+    at_goal = base.obj.pose.p.clone()
+    at_goal[..., :2] = base.goal_region.pose.p[..., :2]  # the cube pushed onto the goal
+    base.obj.set_pose(Pose.create_from_pq(at_goal, base.obj.pose.q))
+    _, reward, terminated, truncated, info = env.step(np.zeros(env.action_space.shape, np.float32))
+    assert info["success"] and reward == 1.0 and not truncated
+    assert terminated is (not ignore)
+    env.close()
+
+
 def test_preset_loads():
     cfg = load_config("embodied/ppo_maniskill_pushcube", ["runner.total_env_steps=3200"])
-    assert cfg.env.id == TASK and cfg.algorithm.gamma == 0.8
+    assert cfg.env.id == TASK and cfg.algorithm.gamma == 0.8 and cfg.env.kwargs.ignore_terminations
     steps = cfg.runner.rollout_steps * cfg.env.num_envs
     assert steps % cfg.algorithm.minibatch_size == 0

@@ -4,6 +4,8 @@
 - ``"maniskill:PickCube-v1"``: ManiSkill 3, state observations, CPU simulation, one scene per
   gymnasium env (the GPU-batched mode does not fit a per-env batch of gymnasium envs). SAPIEN
   needs a Vulkan device even so: without a GPU, Mesa's lavapipe (scripts/setup_maniskill.sh).
+  ``ignore_terminations=True`` runs every episode to its time limit instead of ending it on
+  success (ManiSkill's own wrapper option).
 - ``"metaworld:reach-v3"``: Meta-World's MT1 single-task env (``gym.make("Meta-World/MT1")``).
 
 The simulator packages are optional extras, imported only when such an id is made.
@@ -30,7 +32,7 @@ def _require(module: str, pip_name: str, env_id: str, note: str = "") -> ModuleT
                           f"pip install {pip_name}{note}") from exc
 
 
-def _make_maniskill(task: str, **kwargs: Any) -> gym.Env:
+def _make_maniskill(task: str, ignore_terminations: bool = False, **kwargs: Any) -> gym.Env:
     # Importing registers the tasks with gymnasium.
     _require("mani_skill.envs", "mani-skill", f"maniskill:{task}",
              " (on a CPU-only machine SAPIEN also needs a software Vulkan driver: scripts/setup_maniskill.sh)")
@@ -50,7 +52,7 @@ def _make_maniskill(task: str, **kwargs: Any) -> gym.Env:
     }
     # ManiSkill envs are batched torch envs even with one scene; CPUGymWrapper unbatches
     # them into the plain gymnasium API (numpy, scalar reward and flags).
-    return _ManiSkillSnapshots(CPUGymWrapper(gym.make(task, **kwargs)))
+    return _ManiSkillSnapshots(CPUGymWrapper(gym.make(task, **kwargs), ignore_terminations=ignore_terminations))
 
 
 class _ManiSkillSnapshots(gym.Wrapper):
