@@ -1,11 +1,15 @@
 """Embodied benchmark: m2flow PPO against Stable-Baselines3 PPO, side by side in one run.
 
-Both systems get the same hyperparameters, from one of two sets (``--hparams``):
+Both systems get the same hyperparameters, from one of three sets (``--hparams``):
 
   peers  the protocol of /work/shared/PEERS.md, for throughput: 8 envs, 2048 env steps per
          update (256 per env), 8 minibatches of 256, 10 epochs, lr 3e-4 constant, gamma 0.99,
          lambda 0.95, clip 0.2, ent 0, vf 0.5, grad norm 0.5, separate pi/vf MLPs [64, 64]
          with tanh, on CPU (``--normalize`` adds observation and reward normalisation);
+  tuned  ``peers`` (same batch shape, learning rate, network and cost per env step) with RL
+         Baselines3 Zoo's HalfCheetah choices for exploration and credit assignment: log std
+         -2 (less action noise), PyTorch's default init, gamma 0.98, lambda 0.92, and
+         observation and reward normalisation;
   zoo    RL Baselines3 Zoo's tuned PPO settings for HalfCheetah, for learning: 1 env, 512
          steps per update, minibatches of 64, 20 epochs, lr 2.0633e-5, gamma 0.98, lambda
          0.92, clip 0.1, ent 0.000401762, vf 0.58096, grad norm 0.8, pi/vf MLPs [256, 256]
@@ -41,7 +45,7 @@ Then the medians over seeds of m2flow/SB3 steps/s per mode, of the final returns
 system, and hybrid/collocated steps/s (the M2Flow acceptance ratio).
 
     python benchmarks/embodied_vs_sb3.py --env HalfCheetah-v5 --steps 200000 --seeds 1 2 3 \
-        --modes collocated hybrid [--hparams peers|zoo] [--quick] [--override cluster.cpu_slots=3 ...]
+        --modes collocated hybrid [--hparams peers|tuned|zoo] [--quick] [--override cluster.cpu_slots=3 ...]
 
 ``disaggregated`` needs three devices: on a 2-core machine add ``--override cluster.cpu_slots=3``.
 
@@ -70,6 +74,9 @@ HPARAMS = {
     "peers": dict(n_envs=8, n_steps=256, batch_size=256, n_epochs=10, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95,
                   clip_range=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, net_arch=[64, 64], activation="tanh",
                   log_std_init=0.0, ortho_init=True, normalize=False),
+    "tuned": dict(n_envs=8, n_steps=256, batch_size=256, n_epochs=10, learning_rate=3e-4, gamma=0.98, gae_lambda=0.92,
+                  clip_range=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, net_arch=[64, 64], activation="tanh",
+                  log_std_init=-2.0, ortho_init=False, normalize=True),
     "zoo": dict(n_envs=1, n_steps=512, batch_size=64, n_epochs=20, learning_rate=2.0633e-05, gamma=0.98, gae_lambda=0.92,
                 clip_range=0.1, ent_coef=0.000401762, vf_coef=0.58096, max_grad_norm=0.8, net_arch=[256, 256],
                 activation="relu", log_std_init=-2.0, ortho_init=False, normalize=True),
