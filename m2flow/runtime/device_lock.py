@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, GetTimeoutError
 
 from m2flow.runtime.trace import get_tracer
 
@@ -244,7 +244,7 @@ class DeviceLock:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             ref = actor.acquire.remote(self.holder, remaining, *self._liveness)
             try:
-                status, other = ray.get(ref)
+                status, other = _get_interruptibly(ref)
             except BaseException:
                 # Interrupted (or the lock actor failed) while queued: the request may still be
                 # waiting or granted, and nobody would ever release it.
@@ -287,3 +287,17 @@ class DeviceLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def _get_interruptibly(ref: ray.ObjectRef) -> Any:
+    """``ray.get`` in slices: a wait without a timeout can sit in Ray's C++ wait through a
+    KeyboardInterrupt (or a test timeout's signal) and never return; between slices Python
+    runs, so the interrupt reaches the caller and the request is withdrawn."""
+    while True:
+        try:
+            return ray.get(ref, timeout=_WAIT_SLICE_S)
+        except GetTimeoutError:
+            continue
+
+
+_WAIT_SLICE_S = 0.5
