@@ -41,6 +41,9 @@ from m2flow.envs.registry import make_env
 # stride keeps the seeds of different (episode, group) pairs apart for any realistic count.
 _EPISODE_SEED_STRIDE = 100_003
 _EPS = 1e-8
+# EnvBatch's per-env arrays that a snapshot carries (the episodes under way).
+_EPISODE_STATE = ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_episode_success",
+                  "_discounted_return", "_done")
 _CLIP_REWARD = 10.0
 
 
@@ -232,11 +235,9 @@ class EnvBatch:
     def snapshot(self) -> dict[str, Any]:
         """The whole batch mid-rollout: simulators, RNGs, episode counters, statistics.
         ``restore`` of it continues exactly where this batch is (checkpoint and resume)."""
-        fields = ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_episode_success",
-                  "_discounted_return", "_done")
         return {"envs": [_env_snapshot(env) for env in self.envs], "stats": self.state_dict(),
                 "training": self.training, "reports_success": self._reports_success,
-                **{f: getattr(self, f).copy() for f in fields}}
+                **{f: getattr(self, f).copy() for f in _EPISODE_STATE}}
 
     def restore(self, snap: dict[str, Any]) -> None:
         if len(snap["envs"]) != self.num_envs:
@@ -245,8 +246,7 @@ class EnvBatch:
         self.load_state_dict(snap["stats"])
         self.training = snap["training"]
         self._reports_success = snap["reports_success"]
-        for f in ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_episode_success",
-                  "_discounted_return", "_done"):
+        for f in _EPISODE_STATE:
             getattr(self, f)[...] = snap[f]
 
     def observations(self) -> np.ndarray:

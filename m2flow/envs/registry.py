@@ -115,7 +115,7 @@ class _SeededTaskChoice(gym.Wrapper):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         if seed is not None:
-            self.unwrapped._np_random, _ = gym.utils.seeding.np_random(seed)
+            self.np_random, _ = gym.utils.seeding.np_random(seed)  # passed down to the base env
         return self.env.reset(seed=seed, options=options)
 
 

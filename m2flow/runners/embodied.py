@@ -130,7 +130,7 @@ class EmbodiedRunner:
                                        name=self.names["rollout"], wait=False)
         self.actor = WorkerGroup(ActorWorker, self.placement["actor"], args=(plain, self.layout, *spaces, shared),
                                  name=self.names["actor"], wait=False)
-        start_together(*{id(g): g for g in (self.env, self.rollout, self.actor)}.values())  # processes start in parallel
+        start_together(*self.groups)  # processes start in parallel
         self.trajectories = Channel.create(f"trajectories-{run}")
         self.steps_per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
         self.total_updates = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)
@@ -234,9 +234,14 @@ class EmbodiedRunner:
         logger.resume(ckpt["env_steps"], ckpt["last_return"], ckpt["last_success"])
         return ckpt["updates_done"]
 
+    @property
+    def groups(self) -> list[WorkerGroup]:
+        """The distinct worker groups (fused, env and rollout are one)."""
+        return list({id(g): g for g in (self.env, self.rollout, self.actor)}.values())
+
     def close(self) -> None:
         self.trajectories.destroy()
-        for g in {id(g): g for g in (self.env, self.rollout, self.actor)}.values():
+        for g in self.groups:
             g.shutdown()
         if self._own_cluster:
             self.cluster.shutdown()

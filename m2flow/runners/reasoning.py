@@ -190,7 +190,7 @@ class ReasoningRunner:
         if "critic" in components:
             self.critic = WorkerGroup(LMCriticWorker, self.placement["critic"], args=(plain, turns["critic"]),
                                       name=self.names["critic"], wait=False)
-        start_together(*(g for g in (self.rollout, self.reward, self.inference, self.actor, self.critic) if g))
+        start_together(*self.groups)
         self.pending: dict[str, Any] | None = None  # a step's stream started ahead (runner.collect_ahead)
         # Actor ranks take batches one at a time, so that a rank that is free takes the next.
         self.channels = {n: Channel.create(f"{n}-{run}", prefetch=1 if n == "batches" else 16)
@@ -314,13 +314,17 @@ class ReasoningRunner:
         log.history = [row for row in log.read_csv() if row["step"] <= ckpt["steps_done"]]
         return ckpt["steps_done"]
 
+    @property
+    def groups(self) -> list[WorkerGroup]:
+        """The run's worker groups (a critic only for ppo)."""
+        return [g for g in (self.rollout, self.reward, self.inference, self.actor, self.critic) if g is not None]
+
     def close(self) -> None:
         for channel in self.channels.values():
             channel.destroy()
         wait(self.reward.close())
-        for g in (self.rollout, self.reward, self.inference, self.actor, self.critic):
-            if g is not None:
-                g.shutdown()
+        for g in self.groups:
+            g.shutdown()
         if self._own_cluster:
             self.cluster.shutdown()
 
