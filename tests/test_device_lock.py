@@ -152,10 +152,6 @@ def test_wait_and_hold_are_traced_and_reported():
     assert lock_state(2)["acquisitions"] > 0
 
 
-# Off the default suite: under the full suite's load a KeyboardInterrupt sent into a waiting
-# ray.get was lost twice (once a hang before the wait was sliced, once a 60 s timeout after),
-# so this checks a best-effort path; run it with -m slow.
-@pytest.mark.slow
 def test_interrupted_acquire_leaves_no_request_behind():
     with DeviceLock([2], "actor:0"):
         threading.Timer(0.5, _thread.interrupt_main).start()

@@ -18,6 +18,7 @@ the lock on with a warning.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import time
@@ -27,7 +28,7 @@ from typing import Any, Iterable
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import ActorDiedError, GetTimeoutError
+from ray.exceptions import ActorDiedError
 
 from m2flow.runtime.trace import get_tracer
 
@@ -290,13 +291,15 @@ class DeviceLock:
 
 
 def _get_interruptibly(ref: ray.ObjectRef) -> Any:
-    """``ray.get`` in slices: a wait without a timeout can sit in Ray's C++ wait through a
-    KeyboardInterrupt (or a test timeout's signal) and never return; between slices Python
-    runs, so the interrupt reaches the caller and the request is withdrawn."""
+    """The result of ``ref``, waited for in Python rather than in Ray's C++ wait: a blocking
+    ``ray.get`` checks for signals itself and can swallow a KeyboardInterrupt (or a test
+    timeout's signal) and wait on. A future's wait wakes up every slice, so an interrupt
+    reaches the caller, which then withdraws its request."""
+    future = ref.future()
     while True:
         try:
-            return ray.get(ref, timeout=_WAIT_SLICE_S)
-        except GetTimeoutError:
+            return future.result(timeout=_WAIT_SLICE_S)
+        except concurrent.futures.TimeoutError:
             continue
 
 
