@@ -107,6 +107,8 @@ SB3_DEFAULT_THREADS = 1
 # m2flow's placement per benchmark mode, as config overrides.
 MODES = {
     "collocated": ["placement.mode=collocated", "runner.stages=1"],
+    # The same with the minibatch loss compiled (torch.compile; its compile time is counted).
+    "collocated-compiled": ["placement.mode=collocated", "runner.stages=1", "algorithm.compile=true"],
     "hybrid": ["placement.mode=hybrid", "runner.stages=2"],  # elastic pipelining
     "disaggregated": ["placement.mode=disaggregated", "runner.stages=1"],
     # Env with the fused rollout on slot 0, the actor on slot 1; each update's rollout runs

@@ -123,9 +123,9 @@ def test_ppo_policy_loss_weights():
     logp = _logp(ratios)
     loss, stats = ppo_policy_loss(logp, torch.zeros(3), adv, clip_low=0.2, weights=weights)
     assert loss.item() == pytest.approx(-(2 * 1.1 + 0 * 1.2 + 1 * 0.5) / 3)
-    assert stats["clip_fraction"] == pytest.approx((0 * 2 + 1 * 0 + 1 * 1) / 3)
+    assert stats["clip_fraction"].item() == pytest.approx((0 * 2 + 1 * 0 + 1 * 1) / 3)
     k3 = [(r - 1) - math.log(r) for r in ratios]
-    assert stats["approx_kl"] == pytest.approx((2 * k3[0] + k3[2]) / 3)
+    assert stats["approx_kl"].item() == pytest.approx((2 * k3[0] + k3[2]) / 3)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([-2 * 1.1 / 3, 0.0, -0.5 / 3]))
     # weights of 1 are the plain mean
@@ -158,10 +158,10 @@ def test_ppo_policy_loss_clipping_both_signs():
     logp = _logp(ratios)
     loss, stats = ppo_policy_loss(logp, torch.zeros(6), adv, clip_low=0.2)
     assert loss.item() == pytest.approx(-(1.1 + 1.2 + 0.5 - 1.5 - 0.8 - 1.8) / 6)
-    assert stats["clip_fraction"] == pytest.approx(4 / 6)
+    assert stats["clip_fraction"].item() == pytest.approx(4 / 6)
     k3 = [(r - 1) - math.log(r) for r in ratios]
-    assert stats["approx_kl"] == pytest.approx(sum(k3) / 6)
-    assert all(isinstance(v, float) for v in stats.values())
+    assert stats["approx_kl"].item() == pytest.approx(sum(k3) / 6)
+    assert all(v.dim() == 0 and not v.requires_grad for v in stats.values())
     loss.backward()
     # d(-r A / 6)/d logp = -r A / 6 where unclipped; 0 where the clip is active.
     expected_grad = [-1.1 / 6, 0.0, -0.5 / 6, 1.5 / 6, 0.0, 1.8 / 6]
@@ -173,11 +173,11 @@ def test_ppo_policy_loss_clip_high():
     # symmetric 0.2: 1.25 -> 1.2, 0.75 -> 0.8 (A < 0: min(-0.75, -0.8) = -0.8)
     loss, stats = ppo_policy_loss(_logp(ratios), torch.zeros(2), adv, clip_low=0.2)
     assert loss.item() == pytest.approx(-(1.2 - 0.8) / 2)
-    assert stats["clip_fraction"] == pytest.approx(1.0)
+    assert stats["clip_fraction"].item() == pytest.approx(1.0)
     # clip_high 0.28: 1.25 is inside [0.8, 1.28]; the low side is unchanged
     loss, stats = ppo_policy_loss(_logp(ratios), torch.zeros(2), adv, clip_low=0.2, clip_high=0.28)
     assert loss.item() == pytest.approx(-(1.25 - 0.8) / 2)
-    assert stats["clip_fraction"] == pytest.approx(0.5)
+    assert stats["clip_fraction"].item() == pytest.approx(0.5)
 
 
 def test_value_loss():

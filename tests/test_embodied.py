@@ -168,3 +168,42 @@ def test_success_rate_is_logged_where_envs_report_success(tmp_path):
     plain = MetricsLogger(tmp_path / "without", total_env_steps=10, progress=False)
     assert "success_rate" not in plain.log_update(0, report([(1.0, 5, None)]), 1.0, 1.0)
     plain.close()
+
+
+@pytest.mark.parametrize("critic", [True, False])  # PPO, and GRPO's weighted loss without a critic
+def test_compiled_minibatch_loss_matches_eager(critic):
+    """algorithm.compile: the compiled minibatch loss gives the eager one's loss, stats and
+    gradients (same policy, same minibatch)."""
+    import types
+
+    import torch
+
+    from m2flow.models import build_policy, flatten_parameters
+    from m2flow.workers.actor import ActorWorker
+
+    gym = pytest.importorskip("gymnasium")
+    torch.manual_seed(0)
+    policy = build_policy(gym.spaces.Box(-1, 1, (17,)), gym.spaces.Box(-1, 1, (6,)), {})
+    flat = flatten_parameters(policy)
+    algo = {"clip": 0.2, "clip_high": 0.28, "ent_coef": 0.01, "vf_coef": 0.5, "value_clip": 0.2, "norm_adv": critic}
+    owner = types.SimpleNamespace(policy=policy, algo=algo)
+    n = 64
+    obs, actions = torch.randn(n, 17), torch.randn(n, 6)
+    with torch.no_grad():
+        old_logp = policy.evaluate(obs, actions)[0] + 0.3 * torch.randn(n)  # ratios away from 1: some clipped
+    batch = (obs, actions, old_logp, torch.randn(n),
+             None if critic else torch.rand(n).round(),  # GRPO's padding weights
+             torch.randn(n) if critic else None, torch.randn(n) if critic else None)
+
+    def run(loss_fn):
+        flat.grad.zero_()
+        loss, stats = loss_fn(owner, *batch)
+        loss.backward()
+        return loss.detach(), stats, flat.grad.clone()
+
+    eager = run(ActorWorker._minibatch_loss)
+    compiled = run(torch.compile(ActorWorker._minibatch_loss))
+    assert 0 < float(eager[1][ActorWorker.STATS.index("clip_fraction")]) < 1
+    assert (float(eager[1][ActorWorker.STATS.index("value_loss")]) > 0) == critic
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)

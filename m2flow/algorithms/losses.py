@@ -24,7 +24,8 @@ def ppo_policy_loss(
     ``weights`` (GRPO's masks): the loss is ``mean(weights * surrogate)``, so the caller
     decides how masked samples are normalised; the stats are means weighted by ``weights``.
 
-    stats (floats):
+    stats (detached 0-dim tensors, so that the loss compiles into one graph and the caller
+    reads them all at once):
       - ``clip_fraction``: share of elements whose ratio lies outside the clip range;
       - ``approx_kl``: mean of ``(ratio - 1) - log ratio``, the k3 estimator of
         KL(old || new): unbiased and never negative.
@@ -35,21 +36,17 @@ def ppo_policy_loss(
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     # The pessimistic (smaller) objective: clipping only ever removes an incentive.
     surrogate = torch.min(ratio * advantages, clipped * advantages)
+    kl = (ratio - 1.0) - log_ratio
+    outside = (ratio != clipped).float()
     if weights is None:
         loss = -surrogate.mean()
         with torch.no_grad():
-            stats = {
-                "clip_fraction": (ratio != clipped).float().mean().item(),
-                "approx_kl": ((ratio - 1.0) - log_ratio).mean().item(),
-            }
+            stats = {"clip_fraction": outside.mean(), "approx_kl": kl.mean()}
         return loss, stats
     loss = -(weights * surrogate).mean()
     with torch.no_grad():
         total = weights.sum().clamp_min(1e-8)
-        stats = {
-            "clip_fraction": ((ratio != clipped).float() * weights).sum().item() / total.item(),
-            "approx_kl": (((ratio - 1.0) - log_ratio) * weights).sum().item() / total.item(),
-        }
+        stats = {"clip_fraction": (outside * weights).sum() / total, "approx_kl": (kl * weights).sum() / total}
     return loss, stats
 
 
