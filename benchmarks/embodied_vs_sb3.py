@@ -21,7 +21,8 @@ m2flow's side is the preset ``embodied/ppo_halfcheetah`` (its env id replaced by
 the set's values as overrides, one run per placement mode (``MODES``): ``hybrid`` runs with
 ``runner.stages=2`` (elastic pipelining); ``ahead`` puts the env workers (rollout fused) on
 slot 0 and the actor on slot 1 with ``runner.collect_ahead=true``, so each update's rollout
-overlaps the training on the previous one (off-policy by one version).
+overlaps the training on the previous one (off-policy by one version); ``collocated-compiled``
+is ``collocated`` with ``algorithm.compile=true`` (the compile counted in its time).
 
 For every seed, SB3 runs first and then each m2flow mode, so slow drifts of the machine
 touch both. Reported per system/mode and seed:
