@@ -256,7 +256,7 @@ def test_group_size_must_divide_num_envs():
 @pytest.mark.parametrize("env_id", ["HalfCheetah-v5", "CartPole-v1"])
 def test_step_is_no_slower_than_sync_vector_env(env_id):
     """8 envs; best of interleaved rounds, so that load from other processes cancels out."""
-    steps, rounds = 200, 5
+    steps, rounds = 200, 15
     ours = EnvBatch(env_id, 8, seed=0)
     theirs = gym.vector.SyncVectorEnv([lambda: gym.make(env_id)] * 8, autoreset_mode="SameStep")
     ours.reset()
@@ -274,7 +274,13 @@ def test_step_is_no_slower_than_sync_vector_env(env_id):
     assert best["EnvBatch"] < 1.1 * best["SyncVectorEnv"]
 
 
-@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1", "HalfCheetah-v5", "Ant-v5"])
+@pytest.mark.parametrize("env_id", [
+    "CartPole-v1", "Pendulum-v1", "HalfCheetah-v5", "Ant-v5",
+    # Keeps episode state outside MjData (step count, goal, previous observation). Meta-World
+    # lives in its own venv: `make test` runs this case there.
+    pytest.param("metaworld:reach-v3", marks=pytest.mark.skipif(importlib.util.find_spec("metaworld") is None,
+                                                                reason="Meta-World lives in .venv-metaworld")),
+])
 def test_snapshot_restore_continues_bit_for_bit(env_id):
     """Checkpoints: a batch restored from a snapshot mid-episode steps exactly like the original,
     through a time-limit reset (the resumed RNG and step counters matter there)."""
@@ -301,7 +307,7 @@ def test_snapshot_restore_continues_bit_for_bit(env_id):
         np.testing.assert_array_equal(x.obs, y.obs)
         np.testing.assert_array_equal(x.rewards, y.rewards)
         np.testing.assert_array_equal(x.truncated, y.truncated)
-        assert x.episode_returns == y.episode_returns
+        assert x.episode_returns == y.episode_returns and x.episode_successes == y.episode_successes
 
 
 class ScriptedSuccess(gym.Env):

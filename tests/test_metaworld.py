@@ -1,6 +1,6 @@
 """Meta-World through EnvBatch and the embodied runner. Meta-World pins mujoco 3.3, so these
-run in the overlay venv of scripts/setup_metaworld.sh (``make test`` does both); in the main
-venv they are skipped."""
+run in the overlay venv of scripts/setup_metaworld.sh (``make test`` does both, with
+test_envs.py's snapshot test for Meta-World); in the main venv they are skipped."""
 
 import numpy as np
 import pytest
@@ -35,26 +35,6 @@ def test_episodes_truncate_report_success_and_repeat_by_seed():
         ended += [(t, i, s) for (i, _), s in zip(ra.episode_returns, ra.episode_successes)]
     assert [(t, i) for t, i, _ in ended] == [(14, 0), (14, 1), (29, 0), (29, 1)]
     assert all(s in (True, False) for *_, s in ended)
-
-
-def test_snapshot_restore_continues_bit_for_bit():
-    """Meta-World keeps episode state outside MjData (step count, goal, previous observation):
-    a restored batch must continue exactly, through the time-limit reset."""
-    original = EnvBatch(TASK, 2, 0, obs_norm=True, env_kwargs=SHORT)
-    original.reset()
-    rng = np.random.default_rng(1)
-    for _ in range(10):
-        original.step(uniform(original.action_space, rng, 2))
-    restored = EnvBatch(TASK, 2, 99, obs_norm=True, env_kwargs=SHORT)
-    restored.reset()
-    restored.restore(original.snapshot())
-    np.testing.assert_array_equal(restored.observations(), original.observations())
-    for _ in range(12):
-        act = uniform(original.action_space, rng, 2)
-        x, y = original.step(act), restored.step(act)
-        np.testing.assert_array_equal(x.obs, y.obs)
-        np.testing.assert_array_equal(x.rewards, y.rewards)
-        assert x.episode_returns == y.episode_returns and x.episode_successes == y.episode_successes
 
 
 def test_runner_trains_and_logs_success_rate(tmp_path):
