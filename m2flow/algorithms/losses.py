@@ -36,17 +36,15 @@ def ppo_policy_loss(
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     # The pessimistic (smaller) objective: clipping only ever removes an incentive.
     surrogate = torch.min(ratio * advantages, clipped * advantages)
-    kl = (ratio - 1.0) - log_ratio
-    outside = (ratio != clipped).float()
-    if weights is None:
-        loss = -surrogate.mean()
-        with torch.no_grad():
-            stats = {"clip_fraction": outside.mean(), "approx_kl": kl.mean()}
-        return loss, stats
-    loss = -(weights * surrogate).mean()
     with torch.no_grad():
-        total = weights.sum().clamp_min(1e-8)
-        stats = {"clip_fraction": (outside * weights).sum() / total, "approx_kl": (kl * weights).sum() / total}
+        kl = (ratio - 1.0) - log_ratio
+        outside = (ratio != clipped).float()
+        if weights is None:
+            stats = {"clip_fraction": outside.mean(), "approx_kl": kl.mean()}
+        else:
+            total = weights.sum().clamp_min(1e-8)
+            stats = {"clip_fraction": (outside * weights).sum() / total, "approx_kl": (kl * weights).sum() / total}
+    loss = -surrogate.mean() if weights is None else -(weights * surrogate).mean()
     return loss, stats
 
 
