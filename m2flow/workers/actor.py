@@ -44,7 +44,8 @@ class ActorWorker(Worker):
         self.optimizer = torch.optim.Adam([self.flat], lr=self.algo["lr"], eps=1e-5, fused=True)
         self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 1000 + self.rank)
         # Compiled, the minibatch's loss (forward and backward) runs as a few fused kernels
-        # instead of ~100 small ops, whose dispatch is most of a small policy's training time.
+        # instead of ~100 small ops, whose dispatch is much of a small policy's training time
+        # (a quarter less actor time on HalfCheetah, after a one-off compile: docs/benchmarks.md).
         self._loss = torch.compile(self._minibatch_loss) if self.algo.get("compile") else self._minibatch_loss
         self.version = 0
         if self.world_size > 1:
