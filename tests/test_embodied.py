@@ -132,6 +132,21 @@ def test_action_chunks_and_normalisation_run_end_to_end(cluster, tmp_path):
     assert all(math.isfinite(row["policy_loss"]) and math.isfinite(row["value_loss"]) for row in history)
 
 
+@pytest.mark.parametrize("target_kl, epochs", [(1e-9, 1), (1e9, 4)])
+def test_target_kl_stops_the_epochs(cluster, tmp_path, target_kl, epochs):
+    """An update's epochs stop after the first whose mean approx KL exceeds algorithm.target_kl.
+    Four minibatches per epoch: a lone one would run at the sampling policy, with KL 0."""
+    overrides = [f"algorithm.target_kl={target_kl}", "algorithm.epochs=4", "algorithm.minibatch_size=64",
+                 "runner.total_env_steps=512", "placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
+                 "placement.components.actor=0-1", "runner.progress=false", f"runner.out_dir={tmp_path}"]
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    try:
+        history = runner.train()
+    finally:
+        runner.close()
+    assert [row["epochs"] for row in history] == [epochs] * len(history) and len(history) == 2
+
+
 def test_fused_rollout_matches_separate_rollout(cluster, tmp_path):
     """Env and rollout on the same devices run fused (inference inside the env workers);
     with the same seeds the weights after training equal those of separate rollout workers."""
@@ -176,12 +191,12 @@ def test_compiled_minibatch_loss_matches_eager(critic):
     gradients (same policy, same minibatch)."""
     import types
 
+    import gymnasium as gym
     import torch
 
     from m2flow.models import build_policy, flatten_parameters
     from m2flow.workers.actor import ActorWorker
 
-    gym = pytest.importorskip("gymnasium")
     torch.manual_seed(0)
     policy = build_policy(gym.spaces.Box(-1, 1, (17,)), gym.spaces.Box(-1, 1, (6,)), {})
     flat = flatten_parameters(policy)

@@ -170,7 +170,7 @@ class ActorWorker(Worker):
         sums = torch.zeros(len(self.STATS) + 1, dtype=torch.float64)  # + grad_norm
         count = 0
         for epoch in range(a["epochs"]):
-            kls = []
+            epoch_start = sums.clone()
             for idx in torch.randperm(size, generator=self.shuffle).view(-1, mb):
                 loss, stats = self._loss(*(b[k][idx] if k in b else None for k in fields))
                 self.flat.grad.zero_()  # in place: the parameters' gradients are views of it
@@ -179,10 +179,12 @@ class ActorWorker(Worker):
                 grad_norm = torch.nn.utils.clip_grad_norm_([self.flat], a["max_grad_norm"])
                 self.optimizer.step()
                 sums += torch.cat([stats, grad_norm.reshape(1)])
-                kls.append(stats[self.STATS.index("approx_kl")])
                 count += 1
-            if a.get("target_kl") is not None and self._mean_across_ranks(float(torch.stack(kls).mean())) > a["target_kl"]:
-                break  # every rank sees the same mean, so all stop together
+            if a.get("target_kl") is not None:
+                kl = self.STATS.index("approx_kl")
+                epoch_kl = float(sums[kl] - epoch_start[kl]) / (size // mb)  # this epoch's mean
+                if self._mean_across_ranks(epoch_kl) > a["target_kl"]:
+                    break  # every rank sees the same mean, so all stop together
         means = (sums / count).tolist()
         out = dict(zip((*self.STATS, "grad_norm"), means))
         if "returns" not in b:
