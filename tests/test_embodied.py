@@ -19,6 +19,15 @@ def cluster(tmp_path_factory):
     c.shutdown()
 
 
+def train_cartpole(cluster, overrides):
+    """The ppo_cartpole preset with ``overrides``, trained to the end; its history."""
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    try:
+        return runner.train()
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("mode, stages, env, rollout, actor", [
     ("collocated", 1, "0-1", "0-1", "0-1"),
     ("disaggregated", 1, "0", "1", "2"),
@@ -119,11 +128,7 @@ def test_action_chunks_and_normalisation_run_end_to_end(cluster, tmp_path):
                  "runner.rollout_steps=16", "runner.total_env_steps=1024", "algorithm.minibatch_size=64",
                  "placement.mode=custom", "placement.components.env=0", "placement.components.rollout=1",
                  "placement.components.actor=0-1", "runner.progress=false", f"runner.out_dir={tmp_path}"]
-    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
-    try:
-        history = runner.train()
-    finally:
-        runner.close()
+    history = train_cartpole(cluster, overrides)
     # 16 decisions x 4 actions x 8 envs per update, less the actions skipped after an episode
     # ended inside a chunk: 30-step episodes end 2 actions into every 8th chunk, so each env
     # runs 60 of its 64 actions per update
@@ -139,11 +144,7 @@ def test_target_kl_stops_the_epochs(cluster, tmp_path, target_kl, epochs):
     overrides = [f"algorithm.target_kl={target_kl}", "algorithm.epochs=4", "algorithm.minibatch_size=64",
                  "runner.total_env_steps=512", "placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
                  "placement.components.actor=0-1", "runner.progress=false", f"runner.out_dir={tmp_path}"]
-    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
-    try:
-        history = runner.train()
-    finally:
-        runner.close()
+    history = train_cartpole(cluster, overrides)
     assert [row["epochs"] for row in history] == [epochs] * len(history) and len(history) == 2
 
 
