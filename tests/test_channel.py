@@ -87,6 +87,25 @@ def test_fifo_per_key_and_keys_are_independent(channel):
         ch.get_nowait(key="a")
 
 
+def test_a_stream_read_to_its_end_leaves_the_next_stream_alone(channel):
+    """Two streams queued back to back, each ending in a marker. Unkeyed, a prefetching
+    reader of the first, still alive, has taken the second too; keyed apart (as the reasoning
+    runner keys each step's stream), it has taken nothing of it."""
+    for keyed in (False, True):
+        ch = channel()
+        for stream in (1, 2):
+            for item in ("x", "y", "end"):
+                ch.put((stream, item), key=stream if keyed else None)
+        ch.flush()
+        first, second = Channel.connect(ch.name), Channel.connect(ch.name)
+        assert [first.get(1 if keyed else None) for _ in range(3)] == [(1, "x"), (1, "y"), (1, "end")]
+        if keyed:
+            assert [second.get(2, timeout=10) for _ in range(3)] == [(2, "x"), (2, "y"), (2, "end")]
+        else:
+            with pytest.raises(ChannelEmpty):
+                second.get_nowait()
+
+
 def test_get_batch_by_weight(channel, workers):
     ch = channel(maxsize=2)
     for w in (1, 2, 3, 4):

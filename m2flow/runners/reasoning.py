@@ -191,7 +191,8 @@ class ReasoningRunner:
             self.critic = WorkerGroup(LMCriticWorker, self.placement["critic"], args=(plain, turns["critic"]),
                                       name=self.names["critic"], wait=False)
         start_together(*self.groups)
-        self.pending: dict[str, Any] | None = None  # a step's stream started ahead (runner.collect_ahead)
+        self.pending: tuple[int, dict[str, Any]] | None = None  # a stream started ahead (runner.collect_ahead)
+        self.streams = 0  # streams launched: each step's is keyed by its number
         # Actor ranks take batches one at a time, so that a rank that is free takes the next.
         self.channels = {n: Channel.create(f"{n}-{run}", prefetch=1 if n == "batches" else 16)
                          for n in ("samples", "scored", "batches") + (("logprobs",) if self.critic else ())}
@@ -206,19 +207,23 @@ class ReasoningRunner:
                              *(g.pull_weights(self.names["actor"]) for g in receivers))
         return pushed | {"weight_sync_s": time.perf_counter() - start}
 
-    def launch(self, prompts: list[dict]) -> dict[str, Any]:
+    def launch(self, prompts: list[dict]) -> tuple[int, dict[str, Any]]:
         """Starts one step's stream, up to the batches channel: rollout -> reward -> inference
-        (-> critic)."""
+        (-> critic). The stream has a channel key of its own: a reader that prefetches can
+        then never take items of the next step's stream, generated ahead into the same channels.
+        Returns the key and the calls."""
+        self.streams += 1
+        key = self.streams
         samples, scored, batches = self.channels["samples"], self.channels["scored"], self.channels["batches"]
-        calls = {"rollout": self.rollout.generate(prompts, samples, self.cfg.placement.granularity),
-                 "reward": self.reward.score(samples, scored, len(prompts))}
+        calls = {"rollout": self.rollout.generate(prompts, samples, self.cfg.placement.granularity, key),
+                 "reward": self.reward.score(samples, scored, len(prompts), key)}
         if self.critic:  # ppo: the critic adds values, advantages and returns on the way to the actor
             logprobs = self.channels["logprobs"]
-            calls["inference"] = self.inference.logprobs(scored, logprobs, 1)
-            calls["critic"] = self.critic.train(logprobs, batches, self.actor.world_size)
+            calls["inference"] = self.inference.logprobs(scored, logprobs, 1, key)
+            calls["critic"] = self.critic.train(logprobs, batches, self.actor.world_size, key)
         else:
-            calls["inference"] = self.inference.logprobs(scored, batches, self.actor.world_size)
-        return calls
+            calls["inference"] = self.inference.logprobs(scored, batches, self.actor.world_size, key)
+        return key, calls
 
     def step(self, generate_next: bool = False) -> dict[str, Any]:
         """One policy update: the macro flow. Returns what each component reported.
@@ -228,17 +233,17 @@ class ReasoningRunner:
         soon as this step's rollout is done, and runs while the actor trains: its data is then
         one version old (the ratio is taken against the log-probs it was sampled with)."""
         if self.pending is None:  # nothing generated ahead: the first step, or the one after a pause
-            sync, calls = self.sync_weights(), self.launch(next(self.loader))
+            sync, (key, calls) = self.sync_weights(), self.launch(next(self.loader))
             ahead = self.launch(next(self.loader)) if generate_next else None  # same weights: it queues behind
         else:
-            calls = self.pending
+            key, calls = self.pending
             # The receivers of the weights are done with this step's stream (the calls of one
             # worker run in order, so waiting is what a sync would do anyway).
             receivers = ["rollout"] + (["inference"] if self.cfg.algorithm.old_logprobs == "recompute" else [])
             wait(*(calls[n] for n in receivers))
             sync = self.sync_weights() if generate_next else {"weight_sync_s": 0.0}
             ahead = self.launch(next(self.loader)) if generate_next else None
-        calls = calls | {"actor": self.actor.train(self.channels["batches"])}
+        calls = calls | {"actor": self.actor.train(self.channels["batches"], key)}
         self.pending = ahead
         return dict(zip(calls, wait(*calls.values()))) | {"sync": sync}
 

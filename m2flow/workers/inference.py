@@ -31,15 +31,15 @@ class InferenceWorker(WeightReceiver):
     def _receive_model(self) -> torch.nn.Module:
         return self.policy
 
-    def logprobs(self, scored_in: Channel, batches_out: Channel, readers: int) -> dict:
+    def logprobs(self, scored_in: Channel, batches_out: Channel, readers: int, key: int = 0) -> dict:
         """Adds ``ref_logprobs`` / ``old_logprobs`` to each batch and passes it on, to the actor
         ranks (which take batches as they become free) or the critic. Then one end marker per
-        reader of ``batches_out``."""
+        reader of ``batches_out``. In and out under ``key``, the stream's channel key."""
         busy = idle = 0.0
         diffs = []
         while True:
             start = time.perf_counter()
-            batch = scored_in.get()
+            batch = scored_in.get(key)
             mid = time.perf_counter()
             idle += mid - start
             if batch == END:
@@ -60,10 +60,10 @@ class InferenceWorker(WeightReceiver):
                         mask = batch.completion_mask.bool()
                         diffs.append(float((recomputed - batch.old_logprobs)[mask].abs().max()) if mask.any() else 0.0)
                         batch.old_logprobs = recomputed
-            batches_out.put(batch, weight=batch.extras["groups"])
+            batches_out.put(batch, key, weight=batch.extras["groups"])
             busy += time.perf_counter() - mid
         for _ in range(readers):  # after every batch: a rank that takes one has nothing left to take
-            batches_out.put(END)
+            batches_out.put(END, key)
         batches_out.flush()
         out = {"busy_s": busy, "idle_s": idle, "peak_memory_mb": memory_mb(self.device)}
         if diffs:  # sampling vs recomputed log-probs of the same weights: should be round-off

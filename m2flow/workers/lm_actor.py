@@ -91,9 +91,10 @@ class LMActorWorker(Worker):
         return self.trainer.weights_hash()
 
     # -- training ---------------------------------------------------------------------
-    def train(self, batches_in: Channel) -> dict:
-        """One policy update from the step's batches; with several ranks, each trains on the
-        batches it takes (``batches_in`` must hand out one item per get: prefetch 1)."""
+    def train(self, batches_in: Channel, key: int = 0) -> dict:
+        """One policy update from the step's batches (channel key ``key``); with several ranks,
+        each trains on the batches it takes (``batches_in`` must hand out one item per get:
+        prefetch 1)."""
         start = time.perf_counter()
         busy = idle = 0.0
         batches = []
@@ -101,7 +102,7 @@ class LMActorWorker(Worker):
         tokens = seqs = policy_lag = 0
         while True:
             t0 = time.perf_counter()
-            batch = batches_in.get()  # whichever rank is free takes the next batch
+            batch = batches_in.get(key)  # whichever rank is free takes the next batch
             idle += time.perf_counter() - t0
             if batch == END:
                 break

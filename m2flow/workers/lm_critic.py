@@ -65,15 +65,16 @@ class LMCriticWorker(Worker):
         self.turns = self.device_turns(take_turns)
         self.trainer.offload_optimizer()  # until its first turn
 
-    def train(self, batches_in: Channel, batches_out: Channel, actor_ranks: int) -> dict:
+    def train(self, batches_in: Channel, batches_out: Channel, actor_ranks: int, key: int = 0) -> dict:
         """Adds values, advantages (whitened over the step) and returns to the step's batches
         and passes them on to the actor; trains the critic on them, then sends one end marker
-        per actor rank. Returns the critic's statistics (``value_loss``, ...)."""
+        per actor rank, all under ``key``, the stream's channel key. Returns the critic's
+        statistics (``value_loss``, ...)."""
         busy = idle = 0.0
         batches = []
         while True:
             t0 = time.perf_counter()
-            batch = batches_in.get()
+            batch = batches_in.get(key)
             idle += time.perf_counter() - t0
             if batch == END:
                 break
@@ -90,7 +91,7 @@ class LMCriticWorker(Worker):
         if batches:  # none when dynamic sampling dropped every group
             whiten_advantages(batches)
         for batch in batches:
-            batches_out.put(batch, weight=batch.extras["groups"])
+            batches_out.put(batch, key, weight=batch.extras["groups"])
         busy += time.perf_counter() - t1
         with self.turns:
             idle += getattr(self.turns, "last_wait_s", 0.0)
@@ -103,7 +104,7 @@ class LMCriticWorker(Worker):
         # The end markers only now: an actor rank that held one of these devices while the
         # critic waited for the rest would wait for it in the actor's all-reduce: a deadlock.
         for _ in range(actor_ranks):
-            batches_out.put(END)
+            batches_out.put(END, key)
         batches_out.flush()
         return stats | {"busy_s": busy, "idle_s": idle, "peak_memory_mb": peak}
 

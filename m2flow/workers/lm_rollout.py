@@ -68,10 +68,11 @@ class LMRolloutWorker(WeightReceiver):
         self.engine.load_weights(tensors.items())
 
     @dispatch(split="scatter")
-    def generate(self, prompts: list[dict], samples_out: Channel, granularity: int) -> dict:
+    def generate(self, prompts: list[dict], samples_out: Channel, granularity: int, key: int = 0) -> dict:
         """Generates ``rollout.n`` completions per prompt; every ``granularity`` completed groups
         go out as one ``SequenceBatch`` (``extras``: prompt index, answers, texts, finish
-        reasons, group size and policy version; ``old_logprobs``: the sampling log-probs)."""
+        reasons, group size and policy version; ``old_logprobs``: the sampling log-probs), put
+        under ``key``, the stream's channel key."""
         if self.version < 0:
             raise RuntimeError("the rollout has no weights: the actor must sync them first")
         start = time.perf_counter()
@@ -88,10 +89,10 @@ class LMRolloutWorker(WeightReceiver):
                 stats["completion_tokens"] += sum(len(c.token_ids) for c in group)
                 stats["truncated"] += sum(c.finish_reason == "length" for c in group)
                 if len(pending) == granularity:
-                    samples_out.put(self._batch(pending), weight=len(pending))
+                    samples_out.put(self._batch(pending), key, weight=len(pending))
                     pending = []
             if pending:
-                samples_out.put(self._batch(pending), weight=len(pending))
+                samples_out.put(self._batch(pending), key, weight=len(pending))
             samples_out.flush()
             peak = memory_mb(self.device)
             self.engine.offload()  # context switching: the KV cache (and on a GPU the weights) make room

@@ -27,14 +27,14 @@ class RewardWorker(Worker):
         self.overlong = (r["overlong_buffer"], r["overlong_factor"])
         self.dynamic_sampling = cfg["algorithm"]["dynamic_sampling"]
 
-    def score(self, samples_in: Channel, scored_out: Channel, num_groups: int) -> dict:
-        """Scores the step's ``num_groups`` groups, then sends the end marker."""
+    def score(self, samples_in: Channel, scored_out: Channel, num_groups: int, key: int = 0) -> dict:
+        """Scores the step's ``num_groups`` groups (channel key ``key``), then sends the end marker."""
         busy = idle = 0.0
         seen = kept = 0
         rewards_all, parts_all = [], {}
         while seen < num_groups:
             start = time.perf_counter()
-            batch = samples_in.get()
+            batch = samples_in.get(key)
             mid = time.perf_counter()
             idle += mid - start
             seen += batch.extras["groups"]
@@ -58,10 +58,10 @@ class RewardWorker(Worker):
                 groups = batch.extras["groups"]
             if batch is not None:
                 batch.extras["groups"] = groups
-                scored_out.put(batch, weight=groups)
+                scored_out.put(batch, key, weight=groups)
                 kept += groups
             busy += time.perf_counter() - mid
-        scored_out.put(END)
+        scored_out.put(END, key)
         scored_out.flush()
         rewards = np.concatenate(rewards_all)
         return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()), "groups_kept": kept,
