@@ -272,36 +272,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _dp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _dp_worker(rank: int, world: int, port: int, out_dir: str, shard: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         batch = random_batch(8, seed=5)
         results = {}
+
+        def trainer() -> LMTrainer:
+            return LMTrainer(load_lm("tiny-llama")[0], lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16, shard=shard)
+
+        def weights(t: LMTrainer) -> dict[str, torch.Tensor]:
+            return {name: w.detach().cpu().clone() for name, w in t.named_weights()}
+
         # Even shares: 4 rows each, 2 mini-batches x 2 epochs; the rows' lengths differ, so
         # the ranks run different numbers of micro-batches.
-        model, _ = load_lm("tiny-llama")
-        trainer = LMTrainer(model, lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16)
-        stats = trainer.train_step(batch.select(range(4 * rank, 4 * rank + 4)), token_mean_nll, mini_batches=2,
-                                   epochs=2)
-        results["even"] = (snapshot(model), trainer.weights_hash(), stats)
+        even = trainer()
+        assert even.sharded == shard
+        stats = even.train_step(batch.select(range(4 * rank, 4 * rank + 4)), token_mean_nll, mini_batches=2, epochs=2)
+        results["even"] = (weights(even), even.weights_hash(), stats)
         # Uneven shares: rank 0 holds 1 row, rank 1 three, in 2 mini-batches: rank 0's
         # second mini-batch is empty, yet it takes part in both steps.
-        model, _ = load_lm("tiny-llama")
-        trainer = LMTrainer(model, lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16)
+        uneven = trainer()
         rows = [0] if rank == 0 else [1, 2, 3]
-        stats = trainer.train_step(batch.select(rows), token_mean_nll, mini_batches=2)
-        results["uneven"] = (snapshot(model), trainer.weights_hash(), stats)
+        stats = uneven.train_step(batch.select(rows), token_mean_nll, mini_batches=2)
+        results["uneven"] = (weights(uneven), uneven.weights_hash(), stats)
+        # A saved state loaded into a fresh trainer continues the same (sharded: rank 0's, broadcast).
+        saved = io.BytesIO()
+        torch.save(even.state_dict(), saved)
+        resumed = trainer()
+        resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+        for t in (even, resumed):
+            t.train_step(batch.select([rank, rank + 4]), token_mean_nll)
+        results["resumed"] = (even.weights_hash(), resumed.weights_hash())
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_data_parallel_matches_one_process(tmp_path):
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "fsdp"])
+def test_data_parallel_matches_one_process(tmp_path, shard):
     """Two gloo ranks, each on its own rows, end with identical weights, equal to one process
-    training on all rows. The callback normalises by the *global* completion-token count
-    (LossScale.tokens) times world_size, because gradients are averaged over ranks."""
-    mp.spawn(_dp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    training on all rows, whether each rank holds all weights or a shard of them (FSDP). The
+    callback normalises by the *global* completion-token count (LossScale.tokens) times
+    world_size, because gradients are averaged over ranks."""
+    mp.spawn(_dp_worker, args=(2, _free_port(), str(tmp_path), shard), nprocs=2, join=True)
     ranks = {r: torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)}
     batch = random_batch(8, seed=5)
 
@@ -326,6 +341,7 @@ def test_data_parallel_matches_one_process(tmp_path):
         assert max_diff(w0, weights) <= 1e-6, key
     assert ranks[0]["even"][2]["micro_batches"] != ranks[1]["even"][2]["micro_batches"]
     assert ranks[0]["uneven"][2]["micro_batches"] == 1 and ranks[1]["uneven"][2]["micro_batches"] >= 2
+    assert ranks[0]["resumed"][0] == ranks[0]["resumed"][1] == ranks[1]["resumed"][1]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,6 +18,7 @@ def test_bad_configs_are_named():
         ("algorithm.old_logprobs=actor", "old_logprobs must be rollout | recompute"),
         ("algorithm.kl_in_reward=true", "kl_in_reward=true needs algorithm.name=reinforce_pp"),
         ("placement.granularity=0", "granularity must be >= 1"),
+        ("algorithm.data_parallel=zero3", "data_parallel must be replicate | fsdp"),
     ]
     for override, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -94,7 +95,9 @@ def test_resume_reaches_the_same_weights(cluster, tmp_path):
     # pipelined, each step's rollout generated while the actor trains on the previous one
     ("algorithm.name=rloo", "algorithm.dual_clip=3.0", "algorithm.entropy_coef=0.01", "placement.mode=pipelined",
      "runner.collect_ahead=true", "algorithm.old_logprobs=recompute"),
-], ids=["dr_grpo", "reinforce_pp-hybrid", "rloo-pipelined-ahead"])
+    # the 2 hybrid actor ranks shard weights, gradients and optimizer state (FSDP)
+    ("algorithm.name=grpo", "placement.mode=hybrid", "algorithm.data_parallel=fsdp", "algorithm.mini_batches=2"),
+], ids=["dr_grpo", "reinforce_pp-hybrid", "rloo-pipelined-ahead", "grpo-hybrid-fsdp"])
 def test_other_algorithms_train(cluster, tmp_path, overrides):
     history, hashes = _train(cluster, tmp_path, "runner.steps=3", *overrides)
     steps = [row for row in history if row["step"] > 0]
@@ -106,4 +109,5 @@ def test_other_algorithms_train(cluster, tmp_path, overrides):
     if ahead:
         assert max(row["logprob_diff_max"] for row in steps) <= 1e-3
     assert all(math.isfinite(row["grad_norm"]) for row in steps if row["optimizer_steps"] > 0)
-    assert sum(row["optimizer_steps"] for row in steps) >= (12 if "algorithm.epochs=2" in overrides else 1)
+    passes = 12 if "algorithm.epochs=2" in overrides else 6 if "algorithm.mini_batches=2" in overrides else 1
+    assert sum(row["optimizer_steps"] for row in steps) >= passes

@@ -445,6 +445,35 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield name, tensor
 
 
+def _fully_shard(model: nn.Module, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """FSDP2 over ``group``'s ranks: a unit per decoder layer (a transformers model names its
+    layer classes in ``_no_split_modules``), then the root, which holds the rest (embeddings,
+    final norm, head: tied weights stay in one unit)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if module is not model and type(module).__name__ in layers:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _gathered_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``named_weights`` of a sharded model: each weight gathered in full (a collective, in
+    state-dict order on every rank); a tied weight under its first name only."""
+    from torch.distributed.tensor import DTensor
+
+    seen = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():  # the parameters themselves: tied ones are one
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        tensor = tensor.detach()
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def weights_hash(weights: nn.Module | Iterable[tuple[str, Tensor]]) -> str:
     """sha256 over names, dtypes, shapes and bytes of the weights, in name order: equal for
     two models exactly when they hold identical weights (same names, tying and values)."""
@@ -504,6 +533,16 @@ class LMTrainer:
     synchronise; the model also keeps its own parameter names (no ``module.`` prefix), which
     weight sync and checkpoints rely on. Every rank must call ``train_step`` with the same
     ``mini_batches`` and ``epochs``, so all take the same optimizer steps.
+
+    ``shard=True`` (with more than one rank) shards weights, gradients and optimizer state over
+    the ranks instead, with FSDP2's ``fully_shard`` (one unit per decoder layer, then the
+    root): each rank holds 1/world of the model's training state, and gathers a layer's
+    weights only while it runs. Every forward is then a collective, so the ranks run their
+    micro-batches in lockstep: one whose share of a mini-batch has fewer micro-batches runs
+    empty ones (zero gradient) until the others are done; every rank must also make the same
+    ``accumulate`` calls. Gradients are averaged by FSDP's reduce-scatter. Prompts are not
+    shared (each row forwards its whole prompt). ``named_weights``, ``weights_hash`` and
+    ``state_dict`` gather full tensors: every rank must call them.
     """
 
     def __init__(self, model: nn.Module, lr: float, *, max_tokens_per_micro_batch: int, weight_decay: float = 0.0,
@@ -511,7 +550,7 @@ class LMTrainer:
                  device: torch.device | str | None = None, temperature: float = 1.0,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  process_group: dist.ProcessGroup | None = None, bucket_mb: float = 256.0,
-                 share_prompts: bool = True):
+                 share_prompts: bool = True, shard: bool = False):
         if max_tokens_per_micro_batch < 1:
             raise ValueError(f"max_tokens_per_micro_batch must be at least 1, got {max_tokens_per_micro_batch}")
         if temperature <= 0:
@@ -521,18 +560,23 @@ class LMTrainer:
             # Tensors report "cuda:N": an index-less device would never compare equal to them.
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(self.device)
+        self.group = process_group
+        self.sharded = shard and self.world_size > 1
+        if self.sharded:
+            _fully_shard(self.model, self.group, self.device)
         self.max_tokens = max_tokens_per_micro_batch
         self.max_grad_norm = max_grad_norm
         self.autocast_dtype = autocast_dtype
         self.temperature = temperature
-        self.share_prompts = share_prompts
+        # Not sharded: a prompt's keys and values, computed by one call of the model and used
+        # by another, reach backward outside the hooks by which FSDP gathers a layer's weights.
+        self.share_prompts = share_prompts and not self.sharded
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Fused: one kernel over all parameters; the default per-tensor loop took ~5x longer
         # on a 135M model on the CPU (seconds per step).
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                            fused=True)
         self.step = 0  # optimizer steps taken
-        self.group = process_group
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._offloaded_state: list[tuple[dict, str]] = []
 
@@ -649,7 +693,10 @@ class LMTrainer:
                   acc: _Accumulated) -> float:
         """Forward and backward of every micro-batch of ``rows``; returns their summed loss."""
         total: Any = 0.0
-        for _, mb, layout in _micro_batches(rows, self.max_tokens, self.share_prompts) if len(rows) else []:
+        micro = list(_micro_batches(rows, self.max_tokens, self.share_prompts)) if len(rows) else []
+        if self.sharded:
+            self._in_lockstep(micro)
+        for _, mb, layout in micro:
             # Counted before the move: on the batch's (usually CPU) side, no device sync.
             n_completion, n_tokens = int(mb.completion_mask.sum()), int(mb.attention_mask.sum())
             mb = mb.to(self.device)
@@ -660,6 +707,19 @@ class LMTrainer:
             total = total + loss.detach()
             acc.add(stats, n_completion, n_tokens)
         return float(total)
+
+    def _in_lockstep(self, micro: list) -> None:
+        """Sharded, every forward gathers weights from every rank, so all ranks run as many
+        micro-batches: runs the empty ones (one row of two tokens, zero loss) this rank is
+        short of."""
+        most = torch.tensor([len(micro)], device=self._collective_device())
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        empty = SequenceBatch(ids, torch.ones_like(ids), torch.tensor([[0, 1]], device=self.device))
+        for _ in range(int(most) - len(micro)):
+            with _autocast(self.device, self.autocast_dtype):
+                out = self.forward_tokens(empty, False)[0]
+            (out.sum() * 0).backward()
 
     def forward_tokens(self, mb: SequenceBatch, with_entropy: bool,
                        layout: PromptLayout | None = None) -> tuple[Tensor, Tensor | None]:
@@ -690,10 +750,12 @@ class LMTrainer:
         for p in self.params:
             if p.grad is None:  # unused here, or no micro-batch on this rank: still takes part
                 p.grad = torch.zeros_like(p)
-        if world > 1:
+        if world > 1 and not self.sharded:  # sharded: FSDP's reduce-scatter averaged them
             self._all_reduce_gradients(world)
         max_norm = self.max_grad_norm if self.max_grad_norm else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        if self.sharded:  # a DTensor, of sharded gradients: the same total on every rank
+            norm = norm.full_tensor()
         # The norm is identical on every rank after the all-reduce, so all skip together.
         if torch.isfinite(norm):
             self.optimizer.step()
@@ -770,18 +832,45 @@ class LMTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and step. The tensors are the live ones: save or copy them
-        before training on."""
+        before training on. Sharded: full tensors on the CPU on rank 0, none on the others
+        (every rank must call it)."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            model, optimizer = get_state_dict(self.model, self.optimizer, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True))
+            return {"model": model, "optimizer": optimizer, "step": self.step, "sharded": True}
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])  # casts the state to the parameters' devices
+        """A ``state_dict`` of a trainer sharded alike (sharded: rank 0's is broadcast)."""
+        if state.get("sharded", False) != self.sharded:
+            raise ValueError(f"a {'sharded' if state.get('sharded') else 'replicated'} trainer's state cannot load "
+                             f"into a {'sharded' if self.sharded else 'replicated'} one: resume with the same "
+                             "algorithm.data_parallel")
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            # Apart: set_state_dict skips the model on the ranks whose (empty) model state it gets.
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(self.model, state["model"], options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])  # casts the state to the parameters' devices
         self.step = int(state["step"])
         self._offloaded_state = []
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The model's weights for weight sync (see the module-level ``named_weights``)."""
-        return named_weights(self.model)
+        """The model's weights for weight sync (see the module-level ``named_weights``).
+        Sharded: each gathered in full, on every rank (every rank must take them all)."""
+        if not self.sharded:
+            return named_weights(self.model)
+        return _gathered_weights(self.model)
 
     def weights_hash(self) -> str:
-        return weights_hash(self.model)
+        return weights_hash(self.named_weights())

@@ -100,6 +100,8 @@ def check_config(cfg: DictConfig) -> None:
                          "advantages take the KL term in the loss)")
     if a.name == "ppo":
         check_ppo_config(a)
+    if a.get("data_parallel", "replicate") not in ("replicate", "fsdp"):
+        raise ValueError(f"algorithm.data_parallel must be replicate | fsdp, got {a.data_parallel!r}")
     if cfg.placement.granularity < 1:
         raise ValueError(f"placement.granularity must be >= 1 group, got {cfg.placement.granularity}")
     if cfg.data.prompts_per_step < 1:
@@ -193,6 +195,7 @@ class ReasoningRunner:
         start_together(*self.groups)
         self.pending: tuple[int, dict[str, Any]] | None = None  # a stream started ahead (runner.collect_ahead)
         self.streams = 0  # streams launched: each step's is keyed by its number
+        self.sharded = cfg.algorithm.get("data_parallel", "replicate") == "fsdp" and self.actor.world_size > 1
         # Actor ranks take batches one at a time, so that a rank that is free takes the next.
         self.channels = {n: Channel.create(f"{n}-{run}", prefetch=1 if n == "batches" else 16)
                          for n in ("samples", "scored", "batches") + (("logprobs",) if self.critic else ())}
@@ -203,8 +206,9 @@ class ReasoningRunner:
         nobody takes would pin the sender's shared-memory segment for good."""
         start = time.perf_counter()
         receivers = [self.rollout] + ([self.inference] if self.cfg.algorithm.old_logprobs == "recompute" else [])
-        (pushed,), *_ = wait(self.actor.call("push_weights", [g.name for g in receivers], ranks=[0]),
-                             *(g.pull_weights(self.names["actor"]) for g in receivers))
+        senders = None if self.sharded else [0]  # sharded: every actor rank helps gather the weights
+        (pushed, *_), *_ = wait(self.actor.call("push_weights", [g.name for g in receivers], ranks=senders),
+                                *(g.pull_weights(self.names["actor"]) for g in receivers))
         return pushed | {"weight_sync_s": time.perf_counter() - start}
 
     def launch(self, prompts: list[dict]) -> tuple[int, dict[str, Any]]:

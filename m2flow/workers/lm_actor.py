@@ -37,7 +37,7 @@ from m2flow.algorithms import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from m2flow.engines.training import LMTrainer, LossScale, SequenceBatch, concat_batches, named_weights
+from m2flow.engines.training import LMTrainer, LossScale, SequenceBatch, concat_batches
 from m2flow.runtime import Channel, Worker, dispatch
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
 
@@ -56,8 +56,12 @@ class LMActorWorker(Worker):
                                  weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"],
                                  autocast_dtype=dtype_of(cfg["model"]["autocast"]), device=self.device,
                                  temperature=cfg["rollout"]["temperature"] or 1.0,
-                                 share_prompts=a.get("share_prompts", True))
-        self.streaming = a["name"] in GROUP_LOCAL and a["epochs"] == 1 and a["mini_batches"] == 1
+                                 share_prompts=a.get("share_prompts", True),
+                                 shard=a.get("data_parallel", "replicate") == "fsdp")
+        # Sharded, every forward takes all ranks: they train together once the step's batches
+        # are in, not each on a batch as it arrives.
+        self.streaming = (a["name"] in GROUP_LOCAL and a["epochs"] == 1 and a["mini_batches"] == 1
+                          and not self.trainer.sharded)
         self.norm_len = cfg["rollout"]["max_new_tokens"]  # Dr. GRPO's constant length
         self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 1000 + self.rank)
         self.turns = self.device_turns(take_turns)
@@ -69,11 +73,17 @@ class LMActorWorker(Worker):
     # -- weights ----------------------------------------------------------------------
     def push_weights(self, groups: list[str], bucket_mb: float = 256.0) -> dict:
         """Sends the weights, in buckets of about ``bucket_mb``, tagged with their version, to
-        every rank of each group in ``groups`` (``WeightReceiver.pull_weights``)."""
+        every rank of each group in ``groups`` (``WeightReceiver.pull_weights``). Rank 0
+        sends; sharded (``algorithm.data_parallel=fsdp``), every rank is called and helps
+        gather the weights."""
         start = time.perf_counter()
+        if self.rank != 0:
+            for _ in self.trainer.named_weights():
+                pass
+            return {}
         buckets: list[dict[str, torch.Tensor]] = [{}]
         size, limit = 0, bucket_mb * 2**20
-        for name, t in named_weights(self.trainer.model):
+        for name, t in self.trainer.named_weights():
             if buckets[-1] and size + t.nbytes > limit:
                 buckets.append({})
                 size = 0
