@@ -35,6 +35,7 @@ from m2flow.runtime.trace import get_tracer
 logger = logging.getLogger(__name__)
 
 LIVENESS_CHECK_INTERVAL_S = 1.0
+_WAIT_SLICE_S = 0.5  # how often a blocked acquire wakes up to let an interrupt through
 
 
 class LockTimeout(TimeoutError):
@@ -302,5 +303,3 @@ def _get_interruptibly(ref: ray.ObjectRef) -> Any:
         except concurrent.futures.TimeoutError:
             continue
 
-
-_WAIT_SLICE_S = 0.5
