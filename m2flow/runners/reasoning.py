@@ -5,8 +5,8 @@ every device and take turns under the device locks: the rollout generates the wh
 then frees its KV cache (and on a GPU its weights) while the inference worker and the actor
 use the devices; the actor's optimizer state leaves while the rollout generates. Pipelined,
 the rollout has devices of its own and streams each group of completions on as soon as it
-is complete: reward, reference/old log-probs and the actor's forward and backward run on
-the first groups while the rollout still generates the rest. With ``algorithm.name=ppo`` a
+is complete: reward, reference/old log-probs and the actor's forward and backward (unless
+its ranks are sharded) run on the first groups while the rollout still generates the rest. With ``algorithm.name=ppo`` a
 critic sits between the inference worker and the actor: it adds values and GAE advantages.
 """
 

@@ -199,14 +199,15 @@ class Worker:
         return DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
 
     def init_process_group(self, backend: str | None = None, timeout_s: float = 120.0) -> None:
-        """torch.distributed over this worker's group: gloo on CPU, nccl on GPU."""
+        """torch.distributed over this worker's group: gloo on CPU; on GPUs nccl for CUDA
+        tensors and gloo beside it for CPU ones (counts and statistics)."""
         import datetime
 
         import torch.distributed as dist
 
         if dist.is_initialized():
             return
-        backend = backend or ("nccl" if self.device == "cuda" else "gloo")
+        backend = backend or ("cpu:gloo,cuda:nccl" if self.device == "cuda" else "gloo")
         host, port = self._m2flow_master
         dist.init_process_group(
             backend,

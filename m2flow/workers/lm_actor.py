@@ -7,7 +7,8 @@ the critic worker sets on each batch, whitened over the step). The loss is the c
 surrogate with DAPO's knobs (clip-higher, dual clip, token-level aggregation), an optional
 KL term (k1/k2/k3, in the loss or in the reward) and an entropy bonus.
 
-Streaming: with a group-local advantage (grpo, dr_grpo, rloo), one epoch and one mini-batch,
+Streaming: with a group-local advantage (grpo, dr_grpo, rloo), one epoch, one mini-batch and
+replicated ranks (not ``algorithm.data_parallel=fsdp``, where every forward takes all ranks),
 the actor runs forward and backward on each batch the moment it arrives, while the rollout
 is still generating, and takes the optimizer step once the last one is in. The loss is
 accumulated as a plain sum and the gradient divided by the step's token (or sequence)
@@ -75,27 +76,33 @@ class LMActorWorker(Worker):
         """Sends the weights, in buckets of about ``bucket_mb``, tagged with their version, to
         every rank of each group in ``groups`` (``WeightReceiver.pull_weights``). Rank 0
         sends; sharded (``algorithm.data_parallel=fsdp``), every rank is called and helps
-        gather the weights."""
+        gather the weights. A bucket goes as soon as it is full: gathered weights are never
+        all held at once."""
         start = time.perf_counter()
         if self.rank != 0:
             for _ in self.trainer.named_weights():
                 pass
             return {}
-        buckets: list[dict[str, torch.Tensor]] = [{}]
-        size, limit = 0, bucket_mb * 2**20
-        for name, t in self.trainer.named_weights():
-            if buckets[-1] and size + t.nbytes > limit:
-                buckets.append({})
-                size = 0
-            buckets[-1][name] = t
-            size += t.nbytes
-        for i, bucket in enumerate(buckets):
-            message = {"tensors": bucket, "version": self.version, "last": i == len(buckets) - 1}
+        sent = {"buckets": 0, "bytes": 0}
+
+        def send(bucket: dict[str, torch.Tensor], last: bool) -> None:
+            message = {"tensors": bucket, "version": self.version, "last": last}
             for group in groups:
                 self.broadcast(message, (self.group, self.rank), group)
-        return {"weight_sync_s": time.perf_counter() - start, "weight_buckets": len(buckets),
-                "weight_mb": sum(t.nbytes for b in buckets for t in b.values()) / 2**20,
-                "weight_transport": self.comm.last_transport}
+            sent["buckets"] += 1
+            sent["bytes"] += sum(t.nbytes for t in bucket.values())
+
+        bucket: dict[str, torch.Tensor] = {}
+        size, limit = 0, bucket_mb * 2**20
+        for name, t in self.trainer.named_weights():
+            if bucket and size + t.nbytes > limit:
+                send(bucket, last=False)
+                bucket, size = {}, 0
+            bucket[name] = t
+            size += t.nbytes
+        send(bucket, last=True)
+        return {"weight_sync_s": time.perf_counter() - start, "weight_buckets": sent["buckets"],
+                "weight_mb": sent["bytes"] / 2**20, "weight_transport": self.comm.last_transport}
 
     def weights_hash(self) -> str:
         return self.trainer.weights_hash()
@@ -154,7 +161,7 @@ class LMActorWorker(Worker):
     def _finish_streamed(self, stats: dict[str, Any], tokens: int, seqs: int) -> dict:
         counts = torch.tensor([tokens, seqs], dtype=torch.float64)
         if self.world_size > 1:
-            dist.all_reduce(counts)
+            dist.all_reduce(counts)  # CPU tensors: gloo, also beside NCCL (Worker.init_process_group)
         divisor = float(counts[0] if self.algo["loss_agg"] == "token-mean" else counts[1])
         if divisor == 0:  # every group was dropped (dynamic sampling): no update this step
             self.trainer.optimizer.zero_grad(set_to_none=True)
