@@ -12,11 +12,13 @@ prompts, sampling, micro-batching and seed), one after the other in this process
   <mode>-ahead  the same placement with ``runner.collect_ahead=true``: each step's rollout
               runs while the actor trains on the previous step's completions (one policy
               version old); one more, untimed step drains the last rollout started ahead.
+  <mode>-fsdp   the same with ``algorithm.data_parallel=fsdp``: the actor ranks (two in hybrid
+              mode) shard the model instead of each holding all of it.
 
 Reported per mode: seconds per step after ``--warmup`` steps (mean and each), generated
 tokens per step, and each component's busy and idle seconds per step (averaged over the
 timed steps); then collocated / <mode> step time for every other mode (the acceptance
-ratio, >= 1.2, is the pipelined one's).
+ratio, >= 1.2, is the pipelined one's), and the first mode's / each other's.
 
     python benchmarks/reasoning_modes.py [--model smollm2] [--steps 3] [--warmup 1] \
         [--override rollout.max_new_tokens=128 ...]
@@ -41,20 +43,22 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     from m2flow.config import load_config
     from m2flow.runners.reasoning import ReasoningRunner, step_row
 
-    placement, _, ahead = mode.partition("-")
-    if ahead not in ("", "ahead"):
-        raise ValueError(f"mode {mode!r}: a placement mode, optionally with -ahead")
+    placement, *flags = mode.split("-")
+    if set(flags) - {"ahead", "fsdp"}:
+        raise ValueError(f"mode {mode!r}: a placement mode, optionally with -ahead and/or -fsdp")
+    ahead = "ahead" in flags
     overrides = [f"model.path={args.model}", f"placement.mode={placement}", f"data.prompts_per_step={args.prompts}",
                  f"runner.collect_ahead={str(bool(ahead)).lower()}",
                  f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
                  f"placement.granularity={args.granularity}", "runner.progress=false",
-                 f"runner.out_dir={tempfile.mkdtemp(prefix=f'm2flow-{mode}-')}", *args.override]
+                 f"runner.out_dir={tempfile.mkdtemp(prefix=f'm2flow-{mode}-')}",
+                 *(["algorithm.data_parallel=fsdp"] if "fsdp" in flags else []), *args.override]
     runner = ReasoningRunner(load_config("reasoning/grpo_arith_smollm2", overrides))
     rows = []
     try:
         for i in range(args.warmup + args.steps):
             start = time.perf_counter()
-            report = runner.step(generate_next=bool(ahead))
+            report = runner.step(generate_next=ahead)
             row = step_row(i + 1, report, time.perf_counter() - start, 0.0)
             print(f"{mode} step {i + 1}: {row['step_s']:.2f} s, {row['completion_tokens']} tokens, "
                   f"reward {row['reward']:.3f}", file=sys.stderr)
@@ -96,6 +100,8 @@ def main() -> None:
     if "collocated" in results:
         out["speedup_vs_collocated"] = {m: results["collocated"]["step_s"] / r["step_s"]
                                         for m, r in results.items() if m != "collocated"}
+    first = args.modes[0]
+    out[f"speedup_vs_{first}"] = {m: results[first]["step_s"] / r["step_s"] for m, r in results.items() if m != first}
     print(json.dumps(out, indent=2))
 
 
