@@ -297,14 +297,20 @@ def _dp_worker(rank: int, world: int, port: int, out_dir: str, shard: bool) -> N
         rows = [0] if rank == 0 else [1, 2, 3]
         stats = uneven.train_step(batch.select(rows), token_mean_nll, mini_batches=2)
         results["uneven"] = (weights(uneven), uneven.weights_hash(), stats)
-        # A saved state loaded into a fresh trainer continues the same (sharded: rank 0's, broadcast).
-        saved = io.BytesIO()
-        torch.save(even.state_dict(), saved)
-        resumed = trainer()
-        resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
-        for t in (even, resumed):
-            t.train_step(batch.select([rank, rank + 4]), token_mean_nll)
-        results["resumed"] = (even.weights_hash(), resumed.weights_hash())
+        # A saved state loaded into a fresh trainer continues the same (sharded: rank 0's, broadcast),
+        # also one saved before any step (no optimizer state yet), and saving changes nothing.
+        resumed, fresh, untouched = [], trainer(), trainer()
+        untouched.train_step(batch.select([rank, rank + 4]), token_mean_nll)
+        results["untouched"] = untouched.weights_hash()
+        for original in (even, fresh):
+            saved = io.BytesIO()
+            torch.save(original.state_dict(), saved)
+            copy = trainer()
+            copy.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+            for t in (original, copy):
+                t.train_step(batch.select([rank, rank + 4]), token_mean_nll)
+            resumed.append((original.weights_hash(), copy.weights_hash()))
+        results["resumed"] = resumed
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -341,7 +347,9 @@ def test_data_parallel_matches_one_process(tmp_path, shard):
         assert max_diff(w0, weights) <= 1e-6, key
     assert ranks[0]["even"][2]["micro_batches"] != ranks[1]["even"][2]["micro_batches"]
     assert ranks[0]["uneven"][2]["micro_batches"] == 1 and ranks[1]["uneven"][2]["micro_batches"] >= 2
-    assert ranks[0]["resumed"][0] == ranks[0]["resumed"][1] == ranks[1]["resumed"][1]
+    for (original, copy), (_, copy_1) in zip(ranks[0]["resumed"], ranks[1]["resumed"]):
+        assert original == copy == copy_1
+    assert ranks[0]["resumed"][1][0] == ranks[0]["untouched"]
 
 
 @pytest.mark.parametrize("device", DEVICES)

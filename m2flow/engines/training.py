@@ -835,11 +835,18 @@ class LMTrainer:
         before training on. Sharded: full tensors on the CPU on rank 0, none on the others
         (every rank must call it)."""
         if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
 
-            model, optimizer = get_state_dict(self.model, self.optimizer, options=StateDictOptions(
-                full_state_dict=True, cpu_offload=True))
-            return {"model": model, "optimizer": optimizer, "step": self.step, "sharded": True}
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            # Before the first step there is no Adam state: asked for it, torch would make one
+            # by a zero-lr step, which counts as a step in Adam's bias correction.
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options) if self.step else None
+            return {"model": get_model_state_dict(self.model, options=options), "optimizer": optimizer,
+                    "step": self.step, "sharded": True}
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -858,7 +865,8 @@ class LMTrainer:
             # Apart: set_state_dict skips the model on the ranks whose (empty) model state it gets.
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             set_model_state_dict(self.model, state["model"], options=options)
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+            if state["step"]:  # the same on every rank
+                set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])  # casts the state to the parameters' devices
