@@ -24,7 +24,10 @@ Protocol (/work/shared/PEERS.md, Reasoning), the same for both systems:
            pipelined: the rollout on the first half, reward, inference and actor on the rest).
 
 Variants (``--variants``): ``trl`` (TRL's defaults: loss_type dapo, gradient checkpointing
-on), ``trl_no_gc`` (the same with gradient checkpointing off), ``m2flow_collocated``,
+on), ``trl_no_gc`` (the same with gradient checkpointing off), ``m2flow_collocated`` (whose actor
+does not forward the completions of zero advantage, whose gradient is exactly zero: with this
+sparse reward, most groups' rewards are all equal; ``inert_rows`` counts them per step),
+``m2flow_collocated_all_rows`` (the same, forwarding every row as TRL does),
 ``m2flow_pipelined``, ``m2flow_hybrid_ahead`` (hybrid placement with
 ``runner.collect_ahead=true``: each step trains on completions of the weights before the last
 update, where TRL and the other variants are on-policy; one extra, untimed step at the end
@@ -63,7 +66,8 @@ from pathlib import Path
 PRESET = "reasoning/grpo_arith_smollm2"
 PROMPTS_PER_STEP, SAMPLES, MAX_NEW_TOKENS, LR = 4, 8, 64, 1e-6
 MICRO_BATCH = 8  # sequences per forward/backward in both systems
-VARIANTS = ("trl", "trl_no_gc", "m2flow_collocated", "m2flow_pipelined", "m2flow_hybrid_ahead")
+VARIANTS = ("trl", "trl_no_gc", "m2flow_collocated", "m2flow_collocated_all_rows", "m2flow_pipelined",
+            "m2flow_hybrid_ahead")
 
 
 def log(text: str) -> None:
@@ -206,6 +210,8 @@ def run_trl(spec: dict) -> dict:
         "split": split,
         "completion_length": statistics.fmean(r["completions/mean_length"] for r in logs) if logs else None,
         "reward": statistics.fmean(r["reward"] for r in logs) if logs else None,
+        # Groups whose rewards are all equal: their rows have a zero gradient (TRL forwards them).
+        "frac_reward_zero_std": [r.get("frac_reward_zero_std") for r in logs],
         "settings": {"loss_type": args.loss_type, "gradient_checkpointing": args.gradient_checkpointing,
                      "per_device_train_batch_size": args.per_device_train_batch_size,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps,
@@ -224,10 +230,11 @@ COMPONENT_KEYS = ("rollout_busy_s", "rollout_idle_s", "reward_busy_s", "reward_i
 def run_m2flow(spec: dict) -> dict:
     from m2flow.runners.reasoning import ReasoningRunner, step_row
 
-    mode, _, ahead = spec["variant"].removeprefix("m2flow_").partition("_")
+    mode, _, suffix = spec["variant"].removeprefix("m2flow_").partition("_")
     cfg = base_config(spec["model_dir"], spec["beta"], mode, spec["micro_batch_tokens"])
     cfg.runner.out_dir = spec["out_dir"]
-    cfg.runner.collect_ahead = ahead == "ahead"
+    cfg.runner.collect_ahead = suffix == "ahead"
+    cfg.algorithm.skip_inert_rows = suffix != "all_rows"
     with contextlib.redirect_stdout(sys.stderr):
         runner = ReasoningRunner(cfg)
         try:
@@ -249,8 +256,10 @@ def run_m2flow(spec: dict) -> dict:
         "split": {k: statistics.fmean(r[k] for r in timed) for k in COMPONENT_KEYS},
         "completion_length": statistics.fmean(r["completion_length"] for r in timed),
         "reward": statistics.fmean(r["reward"] for r in timed),
+        "inert_rows": [r["inert_rows"] for r in timed],
         "settings": {"placement.mode": mode, "runner.collect_ahead": cfg.runner.collect_ahead,
                      "algorithm.max_tokens_per_micro_batch": spec["micro_batch_tokens"],
+                     "algorithm.skip_inert_rows": cfg.algorithm.skip_inert_rows,
                      "placement.granularity": cfg.placement.granularity,
                      "cluster.cpu_slots": cfg.cluster.cpu_slots or os.cpu_count()},
     }
@@ -320,6 +329,8 @@ def main() -> None:
         "variants": {"trl": "TRL defaults (loss_type dapo, gradient checkpointing on)",
                      "trl_no_gc": "TRL defaults, gradient checkpointing off",
                      "m2flow_collocated": "every component on every CPU slot, taking turns",
+                     "m2flow_collocated_all_rows": "the same, forwarding the rows of zero gradient too "
+                                                   "(algorithm.skip_inert_rows=false), as TRL does",
                      "m2flow_pipelined": "rollout on slot 0; reward, inference, actor on slot 1, streamed",
                      "m2flow_hybrid_ahead": "rollout on slot 0, actor ranks on slots 0 and 1; each step's rollout "
                                             "runs while the actor trains on the previous one (one version behind)"},

@@ -482,3 +482,32 @@ def test_accumulating_parts_then_finish_step_equals_one_train_step():
     joined = concat_batches(parts, pad_id=0)
     width = batch.input_ids.shape[1]
     assert torch.equal(joined.input_ids[:, :width], batch.input_ids) and torch.equal(joined.extras["adv"], advantages)
+
+
+def test_inert_rows_are_not_forwarded_and_change_nothing():
+    """Rows of zero advantage under a loss that is only the advantage-weighted term: skipped
+    (``inert``), they still count in the token mean, and the update is the same."""
+    batch = random_batch(8, seed=6)
+    batch.extras["adv"] = torch.tensor([0.0, 1.0, 0.0, 0.0, -1.0, 0.5, 0.0, 0.0])
+    inert = batch.extras["adv"] == 0
+    forwarded = []
+
+    def loss_fn(logp, entropy, mb, scale):
+        forwarded.append(len(mb))
+        adv = mb.extras["adv"][:, None].expand_as(logp)
+        return scale.token_mean(-adv * logp, mb.completion_mask), {}
+
+    results = {}
+    for skip in (False, True):
+        model, _ = load_lm("tiny-llama", seed=3)
+        trainer = LMTrainer(model, 1e-2, max_tokens_per_micro_batch=10_000, eps=1e-5)
+        forwarded.clear()
+        stats = trainer.train_step(batch, loss_fn, mini_batches=2, epochs=2, generator=torch.Generator().manual_seed(0),
+                                   inert=inert if skip else None)
+        results[skip] = (snapshot(model), stats, sum(forwarded))
+    (full_w, full, full_rows), (skip_w, skipped, skip_rows) = results[False], results[True]
+    assert full_rows == 2 * len(batch) and skip_rows == 2 * int((~inert).sum())
+    assert skipped["inert_rows"] == int(inert.sum()) and full["inert_rows"] == 0
+    assert skipped["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-6)
+    assert max_diff(full_w, skip_w) <= 1e-5  # rounding: the micro-batches are padded differently
+    assert max_diff(full_w, snapshot(load_lm("tiny-llama", seed=3)[0])) > 1e-4  # the weights did move

@@ -592,7 +592,8 @@ class LMTrainer:
     # -- training ------------------------------------------------------------------------
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn, mini_batches: int = 1, epochs: int = 1,
-                   with_entropy: bool = True, generator: torch.Generator | None = None) -> dict[str, float]:
+                   with_entropy: bool = True, generator: torch.Generator | None = None,
+                   inert: Tensor | None = None) -> dict[str, float]:
         """``epochs`` passes over ``batch``, each cut into ``mini_batches`` mini-batches of
         rows (shuffled per epoch when ``generator`` is given), one optimizer step each.
 
@@ -603,13 +604,18 @@ class LMTrainer:
         ``loss`` is backpropagated as is: it must be this micro-batch's share of the mini-batch
         loss (use ``scale.token_mean`` / ``scale.sequence_mean``).
 
+        ``inert`` (bool ``[B]``): rows whose loss and gradient the caller knows to be exactly
+        zero (a zero advantage and no other term): they count in their mini-batch's scale
+        but are not forwarded, and the stats leave them out.
+
         Returns: the callback's stats, averaged over micro-batches weighted by completion
         tokens (this rank's); ``loss`` (the summed micro-batch losses per mini-batch, averaged
         over mini-batches: on one rank the mini-batch loss, with several ranks their mean is);
         ``grad_norm`` (global, before clipping, averaged over steps); ``optimizer_steps``;
         ``skipped_steps`` (non-finite gradient norm: no update); ``tokens`` and
-        ``completion_tokens`` forwarded here; ``micro_batches``; ``peak_memory_mb`` (CUDA
-        max allocated during the step, or on CPU the process's peak RSS so far); ``time_s``.
+        ``completion_tokens`` forwarded here; ``micro_batches``; ``inert_rows`` (not forwarded);
+        ``peak_memory_mb`` (CUDA max allocated during the step, or on CPU the process's peak
+        RSS so far); ``time_s``.
         """
         if mini_batches < 1 or epochs < 1:
             raise ValueError(f"mini_batches and epochs must be at least 1, got {mini_batches} and {epochs}")
@@ -632,6 +638,8 @@ class LMTrainer:
                 shares = list(torch.tensor_split(rows, mini_batches))
                 scales = self._loss_scales(batch, shares, world)
                 for share, scale in zip(shares, scales):
+                    if inert is not None:
+                        share = share[~inert[share]]
                     mini_loss = self._backward(batch.select(share), loss_fn, scale, with_entropy, acc)
                     norm = self._finish_mini_batch(world)
                     loss_total += mini_loss
@@ -646,6 +654,7 @@ class LMTrainer:
         result = acc.result()
         result.update(loss=loss_total / (epochs * mini_batches), grad_norm=grad_norm_total / max(steps, 1),
                       optimizer_steps=steps, skipped_steps=skipped,
+                      inert_rows=0 if inert is None else int(inert.sum()),
                       peak_memory_mb=_peak_memory_mb(self.device), time_s=time.perf_counter() - start)
         return result
 

@@ -348,9 +348,10 @@ def step_row(step: int, report: dict[str, Any], step_s: float, time_s: float) ->
     row["truncated"] = sum(r["truncated"] for r in rollout) / max(1, sum(r["completions"] for r in rollout))
     row["rollout_tokens_per_s"] = row["completion_tokens"] / max(max(r["busy_s"] for r in rollout), 1e-9)
     skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
-            "completion_tokens", "optimizer_steps", "skipped_steps")
+            "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows")
     row |= {k: v for k, v in actor[0].items() if k not in skip}
     row["optimizer_steps"] = actor[0].get("optimizer_steps", math.nan)
+    row["inert_rows"] = sum(r.get("inert_rows", 0) for r in actor)
     if "logprob_diff_max" in inference:
         row["logprob_diff_max"] = inference["logprob_diff_max"]
     row |= {k: report["sync"].get(k, 0.0) for k in ("weight_sync_s", "weight_mb")}  # 0: no sync this step

@@ -13,6 +13,8 @@ the actor runs forward and backward on each batch the moment it arrives, while t
 is still generating, and takes the optimizer step once the last one is in. The loss is
 accumulated as a plain sum and the gradient divided by the step's token (or sequence)
 count at the end, when it is known: the same gradient as one pass over the whole batch.
+Rows whose loss is exactly zero (zero advantage, e.g. a group whose rewards are all equal,
+and no KL or entropy term) count in that divisor but are not forwarded.
 Otherwise (ppo included: its advantages are whitened over the step) the actor gathers the
 step's batches first, then trains epochs x mini-batches.
 """
@@ -116,7 +118,7 @@ class LMActorWorker(Worker):
         busy = idle = 0.0
         batches = []
         stats: dict[str, Any] = {}
-        tokens = seqs = policy_lag = 0
+        tokens = seqs = policy_lag = inert_rows = 0
         while True:
             t0 = time.perf_counter()
             batch = batches_in.get(key)  # whichever rank is free takes the next batch
@@ -133,22 +135,27 @@ class LMActorWorker(Worker):
                 batches.append(batch)
                 continue
             self._advantages(batch)
+            tokens += int(batch.completion_mask.sum())
+            seqs += len(batch)
+            inert = self._inert_rows(batch)
+            inert_rows += int(inert.sum())
+            if inert.all():  # counted in the step's divisor above; nothing to forward
+                continue
+            rows = batch.select((~inert).nonzero().squeeze(1)) if inert.any() else batch
             with self.turns:
                 idle += getattr(self.turns, "last_wait_s", 0.0)
                 t1 = time.perf_counter()
                 self.trainer.onload_optimizer()
                 raw = LossScale(tokens=self.world_size, sequences=self.world_size, world_size=self.world_size)
-                part = self.trainer.accumulate(batch, self._loss, raw)
+                part = self.trainer.accumulate(rows, self._loss, raw)
                 busy += time.perf_counter() - t1
-            _add_weighted(stats, part, int(batch.completion_mask.sum()))
-            tokens += int(batch.completion_mask.sum())
-            seqs += len(batch)
+            _add_weighted(stats, part, int(rows.completion_mask.sum()))
         with self.turns:
             idle += getattr(self.turns, "last_wait_s", 0.0)
             t1 = time.perf_counter()
             self.trainer.onload_optimizer()
             if self.streaming:
-                result = self._finish_streamed(stats, tokens, seqs)
+                result = self._finish_streamed(stats, tokens, seqs) | {"inert_rows": inert_rows}
             else:
                 result = self._train_gathered(batches)
             peak = memory_mb(self.device)
@@ -187,7 +194,20 @@ class LMActorWorker(Worker):
             return {"optimizer_steps": 0, "completion_tokens": 0}
         a = self.algo
         return self.trainer.train_step(batch, self._loss, mini_batches=a["mini_batches"], epochs=a["epochs"],
-                                       generator=self.shuffle)
+                                       generator=self.shuffle, inert=self._inert_rows(batch))
+
+    def _inert_rows(self, batch: SequenceBatch) -> torch.Tensor:
+        """bool [B]: the rows whose loss and gradient are exactly zero, which the trainer need
+        not forward: advantage 0 on every completion token (a group whose rewards are all
+        equal, under grpo, dr_grpo or rloo) and no other term in the loss (no KL term, no
+        entropy bonus). They still count in the loss's token and row totals, so the update is
+        the one of a pass over every row."""
+        a = self.algo
+        if (not a.get("skip_inert_rows", True) or batch.advantages is None
+                or (a["kl_coef"] > 0 and not a["kl_in_reward"]) or a["entropy_coef"]):
+            return torch.zeros(len(batch), dtype=torch.bool)
+        signal = (batch.advantages != 0) & batch.completion_mask.bool()
+        return ~signal.any(dim=1).cpu()
 
     def _advantages(self, batch: SequenceBatch) -> None:
         a, mask = self.algo, batch.completion_mask
