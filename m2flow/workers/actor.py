@@ -166,27 +166,31 @@ class ActorWorker(Worker):
         mb = a["minibatch_size"] // self.world_size
         if mb < 1 or size % mb:
             raise ValueError(f"{size} samples per actor rank cannot be cut into minibatches of {mb}")
-        fields = ("obs", "actions", "logp", "advantages", "weights", "values", "returns")
-        sums = torch.zeros(len(self.STATS) + 1, dtype=torch.float64)  # + grad_norm
-        count = 0
+        fields = [b.get(k) for k in ("obs", "actions", "logp", "advantages", "weights", "values", "returns")]
+        max_norm = a["max_grad_norm"]
+        kl = self.STATS.index("approx_kl")
+        rows: list[torch.Tensor] = []  # per minibatch: its STATS and grad_norm, summed at the end
         for epoch in range(a["epochs"]):
-            epoch_start = sums.clone()
-            for idx in torch.randperm(size, generator=self.shuffle).view(-1, mb):
-                loss, stats = self._loss(*(b[k][idx] if k in b else None for k in fields))
-                self.flat.grad.zero_()  # in place: the parameters' gradients are views of it
+            # One gather per field and epoch; a minibatch is then a slice (a view), not a gather.
+            order = torch.randperm(size, generator=self.shuffle)
+            shuffled = [None if f is None else f[order] for f in fields]
+            first = len(rows)
+            for start in range(0, size, mb):
+                loss, stats = self._loss(*(None if f is None else f[start:start + mb] for f in shuffled))
+                grad = self.flat.grad
+                grad.zero_()  # in place: the parameters' gradients are views of it
                 loss.backward()
                 self._all_reduce_grads()
-                grad_norm = torch.nn.utils.clip_grad_norm_([self.flat], a["max_grad_norm"])
+                # clip_grad_norm_'s arithmetic on the one flat gradient, without its per-call checks
+                grad_norm = torch.linalg.vector_norm(grad)
+                grad.mul_((max_norm / (grad_norm + 1e-6)).clamp_(max=1.0))
                 self.optimizer.step()
-                sums += torch.cat([stats, grad_norm.reshape(1)])
-                count += 1
+                rows.append(torch.cat([stats, grad_norm.reshape(1).double()]))
             if a.get("target_kl") is not None:
-                kl = self.STATS.index("approx_kl")
-                epoch_kl = float(sums[kl] - epoch_start[kl]) / (size // mb)  # this epoch's mean
+                epoch_kl = float(torch.stack(rows[first:])[:, kl].mean())
                 if self._mean_across_ranks(epoch_kl) > a["target_kl"]:
                     break  # every rank sees the same mean, so all stop together
-        means = (sums / count).tolist()
-        out = dict(zip((*self.STATS, "grad_norm"), means))
+        out = dict(zip((*self.STATS, "grad_norm"), torch.stack(rows).mean(0).tolist()))
         if "returns" not in b:
             del out["value_loss"]  # GRPO: no critic
         out["epochs"] = epoch + 1
