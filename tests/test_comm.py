@@ -157,6 +157,24 @@ def test_transport_choice_per_pair(cluster):
     assert torch.equal(comm.unpack(remote), big)
 
 
+def test_small_tensors_of_any_dtype_and_layout_survive_the_call():
+    """The rpc transport pickles small tensors as numpy arrays where numpy has the dtype."""
+    import pickle
+
+    base = torch.arange(12.0).reshape(3, 4)
+    tensors = {"f32": torch.randn(5), "i64": torch.arange(4), "bool": torch.tensor([True, False]),
+               "bf16": torch.randn(3).bfloat16(), "f16": torch.randn(3).half(), "scalar": torch.tensor(2.5),
+               "column": base[:, 1], "grad": torch.ones(2, requires_grad=True), "empty": torch.zeros(0, 3)}
+    packed = comm.pack(tensors)
+    assert packed.transport == "rpc"
+    got = comm.unpack(pickle.loads(pickle.dumps(packed)))  # as it crosses a process boundary
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t.detach()), name
+        assert not got[name].requires_grad
+    got["column"] += 1  # a writable copy of the column alone
+    assert torch.equal(got["column"], base[:, 1] + 1)
+
+
 def test_many_async_sends_arrive_in_order(groups):
     a, b = groups
     receiving = b.call("drain", "a", 0, 300, ranks=[0])

@@ -112,8 +112,8 @@ class EmbodiedRunner:
         run = uuid.uuid4().hex[:6]
         self.names = {n: f"{n}-{run}" for n in COMPONENTS}
         shared = self.placement.mode != "disaggregated"  # components that share devices take turns
-        if shared:  # lock actors live as long as the process that made them: the driver
-            DeviceLock([d.index for d in self.cluster.devices], holder="driver")
+        # Lock actors live as long as the process that made them: the driver.
+        locks = DeviceLock([d.index for d in self.cluster.devices], holder="driver") if shared else None
         # Env and rollout on the same devices, rank for rank: fuse them, the rollout then runs
         # inside each env worker's process (no message per step). The loop below is unchanged:
         # the rollout's calls go to the same workers.
@@ -130,8 +130,17 @@ class EmbodiedRunner:
                                        name=self.names["rollout"], wait=False)
         self.actor = WorkerGroup(ActorWorker, self.placement["actor"], args=(plain, self.layout, *spaces, shared),
                                  name=self.names["actor"], wait=False)
-        start_together(*self.groups)  # processes start in parallel
         self.trajectories = Channel.create(f"trajectories-{run}")
+        try:
+            start_together(*self.groups)  # processes start in parallel
+        except BaseException:
+            self.trajectories.destroy()
+            raise
+        # The channel's and the locks' actors start in the background too: wait for them here,
+        # not in the first update.
+        self.trajectories.wait_ready()
+        if locks is not None:
+            locks.wait_ready()
         self.steps_per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
         self.total_updates = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)
         self.collecting: tuple | None = None  # a rollout started ahead of its update (runner.collect_ahead)

@@ -176,8 +176,8 @@ class ReasoningRunner:
         # take turns on it.
         heavy = [n for n in components if n != "reward"]
         turns = {n: any(devices[n] & devices[m] for m in heavy if m != n) for n in heavy}
-        if any(turns.values()):  # lock actors live as long as the process that made them: the driver
-            DeviceLock(sorted(set().union(*devices.values())), holder="driver")
+        # Lock actors live as long as the process that made them: the driver.
+        locks = DeviceLock(sorted(set().union(*devices.values())), holder="driver") if any(turns.values()) else None
         # The groups start their processes in parallel (importing torch and transformers and
         # building a model take seconds each).
         self.rollout = WorkerGroup(LMRolloutWorker, self.placement["rollout"], args=(plain, turns["rollout"]),
@@ -192,13 +192,24 @@ class ReasoningRunner:
         if "critic" in components:
             self.critic = WorkerGroup(LMCriticWorker, self.placement["critic"], args=(plain, turns["critic"]),
                                       name=self.names["critic"], wait=False)
-        start_together(*self.groups)
-        self.pending: tuple[int, dict[str, Any]] | None = None  # a stream started ahead (runner.collect_ahead)
-        self.streams = 0  # streams launched: each step's is keyed by its number
-        self.sharded = cfg.algorithm.get("data_parallel", "replicate") == "fsdp" and self.actor.world_size > 1
         # Actor ranks take batches one at a time, so that a rank that is free takes the next.
         self.channels = {n: Channel.create(f"{n}-{run}", prefetch=1 if n == "batches" else 16)
                          for n in ("samples", "scored", "batches") + (("logprobs",) if self.critic else ())}
+        try:
+            start_together(*self.groups)
+        except BaseException:
+            for channel in self.channels.values():
+                channel.destroy()
+            raise
+        # The channels' and the locks' actors start in the background too: wait for them here,
+        # not in the first step.
+        for channel in self.channels.values():
+            channel.wait_ready()
+        if locks is not None:
+            locks.wait_ready()
+        self.pending: tuple[int, dict[str, Any]] | None = None  # a stream started ahead (runner.collect_ahead)
+        self.streams = 0  # streams launched: each step's is keyed by its number
+        self.sharded = cfg.algorithm.get("data_parallel", "replicate") == "fsdp" and self.actor.world_size > 1
 
     def sync_weights(self) -> dict:
         """Actor rank 0 sends versioned weights, in buckets, to the rollout ranks and, when it

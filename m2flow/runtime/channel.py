@@ -503,6 +503,15 @@ class Channel:
         with self._span("flush", None):
             self._producer.flush()
 
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Blocks until the channel's actor is up: ``create`` starts its process in the
+        background, and the first put or get would otherwise wait for it (seconds)."""
+        try:
+            ray.get(self._actor.__ray_ready__.remote(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"channel {self.name!r}: its actor did not start within {timeout}s "
+                               "(a cluster with no CPU left for it?)") from None
+
     def close(self) -> None:
         """Flushes, then closes: later puts raise ChannelClosed, gets drain what is left."""
         try:

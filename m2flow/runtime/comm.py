@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 from ray import cloudpickle
@@ -58,7 +59,7 @@ class Packed:
 
     skeleton: Any
     transport: str
-    data: Any  # list of tensors (rpc), ShmRef, list of ObjectRefs, IPC handles, or NCCL metadata
+    data: Any  # list of numpy arrays or tensors (rpc), ShmRef, list of ObjectRefs, IPC handles, or NCCL metadata
     nbytes: int
     cpu_index: list[int] = field(default_factory=list)  # tensor positions of a mixed CPU/GPU payload
     cpu_part: Packed | None = None
@@ -186,10 +187,20 @@ def pack_flat(skeleton: Any, tensors: list[torch.Tensor], *, same_node: bool = T
 def _pack_cpu(skeleton: Any, tensors: list[torch.Tensor], same_node: bool, readers: int) -> Packed:
     nbytes = payload.nbytes(tensors)
     if nbytes < INLINE_BYTES:
-        return Packed(skeleton, "rpc", [t.contiguous() for t in tensors], nbytes)
+        return Packed(skeleton, "rpc", [_as_array(t) for t in tensors], nbytes)
     if same_node:
         return Packed(skeleton, "shm", process_pool().write(tensors, readers=readers), nbytes)
     return Packed(skeleton, "object_store", [ray.put(t.contiguous()) for t in tensors], nbytes)
+
+
+def _as_array(t: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A small tensor as the numpy array on its memory: numpy arrays pickle and unpickle
+    ~10-30x faster than tensors (~0.1 ms against ~1 ms for a small policy's 13 weights).
+    Dtypes numpy lacks (bfloat16...) stay tensors."""
+    try:
+        return t.detach().contiguous().numpy()
+    except (TypeError, RuntimeError):
+        return t.contiguous()
 
 
 def unpack(p: Packed, reader: int = 0, nccl_tensors: list[torch.Tensor] | None = None) -> Any:
@@ -212,7 +223,7 @@ def unpack(p: Packed, reader: int = 0, nccl_tensors: list[torch.Tensor] | None =
 
 def _cpu_tensors(p: Packed, reader: int) -> list[torch.Tensor]:
     if p.transport == "rpc":
-        return p.data
+        return [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in p.data]
     if p.transport == "shm":
         return shm.open_tensors(p.data, reader)
     if p.transport == "object_store":

@@ -220,6 +220,13 @@ class DeviceLock:
     def held(self) -> bool:
         return self._held_since is not None
 
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Blocks until the lock actors of these devices are up (they start in the background)."""
+        try:
+            ray.get([a.__ray_ready__.remote() for a in self._actors.values()], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"the lock actors of devices {self.devices} did not start within {timeout}s") from None
+
     def acquire(self, timeout: float | None = None) -> float:
         """Block until all devices are held (ascending order); returns the seconds waited."""
         if self.held:

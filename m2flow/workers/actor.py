@@ -169,7 +169,8 @@ class ActorWorker(Worker):
         fields = [b.get(k) for k in ("obs", "actions", "logp", "advantages", "weights", "values", "returns")]
         max_norm = a["max_grad_norm"]
         kl = self.STATS.index("approx_kl")
-        rows: list[torch.Tensor] = []  # per minibatch: its STATS and grad_norm, summed at the end
+        rows: list[torch.Tensor] = []  # per minibatch: its STATS, averaged at the end
+        norms: list[torch.Tensor] = []  # and its gradient norm
         for epoch in range(a["epochs"]):
             # One gather per field and epoch; a minibatch is then a slice (a view), not a gather.
             order = torch.randperm(size, generator=self.shuffle)
@@ -185,12 +186,14 @@ class ActorWorker(Worker):
                 grad_norm = torch.linalg.vector_norm(grad)
                 grad.mul_((max_norm / (grad_norm + 1e-6)).clamp_(max=1.0))
                 self.optimizer.step()
-                rows.append(torch.cat([stats, grad_norm.reshape(1).double()]))
+                rows.append(stats)
+                norms.append(grad_norm)
             if a.get("target_kl") is not None:
                 epoch_kl = float(torch.stack(rows[first:])[:, kl].mean())
                 if self._mean_across_ranks(epoch_kl) > a["target_kl"]:
                     break  # every rank sees the same mean, so all stop together
-        out = dict(zip((*self.STATS, "grad_norm"), torch.stack(rows).mean(0).tolist()))
+        out = dict(zip(self.STATS, torch.stack(rows).mean(0).tolist()))
+        out["grad_norm"] = float(torch.stack(norms).double().mean())
         if "returns" not in b:
             del out["value_loss"]  # GRPO: no critic
         out["epochs"] = epoch + 1
@@ -207,8 +210,9 @@ class ActorWorker(Worker):
         adv = normalize(advantages) if a.get("norm_adv", True) else advantages
         # GRPO: per-sample weights (0 for padding), and no critic (see _group_advantages).
         pg_loss, st = ppo_policy_loss(logp, old_logp, adv, a["clip"], a.get("clip_high"), weights)
-        ent = entropy.mean() if weights is None else (entropy * weights).mean()
-        loss = pg_loss - a["ent_coef"] * ent
+        with torch.set_grad_enabled(bool(a["ent_coef"])):  # without a bonus, a statistic only
+            ent = entropy.mean() if weights is None else (entropy * weights).mean()
+        loss = pg_loss - a["ent_coef"] * ent if a["ent_coef"] else pg_loss
         v_loss = torch.zeros(())
         if returns is not None:
             v_loss = value_loss(values, old_values, returns, a.get("value_clip"))

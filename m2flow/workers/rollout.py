@@ -35,7 +35,7 @@ class PolicyReplica:
     def infer(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self.version < 0:
             raise RuntimeError("the rollout has no policy weights: the actor must sync them first")
-        with torch.no_grad():
+        with torch.inference_mode():  # ~10% less per call than no_grad: no view or version tracking
             actions, logp = self.policy.act(torch.as_tensor(obs))
         return actions.numpy(), logp.numpy()
 
