@@ -11,7 +11,8 @@ prompts, sampling, micro-batching and seed), one after the other in this process
 
   <mode>-ahead  the same placement with ``runner.collect_ahead=true``: each step's rollout
               runs while the actor trains on the previous step's completions (one policy
-              version old); one more, untimed step drains the last rollout started ahead.
+              version old); the last timed step also counts the wait for the rollout it
+              started (a step returns before it ends), then one more, untimed step trains on it.
   <mode>-fsdp   the same with ``algorithm.data_parallel=fsdp``: the actor ranks (two in hybrid
               mode) shard the model instead of each holding all of it.
 
@@ -65,6 +66,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             if i >= args.warmup:
                 rows.append(row)
         if ahead:
+            # The timed window ends once the rollout its last step started is done: a step
+            # that generates ahead returns before that rollout ends, which would leave it out.
+            start = time.perf_counter()
+            runner.wait_ahead()
+            rows[-1]["step_s"] += time.perf_counter() - start
             runner.step()  # trains on the last rollout started ahead
     finally:
         runner.close()

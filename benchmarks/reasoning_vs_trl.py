@@ -30,8 +30,8 @@ sparse reward, most groups' rewards are all equal; ``inert_rows`` counts them pe
 ``m2flow_collocated_all_rows`` (the same, forwarding every row as TRL does),
 ``m2flow_pipelined``, ``m2flow_hybrid_ahead`` (hybrid placement with
 ``runner.collect_ahead=true``: each step trains on completions of the weights before the last
-update, where TRL and the other variants are on-policy; one extra, untimed step at the end
-trains on the last rollout started ahead). Each (beta, variant) runs in its own subprocess, one after another,
+update, where TRL and the other variants are on-policy; the last timed step also counts the
+wait for the rollout it started, and one extra, untimed step then trains on it). Each (beta, variant) runs in its own subprocess, one after another,
 never two at once: TRL and Ray never share a process. Each runs ``--warmup`` steps, then
 ``--steps`` timed steps; reported per variant: mean (and each) seconds per timed step, model
 load and start-up excluded. TRL's step is the time between the ends of consecutive
@@ -246,6 +246,11 @@ def run_m2flow(spec: dict) -> dict:
                 rows.append(step_row(i + 1, report, dt, dt))
                 log(f"    step {i + 1}: {dt:.1f} s")
             if cfg.runner.collect_ahead:
+                # The timed window ends once the rollout its last step started is done: a step
+                # that generates ahead returns before that rollout ends, which would leave it out.
+                t0 = time.perf_counter()
+                runner.wait_ahead()
+                rows[-1]["step_s"] += time.perf_counter() - t0
                 runner.step()  # trains on the last rollout started ahead (untimed)
         finally:
             runner.close()

@@ -262,6 +262,12 @@ class ReasoningRunner:
         self.pending = ahead
         return dict(zip(calls, wait(*calls.values()))) | {"sync": sync}
 
+    def wait_ahead(self) -> None:
+        """Blocks until the stream a step started ahead (if any) is generated, scored and
+        batched: what ``step(generate_next=True)`` leaves running when it returns."""
+        if self.pending is not None:
+            wait(*self.pending[1].values())
+
     def evaluate(self) -> dict[str, float]:
         """Mean reward of one greedy completion per held-out prompt (accuracy, with a 0/1 reward)."""
         self.sync_weights()
