@@ -127,6 +127,29 @@ def test_constructor_error_surfaces(cluster):
         WorkerGroup(Echo, placement["bad"], kwargs={"nope": 1})
 
 
+def test_start_together_readies_channels_and_destroys_them_when_a_group_fails(cluster):
+    import ray
+
+    from m2flow.runtime.channel import Channel
+    from m2flow.runtime.group import start_together
+
+    placement = Placement.from_config({"good": "2", "bad": "3"}, cluster)
+    good = WorkerGroup(Echo, placement["good"], wait=False)
+    ready = Channel.create("start-together-ready")
+    start_together(good, channels=[ready])
+    ready.put(1)
+    assert ready.get(timeout=10) == 1
+    ready.destroy()
+    good.shutdown()
+
+    bad = WorkerGroup(Echo, placement["bad"], kwargs={"nope": 1}, wait=False)
+    doomed = Channel.create("start-together-doomed")
+    with pytest.raises(WorkerError, match=r"bad rank 0 failed in __init__"):
+        start_together(bad, channels=[doomed])
+    with pytest.raises(ray.exceptions.RayActorError):  # its actor was killed
+        doomed.wait_ready(timeout=10)
+
+
 def test_killed_worker_surfaces_fast(cluster):
     placement = Placement.from_config({"victim": "2-3"}, cluster)
     g = WorkerGroup(Echo, placement["victim"])

@@ -131,16 +131,7 @@ class EmbodiedRunner:
         self.actor = WorkerGroup(ActorWorker, self.placement["actor"], args=(plain, self.layout, *spaces, shared),
                                  name=self.names["actor"], wait=False)
         self.trajectories = Channel.create(f"trajectories-{run}")
-        try:
-            start_together(*self.groups)  # processes start in parallel
-        except BaseException:
-            self.trajectories.destroy()
-            raise
-        # The channel's and the locks' actors start in the background too: wait for them here,
-        # not in the first update.
-        self.trajectories.wait_ready()
-        if locks is not None:
-            locks.wait_ready()
+        start_together(*self.groups, channels=[self.trajectories], locks=locks)  # processes start in parallel
         self.steps_per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
         self.total_updates = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)
         self.collecting: tuple | None = None  # a rollout started ahead of its update (runner.collect_ahead)

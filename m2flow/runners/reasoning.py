@@ -195,18 +195,7 @@ class ReasoningRunner:
         # Actor ranks take batches one at a time, so that a rank that is free takes the next.
         self.channels = {n: Channel.create(f"{n}-{run}", prefetch=1 if n == "batches" else 16)
                          for n in ("samples", "scored", "batches") + (("logprobs",) if self.critic else ())}
-        try:
-            start_together(*self.groups)
-        except BaseException:
-            for channel in self.channels.values():
-                channel.destroy()
-            raise
-        # The channels' and the locks' actors start in the background too: wait for them here,
-        # not in the first step.
-        for channel in self.channels.values():
-            channel.wait_ready()
-        if locks is not None:
-            locks.wait_ready()
+        start_together(*self.groups, channels=list(self.channels.values()), locks=locks)
         self.pending: tuple[int, dict[str, Any]] | None = None  # a stream started ahead (runner.collect_ahead)
         self.streams = 0  # streams launched: each step's is keyed by its number
         self.sharded = cfg.algorithm.get("data_parallel", "replicate") == "fsdp" and self.actor.world_size > 1

@@ -12,7 +12,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -23,6 +23,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from m2flow.runtime.cluster import NAMESPACE
 from m2flow.runtime.placement import ComponentPlacement
 from m2flow.runtime.worker import WorkerInfo, actor_class
+
+if TYPE_CHECKING:
+    from m2flow.runtime.channel import Channel
+    from m2flow.runtime.device_lock import DeviceLock
 
 # Every worker gets a sliver of a CPU: Ray must not refuse to place the third actor on a
 # 2-core node; the real CPU share is the slot the worker pins itself to.
@@ -100,15 +104,23 @@ class GroupHandle:
         raise TimeoutError(f"{self.group.name}.{self.method}() not finished after {timeout}s on rank(s) {sorted(ranks)}")
 
 
-def start_together(*groups: WorkerGroup) -> None:
-    """Waits until every rank of ``groups`` (made with ``wait=False``) is constructed. If one
-    fails or times out, every group is killed and the first error raised."""
+def start_together(*groups: WorkerGroup, channels: Sequence[Channel] = (), locks: DeviceLock | None = None) -> None:
+    """Waits until every rank of ``groups`` (made with ``wait=False``) is constructed, then
+    until the actors of ``channels`` and ``locks``, which start in the background too, are
+    up (else the first put, get or acquire would wait for them). If a group fails or times
+    out, every group is killed, the channels are destroyed and the first error raised."""
     try:
         wait(*(g._starting for g in groups), timeout=max(g.init_timeout_s for g in groups))
     except BaseException:
         for g in groups:
             g.kill()
+        for channel in channels:
+            channel.destroy()
         raise
+    for channel in channels:
+        channel.wait_ready()
+    if locks is not None:
+        locks.wait_ready()
 
 
 def wait(*handles: GroupHandle, timeout: float | None = None) -> list:
