@@ -27,6 +27,9 @@ class Echo(Worker):
     def times(self, x):
         return x * self.scale
 
+    def times_twice(self, x):
+        return self.times(self.times(x))
+
     @dispatch(split="scatter", gather="concat")
     def double(self, batch, offset=0):
         return batch * 2 + offset
@@ -73,16 +76,23 @@ def test_ranks_devices_and_pinning(group):
     assert all(i["threads"] == 1 for i in info)
 
 
-def test_call_all_subset_and_durations(group):
+def test_call_all_subset_and_trace(group):
+    group.trace_events()  # drop what earlier tests recorded
     handle = group.times(2)
     assert handle.wait() == [6, 6]
-    assert set(handle.durations) == {0, 1}
     sub = group.call("times", 5, ranks=[1])
     assert sub.wait() == [15] and sub.ranks == [1]
+    assert group.call("times_twice", 1, ranks=[1]).wait() == [9]
     slow = group.call("sleep", 0.3, ranks=[0])
     assert not slow.done()
     slow.wait()
-    assert slow.done() and slow.durations[0] >= 0.3
+    assert slow.done()
+    # Each call is a "call" span on the rank that ran it; methods a worker calls itself are not.
+    spans = [(e["name"], e["args"]["rank"], e["dur"]) for e in group.trace_events() if e.get("cat") == "call"]
+    assert sorted((name, rank) for name, rank, _ in spans) == [
+        (f"{group.name}.sleep", 0), (f"{group.name}.times", 0), (f"{group.name}.times", 1), (f"{group.name}.times", 1),
+        (f"{group.name}.times_twice", 1)]
+    assert [dur for name, _, dur in spans if name.endswith(".sleep")][0] >= 0.3e6
 
 
 def test_split_and_gather(group):
@@ -104,8 +114,9 @@ def test_error_names_group_rank_and_traceback(group):
     assert "bad input on rank 1" in str(e) and "remote traceback" in str(e)
     assert 'test_group.py", line' in str(e) and "in fail" in str(e)
     assert isinstance(e.cause, ValueError)
-    with pytest.raises(AttributeError, match="no method 'missing'"):
-        group.call("missing")
+    for missing in ("missing", "_m2flow_init"):  # unknown, or not public
+        with pytest.raises(AttributeError, match=f"no public method '{missing}'"):
+            group.call(missing)
     with pytest.raises(IndexError):
         group.call("times", 1, ranks=[2])
 

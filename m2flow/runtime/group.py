@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from m2flow.runtime.cluster import NAMESPACE
 from m2flow.runtime.placement import ComponentPlacement
-from m2flow.runtime.worker import WorkerInfo, actor_class
+from m2flow.runtime.worker import CALL_PREFIX, WorkerInfo, actor_class, callable_methods
 
 if TYPE_CHECKING:
     from m2flow.runtime.channel import Channel
@@ -52,7 +52,6 @@ class GroupHandle:
     def __init__(self, group: WorkerGroup, method: str, ranks: list[int], refs: list, gather: str):
         self.group, self.method, self.ranks, self._refs, self._gather = group, method, ranks, refs, gather
         self._results: list | None = None
-        self.durations: dict[int, float] = {}
 
     def done(self) -> bool:
         if self._results is not None:
@@ -88,7 +87,7 @@ class GroupHandle:
                 ref = ready[0]
             rank = rank_of[ref]
             try:
-                value, seconds = ray.get(ref, timeout=remaining)
+                outputs[rank] = ray.get(ref, timeout=remaining)
             except GetTimeoutError:
                 self._timeout(timeout, [rank])
             except RayTaskError as e:
@@ -96,8 +95,6 @@ class GroupHandle:
                 raise WorkerError(self.group.name, rank, self.method, detail, e.cause) from None
             except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
                 raise WorkerDiedError(self.group.name, rank, self.method, f"the worker process died: {e}", e) from None
-            outputs[rank] = value
-            self.durations[rank] = seconds
         return [outputs[r] for r in self.ranks]
 
     def _timeout(self, timeout: float | None, ranks: list[int]) -> None:
@@ -152,6 +149,7 @@ class WorkerGroup:
         Without, call ``ready`` (or ``start_together`` for several groups): groups then
         start their processes in parallel."""
         self.cls = cls
+        self._methods = frozenset(callable_methods(cls))
         self.name = name or placement.component
         self.placement = placement
         self.world_size = placement.world_size
@@ -176,7 +174,7 @@ class WorkerGroup:
         refs = []
         for r, actor in zip(ranks, self.actors):
             info = WorkerInfo(self.name, r.rank, self.world_size, r.devices, node_order[r.node_id].index(r.rank), session)
-            refs.append(actor._m2flow_call.remote("_m2flow_init", info, master, tuple(args), dict(kwargs or {})))
+            refs.append(actor._m2flow_init.remote(info, master, tuple(args), dict(kwargs or {})))
         self._starting = GroupHandle(self, "__init__", list(range(self.world_size)), refs, "list")
         self.init_timeout_s = init_timeout_s
         if wait:
@@ -188,16 +186,16 @@ class WorkerGroup:
 
     # -- calls -----------------------------------------------------------------
     def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> GroupHandle:
-        fn = getattr(self.cls, method, None)
-        if not callable(fn):
-            raise AttributeError(f"{self.cls.__name__} has no method {method!r}")
-        split, gather = getattr(fn, "_m2flow_dispatch", ("all", "list"))
+        if method not in self._methods:
+            raise AttributeError(f"{self.cls.__name__} has no public method {method!r}")
+        split, gather = getattr(getattr(self.cls, method), "_m2flow_dispatch", ("all", "list"))
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         bad = [r for r in ranks if not 0 <= r < self.world_size]
         if bad:
             raise IndexError(f"{self.name} has ranks 0-{self.world_size - 1}, asked for {bad}")
         per_rank = _split(args, kwargs, len(ranks), split)
-        refs = [self.actors[r]._m2flow_call.remote(method, *a, **k) for r, (a, k) in zip(ranks, per_rank)]
+        # Arguments travel at top level so that Ray resolves those shared as ObjectRefs.
+        refs = [getattr(self.actors[r], CALL_PREFIX + method).remote(*a, **k) for r, (a, k) in zip(ranks, per_rank)]
         return GroupHandle(self, method, ranks, refs, gather)
 
     def __getattr__(self, method: str):

@@ -8,6 +8,8 @@ and has the torch.distributed environment variables set.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import socket
 import time
@@ -113,15 +115,8 @@ class Worker:
         set_process_name(f"{info.group}:{info.rank}")
         self.comm = Communicator((info.group, info.rank))
         self._group_sizes: dict[str, int] = {}
-        self._m2flow_user_cls.__init__(self, *args, **kwargs)
-
-    def _m2flow_call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-        # Arguments travel at top level so that Ray resolves those shared as ObjectRefs.
-        start = time.time()
-        try:
-            return getattr(self, method)(*args, **kwargs), time.time() - start
-        finally:
-            get_tracer().record(f"{self.group}.{method}", start, time.time(), cat="call", rank=self.rank)
+        with get_tracer().span(f"{info.group}.__init__", rank=info.rank):
+            self._m2flow_user_cls.__init__(self, *args, **kwargs)
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_address(self) -> tuple[str, int]:
@@ -218,7 +213,31 @@ class Worker:
         )
 
 
+# A group call of ``method`` runs the actor method CALL_PREFIX + method: the method itself, in
+# a "call" trace span. One such entry point per method, rather than one taking the method's
+# name, keeps a call as cheap as a plain Ray actor call (the name argument alone cost ~0.1 ms
+# of a ~0.7 ms round trip); internal calls between a worker's own methods stay untraced.
+CALL_PREFIX = "_m2flow_call_"
+
 _ACTOR_CLASSES: dict[type, Any] = {}
+
+
+def callable_methods(cls: type) -> list[str]:
+    """The methods a group can call: the public plain functions of ``cls`` and its bases."""
+    return [name for name in dir(cls)
+            if not name.startswith("_") and inspect.isfunction(inspect.getattr_static(cls, name))]
+
+
+def _traced(name: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)  # also copies what @ray.method set on fn (its concurrency group)
+    def call(self: Worker, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            get_tracer().record(f"{self.group}.{name}", start, time.time(), cat="call", rank=self.rank)
+
+    return call
 
 
 def actor_class(cls: type) -> Any:
@@ -227,6 +246,8 @@ def actor_class(cls: type) -> Any:
     if not issubclass(cls, Worker):
         raise TypeError(f"{cls.__name__} must subclass m2flow.runtime.Worker")
     if cls not in _ACTOR_CLASSES:
-        wrapper = type(cls.__name__, (cls,), {"__init__": lambda self: None, "_m2flow_user_cls": cls, "__module__": cls.__module__})
+        entry_points = {CALL_PREFIX + name: _traced(name, getattr(cls, name)) for name in callable_methods(cls)}
+        wrapper = type(cls.__name__, (cls,), {"__init__": lambda self: None, "_m2flow_user_cls": cls,
+                                              "__module__": cls.__module__, **entry_points})
         _ACTOR_CLASSES[cls] = ray.remote(concurrency_groups={IO_GROUP: IO_THREADS})(wrapper)
     return _ACTOR_CLASSES[cls]
