@@ -117,6 +117,19 @@ def test_failed_multi_device_acquire_releases_what_it_got():
     assert_free(3)
 
 
+def test_wait_free_returns_once_nobody_holds_the_devices(contenders):
+    watcher = DeviceLock([0, 1], "actor:0")
+    assert watcher.wait_free(timeout=1) < 0.5  # free: at once
+    ray.get(contenders[0].acquire.remote([1], "rollout:0"))
+    with pytest.raises(LockTimeout, match="m2flow-lock-1 was still held"):
+        watcher.wait_free(timeout=0.2)
+    threading.Timer(0.3, lambda: ray.get(contenders[0].release.remote())).start()
+    assert watcher.wait_free(timeout=10) >= 0.25
+    assert not watcher.held  # it waited without taking them
+    assert_free(0)
+    assert_free(1)
+
+
 def test_release_without_holding_is_an_error():
     with pytest.raises(RuntimeError, match="does not hold"):
         DeviceLock([2], "rollout:0").release()

@@ -70,6 +70,8 @@ class _DeviceLockActor:
         self._watcher: asyncio.Task[None] | None = None
         self._acquisitions = 0
         self._total_wait_s = 0.0
+        self._free = asyncio.Event()  # set while nobody holds the lock
+        self._free.set()
 
     async def acquire(
         self, holder: str, timeout: float | None, pid: int, node_id: str, actor: ActorHandle | None
@@ -108,6 +110,14 @@ class _DeviceLockActor:
         self._pass_on()
         return None
 
+    async def wait_free(self, timeout: float | None) -> bool:
+        """Returns once nobody holds the lock (True), or False after ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._free.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     async def withdraw(self, holder: str) -> None:
         """Forget ``holder`` whether it is waiting or was granted the lock meanwhile: used when
         an acquire was interrupted on the client and nobody will ever release it."""
@@ -131,6 +141,7 @@ class _DeviceLockActor:
 
     def _grant(self, request: _Request) -> None:
         self._owner = request
+        self._free.clear()
         self._acquisitions += 1
         self._total_wait_s += time.monotonic() - request.arrived
         request.granted.set_result(None)
@@ -141,6 +152,8 @@ class _DeviceLockActor:
         self._owner = None
         if self._waiting:
             self._grant(self._waiting.popleft())
+        else:
+            self._free.set()
 
     async def _watch_owner(self) -> None:
         while self._waiting:
@@ -226,6 +239,18 @@ class DeviceLock:
             ray.get([a.__ray_ready__.remote() for a in self._actors.values()], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"the lock actors of devices {self.devices} did not start within {timeout}s") from None
+
+    def wait_free(self, timeout: float | None = None) -> float:
+        """Blocks, without taking them, until none of these devices is held by anybody;
+        returns the seconds waited. Nothing stops another holder from taking them right after:
+        it tells a worker when it could start, not that it will."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        for device in self.devices:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not _get_interruptibly(self._actors[device].wait_free.remote(remaining)):
+                raise LockTimeout(f"{lock_name(device)} was still held after {timeout} s")
+        return time.monotonic() - start
 
     def acquire(self, timeout: float | None = None) -> float:
         """Block until all devices are held (ascending order); returns the seconds waited."""

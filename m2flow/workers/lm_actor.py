@@ -41,7 +41,7 @@ from m2flow.algorithms import (
     rloo_advantages,
 )
 from m2flow.engines.training import LMTrainer, LossScale, SequenceBatch, concat_batches
-from m2flow.runtime import Channel, Worker, dispatch
+from m2flow.runtime import Channel, DeviceLock, Worker, dispatch
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
 
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
@@ -119,8 +119,14 @@ class LMActorWorker(Worker):
         batches = []
         stats: dict[str, Any] = {}
         tokens = seqs = policy_lag = inert_rows = 0
+        # A rank whose devices another component holds (hybrid: the rank beside the rollout)
+        # takes a batch only once they are free: meanwhile the batches go to ranks that can
+        # train on them at once, instead of one waiting here for the whole generation.
+        wait_free = self.world_size > 1 and isinstance(self.turns, DeviceLock)
         while True:
             t0 = time.perf_counter()
+            if wait_free:
+                self.turns.wait_free()
             batch = batches_in.get(key)  # whichever rank is free takes the next batch
             idle += time.perf_counter() - t0
             if batch == END:
