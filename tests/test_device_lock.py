@@ -193,6 +193,16 @@ def test_dead_holder_does_not_block_the_device(contenders, death):
     assert_free(3)
 
 
+def test_dead_holder_does_not_block_a_wait_for_free_devices():
+    victim = Contender.remote()
+    pid = ray.get(victim.pid.remote())
+    ray.get(victim.acquire.remote([3], "victim"))
+    threading.Timer(0.5, lambda: os.kill(pid, signal.SIGKILL)).start()
+    # Nobody queues to take the lock: the wait alone has the dead holder passed over.
+    assert DeviceLock([3], "actor:1").wait_free(timeout=15) < 5
+    assert_free(3)
+
+
 def test_holder_that_died_may_acquire_again_after_restart():
     exited = subprocess.Popen([sys.executable, "-c", "pass"])
     exited.wait()

@@ -72,6 +72,7 @@ class _DeviceLockActor:
         self._total_wait_s = 0.0
         self._free = asyncio.Event()  # set while nobody holds the lock
         self._free.set()
+        self._free_waiters = 0
 
     async def acquire(
         self, holder: str, timeout: float | None, pid: int, node_id: str, actor: ActorHandle | None
@@ -90,8 +91,7 @@ class _DeviceLockActor:
             self._grant(request)
         else:
             self._waiting.append(request)
-            if self._watcher is None or self._watcher.done():
-                self._watcher = asyncio.create_task(self._watch_owner())
+            self._watch()
             # asyncio.wait, unlike wait_for, never cancels the future, so a grant that races
             # with the timeout is seen below instead of being lost.
             await asyncio.wait([request.granted], timeout=timeout)
@@ -112,11 +112,17 @@ class _DeviceLockActor:
 
     async def wait_free(self, timeout: float | None) -> bool:
         """Returns once nobody holds the lock (True), or False after ``timeout`` seconds."""
+        if self._owner is None:
+            return True
+        self._free_waiters += 1
+        self._watch()  # a dead holder is passed over for these waiters too
         try:
             await asyncio.wait_for(self._free.wait(), timeout)
             return True
         except asyncio.TimeoutError:
             return False
+        finally:
+            self._free_waiters -= 1
 
     async def withdraw(self, holder: str) -> None:
         """Forget ``holder`` whether it is waiting or was granted the lock meanwhile: used when
@@ -155,15 +161,20 @@ class _DeviceLockActor:
         else:
             self._free.set()
 
+    def _watch(self) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch_owner())
+
     async def _watch_owner(self) -> None:
-        while self._waiting:
-            assert self._owner is not None
+        """While anybody waits for the lock (to take it, or for it to be free), checks about
+        once a second that its holder is alive, and passes it on if not."""
+        while self._owner is not None and (self._waiting or self._free_waiters):
             reason = self._why_dead(self._owner)
             if reason is None:
                 await asyncio.sleep(LIVENESS_CHECK_INTERVAL_S)
                 continue
-            logger.warning("%s: holder %r %s; passing the lock to %r",
-                           self._name, self._owner.holder, reason, self._waiting[0].holder)
+            logger.warning("%s: holder %r %s; passing the lock to %r", self._name, self._owner.holder, reason,
+                           self._waiting[0].holder if self._waiting else None)
             self._pass_on()
 
     def _why_dead(self, owner: _Request) -> str | None:
