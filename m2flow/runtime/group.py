@@ -171,9 +171,11 @@ class WorkerGroup:
         # Rank 0's address, resolved by Ray before each rank's constructor runs: nothing here
         # waits for a process to start.
         master = self.actors[0]._m2flow_address.remote()
+        group_devices = tuple(sorted({d.index for r in ranks for d in r.devices}))
         refs = []
         for r, actor in zip(ranks, self.actors):
-            info = WorkerInfo(self.name, r.rank, self.world_size, r.devices, node_order[r.node_id].index(r.rank), session)
+            info = WorkerInfo(self.name, r.rank, self.world_size, r.devices, node_order[r.node_id].index(r.rank), session,
+                              group_devices)
             refs.append(actor._m2flow_init.remote(info, master, tuple(args), dict(kwargs or {})))
         self._starting = GroupHandle(self, "__init__", list(range(self.world_size)), refs, "list")
         self.init_timeout_s = init_timeout_s

@@ -38,6 +38,7 @@ class WorkerInfo:
     devices: tuple[Device, ...]
     local_rank: int
     session: str
+    group_devices: tuple[int, ...] = ()  # the device indices of every rank of the group
 
 
 def dispatch(split: str = "all", gather: str = "list") -> Callable:
@@ -92,6 +93,7 @@ class Worker:
         self._m2flow_master = master
         self.group, self.rank, self.world_size = info.group, info.rank, info.world_size
         self.local_rank, self.devices = info.local_rank, info.devices
+        self._group_devices = info.group_devices or tuple(d.index for d in info.devices)
         self.device = "cuda" if info.devices[0].kind == "cuda" else "cpu"
         os.environ.update(
             RANK=str(info.rank),
@@ -186,12 +188,17 @@ class Worker:
         return self._group_sizes[group]
 
     # -- helpers for subclasses ---------------------------------------------------
-    def device_turns(self, take_turns: bool = True) -> AbstractContextManager:
+    def device_turns(self, take_turns: bool = True, all_ranks: bool = False) -> AbstractContextManager:
         """The lock of this worker's devices, for components that share them and take turns
-        (a no-op context when they do not)."""
+        (a no-op context when they do not). ``all_ranks``: a turn of the whole group at once,
+        for work with collectives (``GroupTurn``); every rank must enter it together."""
         from m2flow.runtime.device_lock import DeviceLock
 
-        return DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}") if take_turns else nullcontext()
+        if not take_turns:
+            return nullcontext()
+        if all_ranks and self.world_size > 1:
+            return GroupTurn(self)
+        return DeviceLock([d.index for d in self.devices], f"{self.group}:{self.rank}")
 
     def init_process_group(self, backend: str | None = None, timeout_s: float = 120.0) -> None:
         """torch.distributed over this worker's group: gloo on CPU; on GPUs nccl for CUDA
@@ -211,6 +218,46 @@ class Worker:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+
+
+class GroupTurn:
+    """A turn on the devices of every rank of a group at once, for work with collectives
+    (gradient all-reduces). Were each rank to take its own lock, one could wait inside a
+    collective holding its device while a component that spans devices holds another rank's
+    and waits for the first: a cycle that only the collective's time-out ends. Here rank 0
+    takes all of them (in ascending order, as every lock holder does) while the other ranks
+    wait for it holding nothing; they all leave together. Needs the group's process group
+    (``init_process_group``)."""
+
+    def __init__(self, worker: Worker) -> None:
+        from m2flow.runtime.device_lock import DeviceLock
+
+        self.lock = DeviceLock(worker._group_devices, f"{worker.group}:all") if worker.rank == 0 else None
+        self.last_wait_s = 0.0
+
+    def __enter__(self) -> GroupTurn:
+        start = time.perf_counter()
+        _barrier()  # every rank is done with what it did under its own lock
+        if self.lock is not None:
+            self.lock.acquire()
+        _barrier()  # until rank 0 holds every rank's devices
+        self.last_wait_s = time.perf_counter() - start
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: Any) -> None:
+        try:
+            if exc_type is None:
+                _barrier()  # every rank is done with the devices
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+
+def _barrier() -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(1))  # a CPU tensor: gloo, also beside NCCL (init_process_group)
 
 
 # A group call of ``method`` runs the actor method CALL_PREFIX + method: the method itself, in

@@ -34,7 +34,7 @@ class ActorWorker(Worker):
     def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
         self.cfg, self.algo, self.layout = cfg, cfg["algorithm"], layout
         self.grpo = self.algo.get("name", "ppo") == "grpo"
-        self.turns = self.device_turns(take_turns)
+        self.turns = self.device_turns(take_turns, all_ranks=True)  # training all-reduces across the ranks
         torch.manual_seed(cfg["seed"])  # identical initial weights on every rank
         self.policy = build_policy(observation_space, action_space, cfg["policy"])
         # All weights in one flat tensor (the policy's parameters are views of it), and one

@@ -67,7 +67,8 @@ class LMActorWorker(Worker):
                           and not self.trainer.sharded)
         self.norm_len = cfg["rollout"]["max_new_tokens"]  # Dr. GRPO's constant length
         self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 1000 + self.rank)
-        self.turns = self.device_turns(take_turns)
+        self.turns = self.device_turns(take_turns)  # one rank's: forward and backward of a batch
+        self.together = self.device_turns(take_turns, all_ranks=True)  # all ranks': their all-reduces
         self.version = 0
         # Generated ahead (runner.collect_ahead), a batch may be one version behind the weights.
         self.lags = (0, 1) if cfg["runner"].get("collect_ahead") else (0,)
@@ -156,8 +157,8 @@ class LMActorWorker(Worker):
                 part = self.trainer.accumulate(rows, self._loss, raw)
                 busy += time.perf_counter() - t1
             _add_weighted(stats, part, int(rows.completion_mask.sum()))
-        with self.turns:
-            idle += getattr(self.turns, "last_wait_s", 0.0)
+        with self.together:
+            idle += getattr(self.together, "last_wait_s", 0.0)
             t1 = time.perf_counter()
             self.trainer.onload_optimizer()
             if self.streaming:
