@@ -45,6 +45,7 @@ from m2flow.runtime import Channel, DeviceLock, Worker, dispatch
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
 
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
+COLLECTIVE_TIMEOUT_S = 1800.0
 ALGORITHMS = (*GROUP_LOCAL, "reinforce_pp", "ppo")
 
 
@@ -54,7 +55,9 @@ class LMActorWorker(Worker):
         self.algo = a
         model, self.tokenizer = load_model(cfg, self.device)
         if self.world_size > 1:
-            self.init_process_group()
+            # A rank may wait in a collective for as long as another waits for its devices: with
+            # generation ahead, a whole rollout. A rank that dies surfaces through Ray long before.
+            self.init_process_group(timeout_s=COLLECTIVE_TIMEOUT_S)
         self.trainer = LMTrainer(model, a["lr"], max_tokens_per_micro_batch=a["max_tokens_per_micro_batch"],
                                  weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"],
                                  autocast_dtype=dtype_of(cfg["model"]["autocast"]), device=self.device,
