@@ -38,7 +38,7 @@ class WorkerInfo:
     devices: tuple[Device, ...]
     local_rank: int
     session: str
-    group_devices: tuple[int, ...] = ()  # the device indices of every rank of the group
+    group_devices: tuple[int, ...]  # the device indices of every rank of the group
 
 
 def dispatch(split: str = "all", gather: str = "list") -> Callable:
@@ -93,7 +93,7 @@ class Worker:
         self._m2flow_master = master
         self.group, self.rank, self.world_size = info.group, info.rank, info.world_size
         self.local_rank, self.devices = info.local_rank, info.devices
-        self._group_devices = info.group_devices or tuple(d.index for d in info.devices)
+        self._group_devices = info.group_devices
         self.device = "cuda" if info.devices[0].kind == "cuda" else "cpu"
         os.environ.update(
             RANK=str(info.rank),

@@ -45,8 +45,8 @@ from m2flow.runtime import Channel, DeviceLock, Worker, dispatch
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
 
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
-COLLECTIVE_TIMEOUT_S = 1800.0
 ALGORITHMS = (*GROUP_LOCAL, "reinforce_pp", "ppo")
+COLLECTIVE_TIMEOUT_S = 1800.0  # how long a rank may wait in a collective (see __init__)
 
 
 class LMActorWorker(Worker):
