@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from m2flow.config import load_config
-from m2flow.engines import SamplingParams, build_engine
+from m2flow.engines import build_engine
 from m2flow.engines.training import named_weights, weights_hash
 from m2flow.engines.vllm_engine import WORKER_EXTENSION, VLLMEngine, WorkerExtension, hf_named_weights
 from m2flow.models.lm import load_lm
@@ -263,7 +263,7 @@ class FakeLLM:
                  gpu_memory_utilization: float = 0.92, enforce_eager: bool = False, **kwargs):
         from transformers import AutoModelForCausalLM
 
-        engine_args = {"enable_sleep_mode", "logprobs_mode", "worker_extension_cls", "max_model_len"}
+        engine_args = {"enable_sleep_mode", "logprobs_mode", "worker_extension_cls"}
         if set(kwargs) - engine_args:
             raise TypeError(f"unexpected EngineArgs {sorted(set(kwargs) - engine_args)}")
         if not 0 < gpu_memory_utilization <= 1:  # CacheConfig: Field(gt=0, le=1)
