@@ -56,11 +56,7 @@ class Completion:
 
 class GenerationEngine(ABC):
     """Generates groups of completions from a causal LM whose weights the actor updates.
-
-    ``model`` is the torch module the engine generates with (callers hash its weights to check
-    a sync); one ``generate`` call runs at a time per engine."""
-
-    model: torch.nn.Module
+    One ``generate`` call runs at a time per engine."""
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[list[Completion]]:
@@ -69,6 +65,12 @@ class GenerationEngine(ABC):
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies weights in place; names as in ``model.named_parameters()`` / ``model.state_dict()``."""
+
+    @abstractmethod
+    def weights_hash(self) -> str:
+        """``m2flow.engines.training.weights_hash`` of the weights the engine generates with,
+        under the names of the model's state dict: equal to the actor's exactly when a sync
+        took."""
 
     @abstractmethod
     def offload(self) -> None:

@@ -178,6 +178,11 @@ class TorchEngine(GenerationEngine):
                                      f"got {tuple(tensor.shape)}")
                 state[name].copy_(tensor)  # in place: tied weights stay tied
 
+    def weights_hash(self) -> str:
+        from m2flow.engines.training import weights_hash
+
+        return weights_hash(self.model)
+
     def offload(self) -> None:
         self.cache, self.offloaded = None, True
         if self.offloaded_from is None and self.device.type != "cpu":

@@ -88,6 +88,15 @@ def check_config(cfg: DictConfig) -> None:
     a, r = cfg.algorithm, cfg.rollout
     if a.name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm.name {a.name!r}: {' | '.join(ALGORITHMS)}")
+    if r.backend not in ("torch", "vllm"):
+        raise ValueError(f"rollout.backend must be torch | vllm, got {r.backend!r}")
+    if r.backend == "vllm" and "gpu_memory_utilization" not in r:
+        raise ValueError("rollout.backend=vllm needs rollout.gpu_memory_utilization (vLLM's share of the GPU, "
+                         "in (0, 1])")
+    if "gpu_memory_utilization" in r:
+        from m2flow.engines.vllm_engine import check_memory_fraction
+
+        check_memory_fraction(r.gpu_memory_utilization)
     if r.n < 2 and a.name not in ("reinforce_pp", "ppo"):
         raise ValueError(f"algorithm.name={a.name} compares the samples of a prompt: rollout.n must be >= 2, got {r.n}")
     if r.n < 2 and a.dynamic_sampling:

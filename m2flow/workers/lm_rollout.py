@@ -47,25 +47,51 @@ class WeightReceiver(Worker):
         return weights_hash(self._receive_model())
 
 
+def engine_options(rollout: dict, shared: bool) -> dict:
+    """The generation backend's options from the ``rollout`` config. ``shared``: the rollout
+    shares its devices with another component, so it offloads between its turns (vLLM then
+    needs its sleep mode)."""
+    if rollout["backend"] == "vllm":
+        return {"gpu_memory_utilization": rollout["gpu_memory_utilization"], "enable_sleep_mode": shared}
+    if rollout["backend"] == "torch":
+        return {"max_batch_size": rollout["max_batch_size"]}
+    return {}  # build_engine names the valid backends
+
+
 class LMRolloutWorker(WeightReceiver):
     def __init__(self, cfg: dict, take_turns: bool = False):
         self.cfg, r = cfg, cfg["rollout"]
         torch.manual_seed(cfg["seed"] + 7919 * (self.rank + 1))  # sampling, reproducible per rank
-        model, self.tokenizer = load_model(cfg, self.device)
+        # vLLM loads its own copy: the transformers model only gives it a config (and, if
+        # built in memory, a checkpoint), so it need not reach the GPU.
+        model, self.tokenizer = load_model(cfg, "cpu" if r["backend"] == "vllm" else self.device)
         model.requires_grad_(False)
-        options = {"max_batch_size": r["max_batch_size"]} if r["backend"] == "torch" else {}
-        self.engine = build_engine(r["backend"], model, self.tokenizer, **options)
+        self.engine = build_engine(r["backend"], model, self.tokenizer, **engine_options(r, take_turns))
         self.params = SamplingParams(n=r["n"], temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"],
                                      max_new_tokens=r["max_new_tokens"], stop=tuple(r["stop"]))
         self.turns = self.device_turns(take_turns)
+        self.shared = take_turns  # offload between turns only when another component uses the devices
         self.version = -1  # no weights from the actor yet: generating before the first sync is an error
-        self.engine.offload()  # until its first turn
-
-    def _receive_model(self) -> torch.nn.Module:
-        return self.engine.model
+        self._offload()  # until its first turn
 
     def _load_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
         self.engine.load_weights(tensors.items())
+
+    def pull_weights(self, actor_group: str) -> int:
+        version = super().pull_weights(actor_group)
+        self._offload()  # a load may bring weights onto the device outside the rollout's turn
+        return version
+
+    def weights_hash(self) -> str:
+        return self.engine.weights_hash()  # the engine's own weights (vLLM's, in its worker process)
+
+    def _onload(self) -> None:
+        if self.shared:
+            self.engine.onload()
+
+    def _offload(self) -> None:
+        if self.shared:
+            self.engine.offload()
 
     @dispatch(split="scatter")
     def generate(self, prompts: list[dict], samples_out: Channel, granularity: int, key: int = 0) -> dict:
@@ -80,7 +106,7 @@ class LMRolloutWorker(WeightReceiver):
         with self.turns:
             waited = getattr(self.turns, "last_wait_s", 0.0)
             gen_start = time.perf_counter()
-            self.engine.onload()
+            self._onload()
             pending: list[tuple[dict, list]] = []
             for group in self.engine.generate([p["token_ids"] for p in prompts], self.params):
                 pending.append((prompts[group[0].prompt_index], group))
@@ -95,7 +121,7 @@ class LMRolloutWorker(WeightReceiver):
                 samples_out.put(self._batch(pending), key, weight=len(pending))
             samples_out.flush()
             peak = memory_mb(self.device)
-            self.engine.offload()  # context switching: the KV cache (and on a GPU the weights) make room
+            self._offload()  # context switching: the KV cache (and on a GPU the weights) make room
         busy = time.perf_counter() - gen_start
         return stats | {"busy_s": busy, "idle_s": waited, "lock_wait_s": waited, "peak_memory_mb": peak,
                         "tokens_per_s": stats["completion_tokens"] / max(busy, 1e-9), "time_s": time.perf_counter() - start}
@@ -122,10 +148,10 @@ class LMRolloutWorker(WeightReceiver):
                                 max_new_tokens=self.params.max_new_tokens, stop=self.params.stop, seed=0)
         texts: dict[int, str] = {}
         with self.turns:
-            self.engine.onload()
+            self._onload()
             for (c,) in self.engine.generate([p["token_ids"] for p in prompts], params):
                 texts[c.prompt_index] = c.text
-            self.engine.offload()
+            self._offload()
         return [texts[i] for i in range(len(prompts))]
 
     def state(self) -> dict[str, Any]:
