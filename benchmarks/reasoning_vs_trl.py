@@ -340,7 +340,7 @@ def main() -> None:
     import ray
     import torch
     import transformers
-    import trl  # noqa: F401  fail before anything runs
+    import trl  # fail before anything runs
 
     root = Path(tempfile.mkdtemp(prefix="m2flow-reasoning-vs-trl-"))
     bench = Run()
@@ -366,8 +366,6 @@ def main() -> None:
     seconds = {key: {v: {"steps": [x for res in per[v] for x in res["steps_s"]],
                          "spread": spread([x for res in per[v] for x in res["steps_s"]], 2)} for v in per}
                for key, per in runs.items()}
-    trl_versions = next((res["versions"] for per in runs.values() for v, rs in per.items() for res in rs
-                         if "versions" in res), {})
     report = {
         "benchmark": "reasoning_vs_trl",
         "model": args.model, "model_dir": model_dir, "rounds": args.rounds, "steps": args.steps,
@@ -389,7 +387,7 @@ def main() -> None:
         "ratios_trl_over_m2flow": ratio_table(runs, args.rounds),
         "runs": runs,
         **bench.finish(torch=torch.__version__, transformers=transformers.__version__, ray=ray.__version__,
-                       **{k: v for k, v in trl_versions.items() if k == "trl"}),
+                       trl=trl.__version__),
     }
     print(json.dumps(json_safe(report), indent=1))
 
