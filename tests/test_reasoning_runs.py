@@ -155,12 +155,12 @@ def test_bf16_autocast_takes_effect_and_trains(runs):
         r = runs[fmt]
         steps = [row for row in r["history"] if row["step"] > 0]
         # Both runs sample in fp32 and recompute in fp32: the same log-probs.
-        assert all(row["logprob_diff_max"] <= 1e-5 for row in steps)
+        assert all(row["logprob_diff_max"] <= 1e-4 for row in steps)
         off = [max(row["ratio_max"] - 1, 1 - row["ratio_mean"], row["ratio_mean"] - 1) for row in steps]
         if autocast:
             assert all(2e-4 < d < 0.05 for d in off), (fmt, off)
         else:
-            assert all(d <= 1e-6 for d in off), (fmt, off)
+            assert all(d <= 1e-5 for d in off), (fmt, off)
         assert all(math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
                    and row["optimizer_steps"] == 1 for row in steps), steps
         before, after = r["hashes"]
