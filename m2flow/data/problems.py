@@ -31,14 +31,31 @@ class Prompt:
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
+    if path.suffix not in (".parquet", ".jsonl", ".json"):
+        raise ValueError(f"{path}: expected a .jsonl or .parquet file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    if path.suffix in (".jsonl", ".json"):
-        with path.open() as f:
-            return [json.loads(line) for line in f if line.strip()]
-    raise ValueError(f"{path}: expected a .jsonl or .parquet file")
+        try:
+            return pq.read_table(path).to_pylist()
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{path}: not a Parquet file ({e})") from None
+    rows = []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {n}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
 
 
 def load_problems(

@@ -147,7 +147,10 @@ def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
         test = arithmetic_problems(d.test_size, levels, "test", seed=cfg.seed)
     else:
         problems = load_problems(d.source, d.question_key, d.answer_key)
-        cut = max(1, len(problems) - d.test_size)
+        if len(problems) <= d.test_size:
+            raise ValueError(f"data.source={d.source}: {len(problems)} problems, not enough to hold out "
+                             f"data.test_size={d.test_size} and train on the rest")
+        cut = len(problems) - d.test_size  # the last test_size rows are held out
         train, test = problems[:cut], problems[cut:]
     tokenizer = load_tokenizer(cfg.model.path)
 

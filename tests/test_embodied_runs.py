@@ -1,0 +1,107 @@
+"""Embodied runs that no other test starts: a pixel policy (NatureCNN) on a pixel task, and
+the MuJoCo and ManiSkill presets, each shrunk to two short updates through the runner."""
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from m2flow.config import load_config
+from m2flow.runners.embodied import EmbodiedRunner
+from m2flow.runtime import Cluster
+
+TESTS = Path(__file__).resolve().parent
+PIXEL_TASK = "pixel_env:BrightSide-v0"  # tests/pixel_env.py
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two CPU slots. The env workers import pixel_env by name, as they would a user's env
+    module: the tests folder goes on the Python path of Ray's worker processes."""
+    if ray.is_initialized():
+        ray.shutdown()
+    patch = pytest.MonkeyPatch()
+    patch.syspath_prepend(str(TESTS))  # the driver makes one env too, to read its spaces
+    with pytest.MonkeyPatch.context() as env:  # Ray's processes inherit it when it starts
+        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+        c = Cluster(num_cpus=2, cpu_slots=2, run_dir=tmp_path_factory.mktemp("run"))
+    yield c
+    c.shutdown()
+    patch.undo()
+
+
+def train(cluster, preset, overrides, out_dir):
+    """Runs ``preset`` with ``overrides`` to its end; returns its history and actor rank 0's
+    state (policy weights) before and after."""
+    cfg = load_config(preset, [*overrides, "runner.progress=false", f"runner.out_dir={out_dir}"])
+    runner = EmbodiedRunner(cfg, cluster)
+    try:
+        (before,) = runner.actor.call("state", ranks=[0]).wait()
+        before = {k: v.clone() for k, v in before["policy"].items()}
+        history = runner.train()
+        (after,) = runner.actor.call("state", ranks=[0]).wait()
+    finally:
+        runner.close()
+    return history, before, after["policy"]
+
+
+def check_trained(history, env_steps, before, after, keys=("policy_loss", "value_loss", "entropy", "approx_kl",
+                                                          "grad_norm")):
+    """The updates ran as configured, their statistics are finite, every weight tensor moved."""
+    assert [row["env_steps"] for row in history] == env_steps
+    for row in history:
+        assert all(math.isfinite(row[k]) for k in keys), row
+        assert row["grad_norm"] > 0 and row["env_busy_s"] > 0 and row["actor_busy_s"] > 0
+    assert before.keys() == after.keys()
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert not unchanged, f"weights that did not change: {unchanged}"
+
+
+def test_pixel_policy_trains_end_to_end(cluster, tmp_path):
+    """36x36 RGB frames through the env workers into a NatureCNN policy: 4 envs x 16 steps per
+    update, 8-step episodes."""
+    overrides = [f"env.id={PIXEL_TASK}", "env.num_envs=4", "runner.rollout_steps=16", "runner.total_env_steps=128",
+                 "algorithm.minibatch_size=32", "algorithm.epochs=2"]
+    history, before, after = train(cluster, "embodied/ppo_cartpole", overrides, tmp_path)
+    check_trained(history, [64, 128], before, after)
+    assert all(row["episodes"] == 8 and row["episode_length"] == 8 for row in history)
+    assert before["encoder.convs.0.weight"].shape == (32, 3, 8, 8)  # a CNN over the 3 colour channels
+    # What the env workers hand the policy (the checkpoint holds their latest observations):
+    # whole frames, one half white, the other black.
+    ckpt = torch.load(tmp_path / "checkpoints" / "update_000002.pt", weights_only=False)
+    frames = np.concatenate([state["obs"][0] for state in ckpt["env"]])
+    assert frames.shape == (4, 36, 36, 3)
+    for frame in frames:
+        halves = sorted((frame[:, :18].min(), frame[:, :18].max(), frame[:, 18:].min(), frame[:, 18:].max()))
+        assert halves == [0, 0, 255, 255] and {frame[:, :18].max(), frame[:, 18:].max()} == {0, 255}
+
+
+@pytest.mark.parametrize("preset, overrides, env_steps", [
+    # 2 envs x 64 steps per update; minibatches of 64 as the preset's 256 are to its 2048
+    ("embodied/ppo_ant", ["env.num_envs=2", "runner.rollout_steps=64", "runner.total_env_steps=256",
+                          "algorithm.minibatch_size=64", "algorithm.epochs=2"], [128, 256]),
+    ("embodied/ppo_halfcheetah", ["env.num_envs=2", "runner.rollout_steps=64", "runner.total_env_steps=256",
+                                  "algorithm.minibatch_size=64", "algorithm.epochs=2"], [128, 256]),
+], ids=["ant", "halfcheetah"])
+def test_mujoco_preset_trains(cluster, tmp_path, preset, overrides, env_steps):
+    history, before, after = train(cluster, preset, overrides, tmp_path)
+    check_trained(history, env_steps, before, after)
+
+
+@pytest.mark.filterwarnings("ignore:__array_wrap__ must accept context:DeprecationWarning")  # ManiSkill 3.0.1
+def test_maniskill_preset_trains(cluster, tmp_path):
+    """PushCube-v1 from its preset, 2 envs x 50 steps per update: each update runs one whole
+    50-step episode per env (terminations ignored) and reports its success."""
+    pytest.importorskip("mani_skill", reason="needs the maniskill extra: scripts/setup_maniskill.sh")
+    overrides = ["env.num_envs=2", "runner.rollout_steps=50", "runner.total_env_steps=200",
+                 "algorithm.minibatch_size=50", "algorithm.epochs=2"]
+    history, before, after = train(cluster, "embodied/ppo_maniskill_pushcube", overrides, tmp_path)
+    check_trained(history, [100, 200], before, after)
+    for row in history:
+        assert row["episodes"] == 2 and row["episode_length"] == 50
+        assert 0.0 <= row["success_rate"] <= 1.0 and 0.0 <= row["episode_return"] <= 50.0  # rewards in [0, 1]
+    assert before["pi.0.weight"].shape == (256, 35)  # the preset's MLP on the 35-dim state
