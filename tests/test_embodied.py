@@ -28,6 +28,37 @@ def train_cartpole(cluster, overrides):
         runner.close()
 
 
+def assert_reaches_target(history, target=450, within=40_000):
+    """The run stopped at the first update whose mean return reached ``target``, after at most
+    ``within`` env steps (the preset's budget is 100k: a run that stops there fails); every
+    update took rollout_steps x num_envs = 32 x 8 env steps."""
+    returns = [row["episode_return"] for row in history]
+    assert returns[-1] >= target and all(r < target for r in returns[:-1]), f"returns {[round(r) for r in returns]}"
+    assert [row["env_steps"] for row in history] == [256 * (u + 1) for u in range(len(history))]
+    assert history[-1]["env_steps"] <= within, f"{target} first reached after {history[-1]['env_steps']} env steps"
+
+
+def assert_times_add_up(history, fused):
+    """Each component's busy and idle time lies within the update that reported it (with the
+    rollout fused into the env workers, env stepping, inference and the lock wait they share,
+    together); the actor's call spans most of the update, and trains in a real share of it."""
+    for row in history:
+        spans = {"actor": row["actor_busy_s"] + row["actor_idle_s"]}
+        if fused:
+            assert row["rollout_idle_s"] == row["env_idle_s"]  # the one lock wait, reported for both
+            spans["env+rollout"] = row["env_busy_s"] + row["rollout_busy_s"] + row["env_idle_s"]
+        else:
+            spans |= {c: row[f"{c}_busy_s"] + row[f"{c}_idle_s"] for c in ("env", "rollout")}
+        assert all(0 < span <= row["update_s"] + 1e-3 for span in spans.values()), (row["update_s"], spans)
+        assert row["env_busy_s"] > 0 and row["rollout_busy_s"] > 0
+    steady = history[1:]  # the first update also warms the workers up
+    total = sum(row["update_s"] for row in steady)
+    actor = sum(row["actor_busy_s"] + row["actor_idle_s"] for row in steady)
+    assert actor >= 0.5 * (total - sum(row["weight_sync_s"] for row in steady)), (actor, total)
+    assert sum(row["actor_busy_s"] for row in steady) >= 0.2 * total, (actor, total)
+
+
+# Seed 1 (the preset's) reaches 450 after 13-18k env steps in these modes.
 @pytest.mark.parametrize("mode, stages, env, rollout, actor", [
     ("collocated", 1, "0-1", "0-1", "0-1"),
     ("disaggregated", 1, "0", "1", "2"),
@@ -41,14 +72,14 @@ def test_ppo_cartpole_learns_in_every_mode(cluster, tmp_path, mode, stages, env,
     runner = EmbodiedRunner(cfg, cluster)
     try:
         assert runner.placement.mode == mode
+        fused = runner.fused
         history = runner.train()
     finally:
         runner.close()
-    last = history[-1]
-    assert last["episode_return"] >= 450, f"{mode}: return {last['episode_return']:.1f} after {last['env_steps']} steps"
-    assert last["env_steps"] <= 100_000
+    assert fused is (mode == "collocated")
+    assert_reaches_target(history)
+    assert_times_add_up(history, fused)
     assert (tmp_path / "metrics.csv").exists() and (tmp_path / "learning_curve.png").exists()
-    assert all(last[f"{c}_busy_s"] > 0 for c in ("env", "rollout", "actor"))
 
 
 @pytest.mark.parametrize("rollout", ["0", "1"], ids=["fused", "separate"])
@@ -65,8 +96,7 @@ def test_collect_ahead_learns(cluster, tmp_path, rollout):
         history = runner.train()
     finally:
         runner.close()
-    last = history[-1]
-    assert last["episode_return"] >= 450 and last["env_steps"] <= 100_000, last
+    assert_reaches_target(history)
     # The first update's data was collected with its own weights; every later one's ahead of them.
     assert [row["policy_lag"] for row in history] == [0] + [1] * (len(history) - 1)
 
@@ -133,7 +163,7 @@ def test_action_chunks_and_normalisation_run_end_to_end(cluster, tmp_path):
     # ended inside a chunk: 30-step episodes end 2 actions into every 8th chunk, so each env
     # runs 60 of its 64 actions per update
     assert [row["env_steps"] for row in history] == [480, 960]
-    assert history[-1]["episodes"] > 0 and history[-1]["episode_length"] == 30
+    assert [(row["episodes"], row["episode_length"]) for row in history] == [(16, 30), (16, 30)]  # 2 per env
     assert all(math.isfinite(row["policy_loss"]) and math.isfinite(row["value_loss"]) for row in history)
 
 
@@ -163,7 +193,8 @@ def test_fused_rollout_matches_separate_rollout(cluster, tmp_path):
             digests.append(runner.actor.call("weights_digest", ranks=[0]).wait())
         finally:
             runner.close()
-        assert len(history) == 3 and history[-1]["rollout_busy_s"] > 0
+        assert len(history) == 3
+        assert_times_add_up(history, fuse)
     assert digests[0] == digests[1]
 
 

@@ -264,8 +264,12 @@ def test_benchmark_script_smoke():
                           "--repeats", "1"], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["generate"]["tokens_per_s_best"] > 0 and result["engine"]["tokens_per_s_best"] > 0
-    assert result["ratio"] > 0 and len(result["engine"]["runs"]) == 1
+    for side in ("generate", "engine"):
+        (run,) = result[side]["runs"]
+        # 2 prompts x 2 samples, 1-8 tokens each (through the EOS)
+        assert 4 <= run["tokens"] <= 32 and 1 <= result[side]["max_length"] <= 8, result[side]
+        assert result[side]["tokens_per_s_best"] == run["tokens_per_s"]
+    assert result["ratio"] == round(result["engine"]["tokens_per_s_best"] / result["generate"]["tokens_per_s_best"], 2)
 
 
 def test_sampling_follows_the_truncated_distribution():

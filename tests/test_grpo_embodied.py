@@ -136,4 +136,4 @@ def test_grpo_windows_hold_one_episode_per_env(cluster, tmp_path, fused, stages,
         # env steps are exactly the steps of the window's episodes, cut ones included
         assert math.isclose(row["env_steps"] - previous, 16 * row["episode_length"])
         previous = row["env_steps"]
-        assert math.isfinite(row["policy_loss"]) and row["clip_fraction"] >= 0
+        assert math.isfinite(row["policy_loss"])

@@ -108,21 +108,25 @@ def test_ppo_configs_and_placement():
 
 
 def test_ppo_raises_the_reward_and_resumes_the_critic(cluster, tmp_path):
-    """8 steps (the critic's value loss reported, the reward rising), then step 8 again from
-    the checkpoint of step 7: the same actor and critic weights."""
-    cfg = load_config(PRESET, [f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.steps=8",
-                               "runner.checkpoint_every=7", "algorithm.lr=1e-2"])
+    """25 steps at the preset's learning rate (the critic's value loss reported, the reward
+    rising from about 0.05: seed 0's last 5 steps average 0.27), then step 25 again from the
+    checkpoint of step 24: the same actor and critic weights."""
+    cfg = load_config(PRESET, [f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.steps=25",
+                               "runner.checkpoint_every=24"])
     runner = ReasoningRunner(cfg, cluster=cluster)
     try:
         history = runner.train()
         straight = [runner.actor.weights_hash().wait()[0], runner.critic.weights_hash().wait()[0]]
-        runner.cfg.runner.resume = str(tmp_path / "checkpoints" / "step_000007.pt")
+        runner.cfg.runner.resume = str(tmp_path / "checkpoints" / "step_000024.pt")
         runner.train()
         resumed = [runner.actor.weights_hash().wait()[0], runner.critic.weights_hash().wait()[0]]
     finally:
         runner.close()
     steps = [row for row in history if row["step"] > 0]
-    assert all(math.isfinite(row["value_loss"]) and row["critic_busy_s"] > 0 for row in steps)
+    assert len(steps) == 25 and all(math.isfinite(row["value_loss"]) for row in steps)
+    # The critic's time is measured, within the step it trained in.
+    assert all(0 < row["critic_busy_s"] and row["critic_busy_s"] + row["critic_idle_s"] <= row["step_s"] for row in steps)
     rewards = [row["reward"] for row in steps]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, [round(r, 3) for r in rewards]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.15, [round(r, 3) for r in rewards]
+    assert history[-1]["eval_reward"] > history[0]["eval_reward"] + 0.5
     assert resumed == straight
