@@ -187,9 +187,7 @@ def test_dead_holder_does_not_block_the_device(contenders, death):
         ray.kill(victim)
     else:
         os.kill(pid, signal.SIGKILL)
-    start = time.monotonic()
-    ray.get(ref)
-    assert time.monotonic() - start < 5
+    ray.get(ref)  # without the dead holder passed over, the waiter's 15 s timeout raises here
     ray.get(waiter.release.remote())
     assert_free(3)
 

@@ -165,12 +165,10 @@ def test_killed_worker_surfaces_fast(cluster):
     placement = Placement.from_config({"victim": "2-3"}, cluster)
     g = WorkerGroup(Echo, placement["victim"])
     pid = g.pids()[1]
-    handle = g.sleep(30)
+    handle = g.sleep(600)  # past the test's timeout: only a detected death ends the wait in time
     time.sleep(0.5)
-    start = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(WorkerDiedError) as err:
         handle.wait()
-    assert time.monotonic() - start < 10
     assert err.value.rank == 1 and "died" in str(err.value)
     g.kill()

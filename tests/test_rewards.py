@@ -124,9 +124,7 @@ def test_raising_custom_reward_is_a_clear_error():
 
 def test_hanging_custom_reward_times_out():
     with RewardScorer(f"{HERE}:hanging_reward", timeout_s=1.0, timeout_score=-1.0) as scorer:
-        start = time.monotonic()
-        scores = scorer.score(["ok", "hang", "ok"], ["1", "1", "1"])
-        assert time.monotonic() - start < 10
+        scores = scorer.score(["ok", "hang", "ok"], ["1", "1", "1"])  # without the timeout: hangs
         np.testing.assert_array_equal(scores.total, [1, -1, 1])
         np.testing.assert_array_equal(scores.timed_out, [False, True, False])
 
