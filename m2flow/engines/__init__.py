@@ -2,7 +2,7 @@
 device and an optional vLLM backend for GPUs (imported only when asked for). Training and
 scoring: ``m2flow.engines.training``."""
 
-from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, build_engine
+from m2flow.engines.generation import BACKENDS, Completion, GenerationEngine, SamplingParams, build_engine
 from m2flow.engines.torch_engine import TorchEngine
 
-__all__ = ["Completion", "GenerationEngine", "SamplingParams", "TorchEngine", "build_engine"]
+__all__ = ["BACKENDS", "Completion", "GenerationEngine", "SamplingParams", "TorchEngine", "build_engine"]

@@ -100,6 +100,9 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_posi
     return checked
 
 
+BACKENDS = ("torch", "vllm")  # the names build_engine takes
+
+
 def build_engine(backend: str, model, tokenizer, **options) -> GenerationEngine:
     """A generation engine: ``"torch"`` (any device, the default) or ``"vllm"`` (GPU, optional).
     ``options`` go to the backend's constructor (e.g. ``max_batch_size``)."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from m2flow.engines import BACKENDS
 from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, Placement, WorkerGroup
 from m2flow.runtime.group import start_together, wait
@@ -88,8 +89,8 @@ def check_config(cfg: DictConfig) -> None:
     a, r = cfg.algorithm, cfg.rollout
     if a.name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm.name {a.name!r}: {' | '.join(ALGORITHMS)}")
-    if r.backend not in ("torch", "vllm"):
-        raise ValueError(f"rollout.backend must be torch | vllm, got {r.backend!r}")
+    if r.backend not in BACKENDS:
+        raise ValueError(f"rollout.backend must be {' | '.join(BACKENDS)}, got {r.backend!r}")
     if r.backend == "vllm" and "gpu_memory_utilization" not in r:
         raise ValueError("rollout.backend=vllm needs rollout.gpu_memory_utilization (vLLM's share of the GPU, "
                          "in (0, 1])")
