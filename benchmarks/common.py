@@ -12,11 +12,14 @@ The machine may be shared and its speed drifts, so every benchmark
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -113,6 +116,15 @@ def json_safe(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [json_safe(v) for v in x]
     return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def run_child(script: str, spec: dict) -> dict:
+    """Runs one side in a fresh interpreter, ``script --child SPEC`` (its stdout goes to our
+    stderr); the child writes its result as JSON to the path ``spec["result"]``, set here."""
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        cmd = [sys.executable, script, "--child", json.dumps(spec | {"result": out.name})]
+        subprocess.run(cmd, stdout=sys.stderr, check=True)
+        return json.load(open(out.name))
 
 
 def log(text: str) -> None:

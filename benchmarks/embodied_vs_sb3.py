@@ -76,15 +76,13 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import Run, json_safe, loaded, log, side_order, spread
+from common import Run, json_safe, loaded, log, run_child, side_order, spread
 
 MIN_FINAL_EPISODES = 10
 
@@ -373,14 +371,6 @@ def run_m2flow(spec: dict) -> dict:
 
 
 # -- driver --------------------------------------------------------------------------
-def run_child(spec: dict) -> dict:
-    """Runs one side in a fresh interpreter; its stdout goes to our stderr."""
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [sys.executable, __file__, "--child", json.dumps(spec | {"result": out.name})]
-        subprocess.run(cmd, stdout=sys.stderr, check=True)
-        return json.load(open(out.name))
-
-
 def summarise(results: dict[str, dict[int, dict]], sb3_configs: list[str], modes: list[str], seeds: list[int]) -> dict:
     sps = lambda side, seed: results[side][seed]["env_steps_per_s"]  # noqa: E731
     sb3_sides = [f"sb3/{c}" for c in sb3_configs]
@@ -462,7 +452,7 @@ def main() -> None:
             else:
                 spec |= {"mode": name, "out_dir": str(out_root / f"{name}-seed{seed}"),
                          "extra": m2flow_overrides(hp) + args.override}
-            r, load = loaded(lambda: run_child(spec))  # noqa: B023
+            r, load = loaded(lambda: run_child(__file__, spec))  # noqa: B023
             results[side][seed] = r | load
             order[str(seed)].append(side)
             log(f"  {r['env_steps_per_s']:,.0f} env steps/s, return {r['final_return']:.1f}, "

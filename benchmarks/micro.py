@@ -7,7 +7,8 @@ on a loaded machine):
   auto-reset), 8 envs, the same actions; best of interleaved rounds, so that load from other
   processes cancels out; target ``ratio`` (EnvBatch / SyncVectorEnv time per step) below 1.1.
 
-Prints one JSON object; ``ok`` says whether every target was met.
+Prints one JSON object; ``ok`` says whether every target was met; ``machine_speed`` gives
+the load and the fp32 matmul speed at the start and the end (``benchmarks/common.py``).
 
     python benchmarks/micro.py
     python benchmarks/micro.py --envs CartPole-v1 --rounds 5   # a quick look
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 import timeit
 
 import numpy as np
+
+from common import Run
 
 FLATTEN_TARGET_US = 50.0
 ENV_STEP_TARGET_RATIO = 1.1
@@ -71,12 +72,11 @@ def main() -> None:
     a = p.parse_args()
     if a.steps < 1 or a.rounds < 1 or a.repeat < 1:
         p.error("--steps, --rounds and --repeat must be >= 1")
-    result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "load_1min": round(os.getloadavg()[0], 2)},
-              "flatten": bench_flatten(a.repeat),
+    run = Run()
+    result = {"flatten": bench_flatten(a.repeat),
               "env_step": {env_id: bench_env_step(env_id, a.steps, a.rounds) for env_id in a.envs}}
     result["ok"] = result["flatten"]["ok"] and all(r["ok"] for r in result["env_step"].values())
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result | run.finish(), indent=2))
 
 
 if __name__ == "__main__":

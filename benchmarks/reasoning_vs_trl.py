@@ -67,13 +67,12 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import Run, json_safe, loaded, log, side_order, spread
+from common import Run, json_safe, loaded, log, run_child, side_order, spread
 
 PRESET = "reasoning/grpo_arith_smollm2"
 PROMPTS_PER_STEP, SAMPLES, MAX_NEW_TOKENS, LR = 4, 8, 64, 1e-6
@@ -282,14 +281,6 @@ def run_m2flow(spec: dict) -> dict:
 
 
 # -- driver ---------------------------------------------------------------------------
-def run_child(spec: dict) -> dict:
-    """Runs one (variant, beta) in a fresh interpreter; its stdout goes to our stderr."""
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [sys.executable, __file__, "--child", json.dumps(spec | {"result": out.name})]
-        subprocess.run(cmd, stdout=sys.stderr, check=True)
-        return json.load(open(out.name))
-
-
 def ratio_table(runs: dict[str, dict[str, list[dict]]], rounds: int) -> dict:
     """Per beta and m2flow variant: TRL s/step over m2flow s/step per round, against the
     fastest TRL configuration of each round and against each one, with their spread."""
@@ -359,7 +350,7 @@ def main() -> None:
                 spec = {"variant": variant, "beta": beta, "seed": r, "steps": args.steps, "warmup": args.warmup,
                         "threads": args.threads, "max_new_tokens": args.max_new_tokens, "model_dir": model_dir,
                         "micro_batch_tokens": budget, "out_dir": str(root / f"{variant}-{key}-round{r}")}
-                res, load = loaded(lambda: run_child(spec))  # noqa: B023
+                res, load = loaded(lambda: run_child(__file__, spec))  # noqa: B023
                 runs[key][variant].append(res | load | {"round": r, "seed": r})
                 log(f"  {res['step_s']:.2f} s/step  (steps {', '.join(f'{x:.1f}' for x in res['steps_s'])}), "
                     f"load {load['load_before']} -> {load['load_after']}")
