@@ -101,7 +101,7 @@ def test_nccl_process_group_in_a_gpu_worker(gpu_cluster):
         (result,) = group.all_reduce().wait(timeout=180)
     finally:
         group.kill()
-    assert result == ("nccl", [1.0] * 4)
+    assert result == ("cpu:gloo,cuda:nccl", [1.0] * 4)  # CUDA tensors go by NCCL, CPU ones by gloo
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="pairwise NCCL needs two GPUs")
