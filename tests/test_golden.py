@@ -1,0 +1,61 @@
+"""Seeded runs reach bitwise the weights they reached when the digests below were recorded.
+
+A refactoring that changes what a run computes (the order of a reduction, an RNG draw, a
+default) changes the digest. If a change is meant to alter the computation, record the new
+digests and say why in the commit. The digests depend on the CPU's float kernels: they were
+recorded with torch 2.13.0+cpu on x86-64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from m2flow.config import load_config
+from m2flow.runners.embodied import EmbodiedRunner
+from m2flow.runners.reasoning import ReasoningRunner
+
+EMBODIED = "f25b181c72b6bcd8eeeedb57ba00400604bfc6a4d2968d68609adf9914e515af"
+REASONING = "cb47aea00eb545a39f694b5ec03803124b4ba22713b4992b4f302daf9ed162c2"
+
+pytestmark = pytest.mark.skipif(not torch.__version__.endswith("+cpu"), reason="digests recorded with CPU kernels")
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_embodied_cartpole_weights(cluster, tmp_path):
+    cfg = load_config("embodied/ppo_cartpole", [f"runner.out_dir={tmp_path}", "runner.progress=false",
+                                                 "runner.total_env_steps=1024", "env.num_envs=16"])  # 2 updates
+    runner = EmbodiedRunner(cfg, cluster)
+    try:
+        history = runner.train()
+        states = runner.actor.call("state").wait()
+    finally:
+        runner.close()
+    assert len(history) == 2
+    digests = {digest(s["policy"]) for s in states}
+    assert len(digests) == 1  # every actor rank holds the same weights
+    assert digests.pop() == EMBODIED
+
+
+def test_reasoning_tiny_weights(cluster, tmp_path):
+    cfg = load_config("reasoning/grpo_arith_tiny", [f"runner.out_dir={tmp_path}", "runner.progress=false",
+                                                     "runner.steps=3", "placement.mode=custom",
+                                                     *(f"placement.components.{c}=0" for c in ("rollout", "reward",
+                                                                                               "inference", "actor"))])
+    # On one slot: with several threads, a CPU reduction in the LM's backward is not bitwise repeatable.
+    runner = ReasoningRunner(cfg, cluster)
+    try:
+        runner.train()
+        hashes = runner.actor.weights_hash().wait()
+    finally:
+        runner.close()
+    assert hashes == [REASONING]
