@@ -1,11 +1,11 @@
-"""M2Flow benchmark for reasoning RL: the same GRPO steps collocated and pipelined, one run.
+"""M2Flow benchmark for reasoning RL: the same GRPO steps collocated and disaggregated, one run.
 
 Both modes run the preset ``reasoning/grpo_arith_smollm2`` with the same overrides (the same
 prompts, sampling, micro-batching and seed), one after the other in this process:
 
   collocated  rollout, inference and actor share every device and take turns under the
               device locks (each phase uses all cores);
-  pipelined   the rollout on the first half of the devices, reward, inference and actor on
+  disaggregated   the rollout on the first half of the devices, reward, inference and actor on
               the rest; completed groups stream on while the rollout generates, and the actor
               runs forward and backward on each as it arrives.
 
@@ -19,7 +19,7 @@ prompts, sampling, micro-batching and seed), one after the other in this process
 Reported per mode: seconds per step after ``--warmup`` steps (mean and each), generated
 tokens per step, and each component's busy and idle seconds per step (averaged over the
 timed steps); then collocated / <mode> step time for every other mode (the acceptance
-ratio, >= 1.2, is the pipelined one's), and the first mode's / each other's.
+ratio, >= 1.2, is the disaggregated one's), and the first mode's / each other's.
 
     python benchmarks/reasoning_modes.py [--model smollm2] [--steps 3] [--warmup 1] \
         [--override rollout.max_new_tokens=128 ...]
@@ -42,7 +42,8 @@ COMPONENTS = ("rollout", "reward", "inference", "actor")
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     from m2flow.config import load_config
-    from m2flow.runners.reasoning import ReasoningRunner, step_row
+    from m2flow.runners.metrics import ReasoningMetrics
+    from m2flow.runners.reasoning import ReasoningRunner
 
     placement, *flags = mode.split("-")
     if set(flags) - {"ahead", "fsdp"}:
@@ -59,8 +60,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     try:
         for i in range(args.warmup + args.steps):
             start = time.perf_counter()
-            report = runner.step(generate_next=ahead)
-            row = step_row(i + 1, report, time.perf_counter() - start, 0.0)
+            report = runner.step(i, ahead=ahead)
+            row = ReasoningMetrics(0).row(i, report, time.perf_counter() - start, 0.0)
             print(f"{mode} step {i + 1}: {row['step_s']:.2f} s, {row['completion_tokens']} tokens, "
                   f"reward {row['reward']:.3f}", file=sys.stderr)
             if i >= args.warmup:
@@ -71,7 +72,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             runner.wait_ahead()
             rows[-1]["step_s"] += time.perf_counter() - start
-            runner.step()  # trains on the last rollout started ahead
+            runner.step(args.warmup + args.steps)  # trains on the last rollout started ahead
     finally:
         runner.close()
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
@@ -93,7 +94,7 @@ def main() -> None:
     p.add_argument("--granularity", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--modes", nargs="+", default=["collocated", "pipelined"])
+    p.add_argument("--modes", nargs="+", default=["collocated", "disaggregated"])
     p.add_argument("--override", nargs="*", default=[], help="more key=value overrides for both modes")
     args = p.parse_args()
 

@@ -21,14 +21,14 @@ Protocol (the peer protocol, Reasoning), the same for both systems:
            prompt + 64), so one group is one micro-batch of 8 sequences.
   threads  every core of the machine: TRL ``torch.set_num_threads(cores)``; m2flow one CPU slot
            per core (collocated: every component spans all slots and they take turns;
-           pipelined: the rollout on the first half, reward, inference and actor on the rest).
+           disaggregated: the rollout on the first half, reward, inference and actor on the rest).
 
 Variants (``--variants``): ``trl`` (TRL's defaults: loss_type dapo, gradient checkpointing
 on), ``trl_no_gc`` (the same with gradient checkpointing off), ``m2flow_collocated`` (whose
 actor does not forward the completions of zero advantage, whose gradient is exactly zero:
 with this sparse reward, most groups' rewards are all equal; ``inert_rows`` counts them per
 step), ``m2flow_collocated_all_rows`` (the same, forwarding every row as TRL does),
-``m2flow_pipelined``, ``m2flow_hybrid_ahead`` (hybrid placement with
+``m2flow_disaggregated``, ``m2flow_hybrid_ahead`` (hybrid placement with
 ``runner.collect_ahead=true``: each step trains on completions of the weights before the
 last update, where TRL and the other variants are on-policy; the last timed step also counts
 the wait for the rollout it started, and one extra, untimed step then trains on it). The
@@ -77,7 +77,7 @@ from common import Run, json_safe, loaded, log, run_child, side_order, spread
 PRESET = "reasoning/grpo_arith_smollm2"
 PROMPTS_PER_STEP, SAMPLES, MAX_NEW_TOKENS, LR = 4, 8, 64, 1e-6
 MICRO_BATCH = 8  # sequences per forward/backward in both systems
-VARIANTS = ("trl", "trl_no_gc", "m2flow_collocated", "m2flow_collocated_all_rows", "m2flow_pipelined",
+VARIANTS = ("trl", "trl_no_gc", "m2flow_collocated", "m2flow_collocated_all_rows", "m2flow_disaggregated",
             "m2flow_hybrid_ahead")
 DEFAULT_VARIANTS = ("trl", "trl_no_gc", "m2flow_collocated", "m2flow_collocated_all_rows")
 
@@ -237,7 +237,8 @@ COMPONENT_KEYS = ("rollout_busy_s", "rollout_idle_s", "reward_busy_s", "reward_i
 
 
 def run_m2flow(spec: dict) -> dict:
-    from m2flow.runners.reasoning import ReasoningRunner, step_row
+    from m2flow.runners.metrics import ReasoningMetrics
+    from m2flow.runners.reasoning import ReasoningRunner
 
     mode, _, suffix = spec["variant"].removeprefix("m2flow_").partition("_")
     cfg = base_config(spec["model_dir"], spec["beta"], mode, spec["micro_batch_tokens"], spec["seed"],
@@ -251,9 +252,9 @@ def run_m2flow(spec: dict) -> dict:
             rows = []
             for i in range(spec["warmup"] + spec["steps"]):
                 t0 = time.perf_counter()
-                report = runner.step(generate_next=cfg.runner.collect_ahead)
+                report = runner.step(i, ahead=cfg.runner.collect_ahead)
                 dt = time.perf_counter() - t0
-                rows.append(step_row(i + 1, report, dt, dt))
+                rows.append(ReasoningMetrics(0).row(i, report, dt, dt))
                 log(f"    step {i + 1}: {dt:.1f} s")
             if cfg.runner.collect_ahead:
                 # The timed window ends once the rollout its last step started is done: a step
@@ -261,7 +262,7 @@ def run_m2flow(spec: dict) -> dict:
                 t0 = time.perf_counter()
                 runner.wait_ahead()
                 rows[-1]["step_s"] += time.perf_counter() - t0
-                runner.step()  # trains on the last rollout started ahead (untimed)
+                runner.step(spec["warmup"] + spec["steps"])  # trains on the last rollout started ahead (untimed)
         finally:
             runner.close()
     timed = rows[spec["warmup"]:]
@@ -367,7 +368,7 @@ def main() -> None:
             "m2flow_collocated": "every component on every CPU slot, taking turns; rows of zero gradient not forwarded",
             "m2flow_collocated_all_rows": "the same, forwarding the rows of zero gradient too "
                                           "(algorithm.skip_inert_rows=false), as TRL does",
-            "m2flow_pipelined": "rollout on slot 0; reward, inference, actor on slot 1, streamed",
+            "m2flow_disaggregated": "rollout on slot 0; reward, inference, actor on slot 1, streamed",
             "m2flow_hybrid_ahead": "rollout on slot 0, actor ranks on slots 0 and 1; each step's rollout "
                                    "runs while the actor trains on the previous one (one version behind)"}.items()
             if v in variants},

@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from m2flow.config import load_config
-from m2flow.runners.embodied import EmbodiedRunner, placement_config
+from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runtime import Cluster
 
 
@@ -101,20 +101,6 @@ def test_collect_ahead_learns(cluster, tmp_path, rollout):
     assert [row["policy_lag"] for row in history] == [0] + [1] * (len(history) - 1)
 
 
-def test_placement_modes_from_config():
-    cfg = load_config("embodied/ppo_cartpole")
-    assert placement_config(cfg.placement, 2) == {"env": "0-1", "rollout": "0-1", "actor": "0-1"}
-    cfg.placement.mode = "hybrid"
-    assert placement_config(cfg.placement, 2) == {"env": "0-0", "rollout": "1-1", "actor": "0-1"}
-    cfg.placement.mode = "disaggregated"
-    with pytest.raises(ValueError, match="needs >= 3 devices"):
-        placement_config(cfg.placement, 2)
-    assert placement_config(cfg.placement, 4) == {"env": "0-1", "rollout": "2", "actor": "3"}
-    cfg.placement.mode = "custom"
-    with pytest.raises(ValueError, match=r"needs placement.components for \['env', 'rollout', 'actor'\]"):
-        placement_config(cfg.placement, 2)
-
-
 def test_bad_overrides_are_clear_errors():
     with pytest.raises(ValueError, match="no such key"):
         load_config("embodied/ppo_cartpole", ["runner.totl_env_steps=5"])
@@ -137,7 +123,7 @@ def test_resume_continues_exactly(cluster, tmp_path, ahead):
         runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", common + [f"runner.out_dir={out}", *extra]), cluster)
         try:
             history = runner.train()
-            return runner.actor.call("weights_digest").wait(), history
+            return runner.groups["actor"].call("weights_digest").wait(), history
         finally:
             runner.close()
 
@@ -188,9 +174,9 @@ def test_fused_rollout_matches_separate_rollout(cluster, tmp_path):
         cfg = load_config("embodied/ppo_cartpole", common + [f"placement.fuse={fuse}", f"runner.out_dir={tmp_path / str(fuse)}"])
         runner = EmbodiedRunner(cfg, cluster)
         try:
-            assert runner.fused is fuse and (runner.rollout is runner.env) is fuse
+            assert runner.fused is fuse and (runner.groups["rollout"] is runner.groups["env"]) is fuse
             history = runner.train()
-            digests.append(runner.actor.call("weights_digest", ranks=[0]).wait())
+            digests.append(runner.groups["actor"].call("weights_digest", ranks=[0]).wait())
         finally:
             runner.close()
         assert len(history) == 3
@@ -199,22 +185,20 @@ def test_fused_rollout_matches_separate_rollout(cluster, tmp_path):
 
 
 def test_success_rate_is_logged_where_envs_report_success(tmp_path):
-    from m2flow.runners.metrics import MetricsLogger
+    from m2flow.runners.metrics import EmbodiedMetrics, RunLog
 
     def report(episodes):
         ranks = [{"env_steps": 10, "episodes": episodes, "busy_s": 1.0, "idle_s": 0.0}]
-        return {"env": ranks, "rollout": ranks, "actor": [{"busy_s": 1.0, "idle_s": 0.0}], "weight_sync_s": 0.0}
+        return {"env": ranks, "rollout": ranks, "actor": [{"busy_s": 1.0, "idle_s": 0.0}], "sync": {"weight_sync_s": 0.0}}
 
-    log = MetricsLogger(tmp_path / "with", total_env_steps=30, progress=False)
-    rows = [log.log_update(u, report(eps), 1.0, u + 1.0)
+    metrics, log = EmbodiedMetrics(30), RunLog(tmp_path / "with", 30, x="env_steps", y="episode_return", progress=False)
+    rows = [log.record(metrics.row(u, report(eps), 1.0, u + 1.0), "")
             for u, eps in enumerate([[(1.0, 5, True), (0.0, 5, False), (2.0, 5, True), (0.0, 5, True)], [],
                                      [(0.0, 5, False)]])]
     log.close()
     assert [r["success_rate"] for r in rows] == [0.75, 0.75, 0.0]  # kept while no episode ends
     assert "success_rate" in (tmp_path / "with" / "metrics.csv").read_text().splitlines()[0]
-    plain = MetricsLogger(tmp_path / "without", total_env_steps=10, progress=False)
-    assert "success_rate" not in plain.log_update(0, report([(1.0, 5, None)]), 1.0, 1.0)
-    plain.close()
+    assert "success_rate" not in EmbodiedMetrics(10).row(0, report([(1.0, 5, None)]), 1.0, 1.0)
 
 
 @pytest.mark.parametrize("critic", [True, False])  # PPO, and GRPO's weighted loss without a critic

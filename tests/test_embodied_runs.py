@@ -40,10 +40,10 @@ def train(cluster, preset, overrides, out_dir):
     cfg = load_config(preset, [*overrides, "runner.progress=false", f"runner.out_dir={out_dir}"])
     runner = EmbodiedRunner(cfg, cluster)
     try:
-        (before,) = runner.actor.call("state", ranks=[0]).wait()
+        (before,) = runner.groups["actor"].call("state", ranks=[0]).wait()
         before = {k: v.clone() for k, v in before["policy"].items()}
         history = runner.train()
-        (after,) = runner.actor.call("state", ranks=[0]).wait()
+        (after,) = runner.groups["actor"].call("state", ranks=[0]).wait()
     finally:
         runner.close()
     return history, before, after["policy"]

@@ -37,7 +37,7 @@ def test_embodied_cartpole_weights(cluster, tmp_path):
     runner = EmbodiedRunner(cfg, cluster)
     try:
         history = runner.train()
-        states = runner.actor.call("state").wait()
+        states = runner.groups["actor"].call("state").wait()
     finally:
         runner.close()
     assert len(history) == 2
@@ -55,7 +55,7 @@ def test_reasoning_tiny_weights(cluster, tmp_path):
     runner = ReasoningRunner(cfg, cluster)
     try:
         runner.train()
-        hashes = runner.actor.weights_hash().wait()
+        hashes = runner.groups["actor"].weights_hash().wait()
     finally:
         runner.close()
     assert hashes == [REASONING]

@@ -63,7 +63,9 @@ def test_without_auto_reset_chunks_skip_done_envs():
 
 def _check(overrides, env_ranks=1, actor_ranks=1, stages=1):
     cfg = load_config("embodied/grpo_cartpole", overrides)
-    check_algorithm(cfg, Layout.build(cfg.env.num_envs, env_ranks, 1, actor_ranks, stages, cfg.policy.chunk))
+    check_algorithm(cfg)
+    if cfg.algorithm.name == "grpo":
+        Layout.build(cfg.env.num_envs, env_ranks, 1, actor_ranks, stages, cfg.policy.chunk).check_groups(cfg.env.group_size)
 
 
 def test_grpo_config_errors():
@@ -82,14 +84,14 @@ def test_grpo_config_errors():
     with pytest.raises(ValueError, match="set algorithm.norm_adv=false"):
         _check(["algorithm.norm_adv=true"])
     # PPO keeps accepting grouped seeds
-    cfg = load_config("embodied/ppo_cartpole", ["env.group_size=4"])
-    check_algorithm(cfg, Layout.build(8, 1, 1, 1, 1, 1))
+    check_algorithm(load_config("embodied/ppo_cartpole", ["env.group_size=4"]))
 
 
 @pytest.mark.parametrize("preset", [p for p in presets() if p.startswith("embodied/")])
 def test_embodied_presets_load_and_validate(preset):
     cfg = load_config(preset)
-    check_algorithm(cfg, Layout.build(cfg.env.num_envs, 1, 1, 1, cfg.runner.stages, cfg.policy.chunk))
+    check_algorithm(cfg)
+    Layout.build(cfg.env.num_envs, 1, 1, 1, cfg.runner.stages, cfg.policy.chunk)
 
 
 # ------------------------------------------------------------------ training

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from m2flow.config import load_config
-from m2flow.runners.reasoning import ReasoningRunner, check_config, placement_config
+from m2flow.runners.checks import check_config
+from m2flow.runners.reasoning import ReasoningRunner
 
 PRESET = "reasoning/grpo_arith_tiny"
 
@@ -48,27 +49,14 @@ def test_inert_rows_are_those_of_zero_advantage_under_a_loss_of_the_advantage_al
     assert inert(skip_inert_rows=False) == [False] * 6
 
 
-def test_placements_by_mode():
-    cfg = load_config(PRESET)
-    collocated = placement_config(cfg.placement, 2, "cpu")
-    assert collocated["actor"] == {"devices": "0-1", "devices_per_proc": 2} == collocated["rollout"]
-    pipelined = placement_config(load_config(PRESET, ["placement.mode=pipelined"]).placement, 4, "cuda")
-    assert pipelined["rollout"] == "0-1" and pipelined["actor"] == "2-3"
-    assert pipelined["inference"] == {"devices": "2-3", "devices_per_proc": 2}  # one rank: the stream stays in order
-    hybrid = placement_config(load_config(PRESET, ["placement.mode=hybrid"]).placement, 2, "cpu")
-    assert hybrid["rollout"] == "0-0" and hybrid["actor"] == "0-1"  # an actor rank per slot, one beside the rollout
-    with pytest.raises(ValueError, match="pipelined needs >= 2 devices"):
-        placement_config(load_config(PRESET, ["placement.mode=pipelined"]).placement, 1, "cpu")
-
-
 def _train(cluster, tmp_path, *overrides):
     cfg = load_config(PRESET, [f"runner.out_dir={tmp_path}", "runner.progress=false", *overrides])
     runner = ReasoningRunner(cfg, cluster=cluster)
     try:
         history = runner.train()
-        hashes = [runner.actor.weights_hash().wait()[0], *runner.rollout.weights_hash().wait()]
+        hashes = [runner.groups["actor"].weights_hash().wait()[0], *runner.groups["rollout"].weights_hash().wait()]
         if cfg.algorithm.old_logprobs == "recompute":
-            hashes += runner.inference.weights_hash().wait()
+            hashes += runner.groups["inference"].weights_hash().wait()
     finally:
         runner.close()
     return history, hashes
@@ -86,7 +74,7 @@ def _reward_gain(history):
 # greedy held-out reward goes from 0 to 1. The overrides add each case's mechanics.
 LEARNING = {
     "grpo-collocated": ("placement.mode=collocated", "algorithm.old_logprobs=recompute"),
-    "grpo-pipelined": ("placement.mode=pipelined", "algorithm.old_logprobs=recompute"),
+    "grpo-disaggregated": ("placement.mode=disaggregated", "algorithm.old_logprobs=recompute"),
     # streamed: group-local advantages, one pass; dynamic sampling and the overlong penalty
     # (factor 0.1: at 1 the penalty for hitting max_new_tokens, not the digits, drives the run)
     "dr_grpo": ("algorithm.name=dr_grpo", "algorithm.loss_agg=seq-mean-token-sum-norm", "algorithm.dynamic_sampling=true",
@@ -96,7 +84,7 @@ LEARNING = {
                             "algorithm.epochs=2", "algorithm.mini_batches=2", "placement.mode=hybrid"),
     # pipelined, each step's rollout generated while the actor trains on the previous one
     "rloo-pipelined-ahead": ("algorithm.name=rloo", "algorithm.dual_clip=3.0", "algorithm.entropy_coef=0.01",
-                             "placement.mode=pipelined", "runner.collect_ahead=true", "algorithm.old_logprobs=recompute"),
+                             "placement.mode=disaggregated", "runner.collect_ahead=true", "algorithm.old_logprobs=recompute"),
     # the 2 hybrid actor ranks shard weights, gradients and optimizer state (FSDP)
     "grpo-hybrid-fsdp": ("algorithm.name=grpo", "placement.mode=hybrid", "algorithm.data_parallel=fsdp",
                          "algorithm.mini_batches=2"),

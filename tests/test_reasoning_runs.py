@@ -58,11 +58,11 @@ def run(cluster, out_dir, source, *overrides):
             return call(method, *args, **kwargs)
         return record
 
-    runner.rollout.call, runner.reward.call = recording(runner.rollout), recording(runner.reward)
+    runner.groups["rollout"].call, runner.groups["reward"].call = recording(runner.groups["rollout"]), recording(runner.groups["reward"])
     try:
-        before = runner.actor.weights_hash().wait()
+        before = runner.groups["actor"].weights_hash().wait()
         history = runner.train()
-        after = runner.actor.weights_hash().wait()
+        after = runner.groups["actor"].weights_hash().wait()
         split = runner.train_prompts, runner.test_prompts
     finally:
         runner.close()

@@ -35,7 +35,7 @@ from m2flow.engines import build_engine
 from m2flow.engines.training import named_weights, weights_hash
 from m2flow.engines.vllm_engine import WORKER_EXTENSION, VLLMEngine, WorkerExtension, hf_named_weights
 from m2flow.models.lm import load_lm
-from m2flow.runners.reasoning import check_config
+from m2flow.runners.checks import check_config
 from m2flow.workers.lm_rollout import LMRolloutWorker, engine_options
 
 PRESET = "reasoning/grpo_arith_tiny"

@@ -1,247 +1,104 @@
 """Embodied RL: env workers, rollout workers and a PPO actor, as one short loop.
 
-The loop in ``step`` is the same in every placement mode; the placement (from config
-alone) decides whether the components take turns on shared devices (collocated) or run
-on their own devices and stream to each other (disaggregated, hybrid).
+The loop in ``step`` is the same whatever the Plan: collocated, the components take turns on
+shared devices (and the rollout runs inside the env workers' processes); disaggregated or
+hybrid, they run on devices of their own and stream to each other. A step's data flow:
+
+    env.interact --obs--> rollout.act --actions--> env ... (runner.rollout_steps per env)
+    env --trajectories channel--> actor.train --weights--> rollout (next step)
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.envs import make_env
-from m2flow.runners.metrics import MetricsLogger
-from m2flow.runtime import Channel, Cluster, DeviceLock, Placement, WorkerGroup
-from m2flow.runtime.group import start_together, wait
+from m2flow.flow import Workflow
+from m2flow.runners.base import Runner
+from m2flow.runners.metrics import EmbodiedMetrics, RunLog
+from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.env import EnvWorker
 from m2flow.workers.layout import Layout
 from m2flow.workers.rollout import RolloutWorker
 
-COMPONENTS = ("env", "rollout", "actor")
+WORKFLOW = Workflow(
+    "embodied", components=("env", "rollout", "actor"), makers=("env", "rollout"), trainer="actor",
+    channels=("trajectories",), fusable=("env", "rollout"),
+    # disaggregated: the envs on all devices but two, the rollout and the actor on one each;
+    # hybrid: env and rollout split the devices, the actor spans them all.
+    splits={"disaggregated": ((("env",), None), (("rollout",), 1), (("actor",), 1)),
+            "hybrid": ((("env",), 0.5), (("rollout",), None))})
 
 
-def placement_config(cfg: DictConfig, num_devices: int) -> dict[str, Any]:
-    """Device ranges per component for a placement mode.
+class EmbodiedRunner(Runner):
+    workflow = WORKFLOW
+    workers = {"env": EnvWorker, "rollout": RolloutWorker, "actor": ActorWorker}
+    stateful = ("env", "rollout", "actor")
 
-    collocated: all three on every device; disaggregated: env, rollout and actor on
-    disjoint devices (needs three or more); hybrid: env and rollout split the devices,
-    the actor spans all of them; custom: ``placement.components`` as given.
-    ``actor_devices_per_proc > 1`` makes each actor rank span that many of its devices.
-    """
-    ranges = _mode_ranges(cfg, num_devices)
-    span = cfg.get("actor_devices_per_proc", 1)
-    if span > 1 and isinstance(ranges["actor"], str):  # one actor rank over several devices: no all-reduce
-        ranges["actor"] = {"devices": ranges["actor"], "devices_per_proc": span}
-    return ranges
-
-
-def _mode_ranges(cfg: DictConfig, num_devices: int) -> dict[str, Any]:
-    mode, last = cfg.mode, num_devices - 1
-    if mode == "custom":
-        given = OmegaConf.to_container(cfg.components, resolve=True)
-        missing = [c for c in COMPONENTS if given.get(c) is None]
-        if missing:
-            raise ValueError(f"placement.mode=custom needs placement.components for {missing}")
-        return given
-    if mode == "collocated":
-        return {c: f"0-{last}" for c in COMPONENTS}
-    if mode == "disaggregated":
-        if num_devices < 3:
-            raise ValueError(f"placement.mode=disaggregated needs >= 3 devices, the cluster has {num_devices} "
-                             "(set cluster.cpu_slots=3 to run it on fewer cores)")
-        return {"env": f"0-{last - 2}", "rollout": str(last - 1), "actor": str(last)}
-    if mode == "hybrid":
-        if num_devices < 2:
-            raise ValueError("placement.mode=hybrid needs >= 2 devices")
-        half = num_devices // 2
-        return {"env": f"0-{half - 1}", "rollout": f"{half}-{last}", "actor": f"0-{last}"}
-    raise ValueError(f"unknown placement.mode {mode!r}: collocated | disaggregated | hybrid | custom")
-
-
-def check_algorithm(cfg: DictConfig, layout: Layout) -> None:
-    """Config errors that would otherwise surface deep inside a worker, or not at all.
-
-    GRPO compares the episodes of a group of ``env.group_size`` envs that start from the same
-    seed, one episode per env and rollout window: a group must sit whole in one env batch
-    (stage) and in one actor rank's share. ``runner.rollout_steps`` should cover the task's
-    horizon; an episode still running at the window's end is cut there and scored with its
-    partial return.
-    """
-    name, k = cfg.algorithm.name, cfg.env.get("group_size", 1)
-    if name not in ("ppo", "grpo"):
-        raise ValueError(f"unknown algorithm.name {name!r}: ppo | grpo")
-    if name == "ppo":
-        return
-    if k < 2:
-        raise ValueError(f"algorithm.name=grpo needs env.group_size > 1 (envs compared from the same seed), got {k}")
-    if cfg.env.num_envs % k:
-        raise ValueError(f"algorithm.name=grpo: env.num_envs={cfg.env.num_envs} is not a multiple of env.group_size={k}")
-    if layout.envs_per_stage % k:
-        raise ValueError(f"algorithm.name=grpo: a group of env.group_size={k} envs must sit in one env batch, but each has "
-                         f"{layout.envs_per_stage} (env.num_envs / {layout.env_ranks} env rank(s) / runner.stages={layout.stages})")
-    share = layout.envs_per_rank // layout.actor_ranks
-    if share % k:
-        raise ValueError(f"algorithm.name=grpo: each of the {layout.actor_ranks} actor ranks trains on {share} envs of every "
-                         f"env rank, not a multiple of env.group_size={k}")
-    if cfg.algorithm.get("norm_adv", False):
-        raise ValueError("algorithm.name=grpo: its advantages are already normalised within each group; "
-                         "set algorithm.norm_adv=false")
-
-
-class EmbodiedRunner:
-    def __init__(self, cfg: DictConfig, cluster: Cluster | None = None):
-        self.cfg = cfg
-        c = cfg.cluster
-        self._own_cluster = cluster is None
-        self.cluster = cluster or Cluster(c.address, num_cpus=c.num_cpus, cpu_slots=c.cpu_slots)
-        self.placement = Placement.from_config(placement_config(cfg.placement, len(self.cluster.devices)), self.cluster)
+    def prepare(self) -> None:
+        cfg = self.cfg
+        check_algorithm(cfg)
         probe = make_env(cfg.env.id, **OmegaConf.to_container(cfg.env.kwargs))
-        spaces = (probe.observation_space, probe.action_space)
+        self.spaces = (probe.observation_space, probe.action_space)
         probe.close()
-        self.layout = Layout.build(cfg.env.num_envs, *(self.placement[n].world_size for n in COMPONENTS),
-                                   cfg.runner.stages, cfg.policy.chunk)
-        check_algorithm(cfg, self.layout)
-        plain = OmegaConf.to_container(cfg, resolve=True)
-        run = uuid.uuid4().hex[:6]
-        self.names = {n: f"{n}-{run}" for n in COMPONENTS}
-        shared = self.placement.mode != "disaggregated"  # components that share devices take turns
-        # Lock actors live as long as the process that made them: the driver.
-        locks = DeviceLock([d.index for d in self.cluster.devices], holder="driver") if shared else None
-        # Env and rollout on the same devices, rank for rank: fuse them, the rollout then runs
-        # inside each env worker's process (no message per step). The loop below is unchanged:
-        # the rollout's calls go to the same workers.
-        env_ranks, rollout_ranks = self.placement["env"].ranks(), self.placement["rollout"].ranks()
-        self.fused = bool(cfg.placement.get("fuse", True)) and [r.devices for r in env_ranks] == [r.devices for r in rollout_ranks]
-        if self.fused:
-            self.env = WorkerGroup(EnvWorker, self.placement["env"], args=(plain, self.layout, spaces, shared),
-                                   name=self.names["env"], wait=False)
-            self.rollout, self.names["rollout"] = self.env, self.names["env"]
-        else:
-            self.env = WorkerGroup(EnvWorker, self.placement["env"], args=(plain, self.layout), name=self.names["env"],
-                                   wait=False)
-            self.rollout = WorkerGroup(RolloutWorker, self.placement["rollout"], args=(plain, self.layout, *spaces, shared),
-                                       name=self.names["rollout"], wait=False)
-        self.actor = WorkerGroup(ActorWorker, self.placement["actor"], args=(plain, self.layout, *spaces, shared),
-                                 name=self.names["actor"], wait=False)
-        self.trajectories = Channel.create(f"trajectories-{run}")
-        start_together(*self.groups, channels=[self.trajectories], locks=locks)  # processes start in parallel
+        self.layout = Layout.build(cfg.env.num_envs, *(self.plan.world_size(c) for c in self.components),
+                                   self.plan.stages, cfg.policy.chunk)
+        if cfg.algorithm.name == "grpo":
+            self.layout.check_groups(cfg.env.group_size)
+        self.plain = OmegaConf.to_container(cfg, resolve=True)
         self.steps_per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
-        self.total_updates = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)
-        self.collecting: tuple | None = None  # a rollout started ahead of its update (runner.collect_ahead)
+        self.total = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)
+        self.metrics = EmbodiedMetrics(self.total * self.steps_per_update)
 
-    def sync_weights(self) -> float:
-        """Actor rank 0 broadcasts versioned weights to every rollout rank."""
-        start = time.perf_counter()
-        wait(self.actor.call("push_weights", self.names["rollout"], ranks=[0]),
-             self.rollout.pull_weights(self.names["actor"]))
-        return time.perf_counter() - start
+    def worker_args(self, component: str, take_turns: bool) -> tuple:
+        if component == "env":  # fused, the env workers run the rollout's policy too
+            return (self.plain, self.layout, self.spaces, take_turns) if self.fused else (self.plain, self.layout)
+        return self.plain, self.layout, *self.spaces, take_turns
 
-    def collect(self) -> tuple:
-        """Starts one rollout: env and rollout stream trajectories into the channel."""
-        steps = self.cfg.runner.rollout_steps
-        return self.env.interact(self.names["rollout"], self.trajectories, steps), self.rollout.act(self.names["env"], steps)
+    def launch(self, key: int) -> dict[str, GroupHandle]:
+        """One rollout: env and rollout step together and stream trajectories into the channel."""
+        steps, env, rollout = self.cfg.runner.rollout_steps, self.groups["env"], self.groups["rollout"]
+        return {"env": env.interact(rollout.name, self.channels["trajectories"], steps),
+                "rollout": rollout.act(env.name, steps)}
 
-    def step(self, update: int, collect_next: bool = False) -> dict[str, Any]:
+    def step(self, i: int, ahead: bool = False) -> dict[str, Any]:
         """One PPO update: the macro flow. Returns what each component reported.
 
         On-policy, the rollout and the actor's training (which starts on the trajectories as
-        they stream in) make up the step. With ``collect_next``, the next update's rollout
-        runs with this update's starting weights while the actor trains (its data is then
-        one version old, which the PPO ratio accounts for)."""
-        if self.collecting is None:  # nothing collected ahead: the first update, or the one after a pause
-            sync_s, collecting = self.sync_weights(), self.collect()
-            ahead = self.collect() if collect_next else None  # the same weights: it queues behind this one
-        else:
-            collecting, sync_s = self.collecting, 0.0
-            wait(*collecting)  # the rollout workers are free again: they can take the new weights
-            if collect_next:
-                sync_s = self.sync_weights()
-            ahead = self.collect() if collect_next else None
-        training = self.actor.train(self.trajectories, update, self.total_updates)
-        env, rollout, actor = wait(*collecting, training)
-        self.collecting = ahead
-        return {"env": env, "rollout": rollout, "actor": actor, "weight_sync_s": sync_s}
+        they stream in) make up the step. With ``ahead``, the next update's rollout runs with
+        this update's starting weights while the actor trains (its data is then one version
+        old, which the PPO ratio accounts for)."""
+        _, collecting, sync = self.stream(ahead)
+        training = self.groups["actor"].train(self.channels["trajectories"], i, self.total)
+        env, rollout, actor = wait(collecting["env"], collecting["rollout"], training)
+        return {"env": env, "rollout": rollout, "actor": actor, "sync": sync}
 
-    def train(self) -> list[dict[str, float]]:
-        r = self.cfg.runner
-        logger = MetricsLogger(r.out_dir, total_env_steps=self.total_updates * self.steps_per_update, progress=r.progress)
-        try:
-            return self._train(logger)
-        finally:
-            logger.close()
+    def stop_early(self, row: dict[str, float], log: RunLog) -> bool:
+        target = self.cfg.runner.target_return
+        if target is None or not row["episodes"] or row["episode_return"] < target:
+            return False
+        log.note(f"mean return {row['episode_return']:.1f} >= {target} after {row['env_steps']} env steps")
+        return True
 
-    def _train(self, logger: MetricsLogger) -> list[dict[str, float]]:
-        r = self.cfg.runner
-        first = self.resume(r.resume, logger) if r.get("resume") else 0
-        logger.note(self.cluster.describe() + "\n" + self.placement.describe()
-                    + ("\nrollout fused into the env workers (same devices)" if self.fused else "")
-                    + f"\nstages={r.stages}, updates {first}-{self.total_updates - 1} of {self.steps_per_update} env steps")
-        start = time.perf_counter()
-        for update in range(first, self.total_updates):
-            t0 = time.perf_counter()
-            saving = bool(r.checkpoint_every) and (update + 1) % r.checkpoint_every == 0
-            # A checkpoint holds no trajectories in flight: nothing is collected past it.
-            ahead = bool(r.get("collect_ahead")) and update + 1 < self.total_updates and not saving
-            report = self.step(update, collect_next=ahead)
-            row = logger.log_update(update, report, time.perf_counter() - t0, time.perf_counter() - start)
-            done = update + 1 == self.total_updates
-            if r.get("target_return") is not None and row["episodes"] and row["episode_return"] >= r.target_return:
-                logger.note(f"mean return {row['episode_return']:.1f} >= {r.target_return} after {row['env_steps']} env steps")
-                done = True
-            if done and self.collecting is not None:  # stopped early: the rollout ahead goes untrained
-                wait(*self.collecting)
-                self.collecting = None
-            if done or saving:
-                self.checkpoint(update + 1, logger)
-            if done:
-                break
-        return logger.history
+    def describe(self, first: int) -> str:
+        return (f"stages={self.plan.stages}, updates {first}-{self.total - 1} of {self.steps_per_update} env steps"
+                + ("; the rollout runs in the env workers (same devices)" if self.fused else ""))
 
-    # -- checkpoints -----------------------------------------------------------------
-    def checkpoint(self, updates_done: int, logger: MetricsLogger) -> Path:
-        """Saves every rank's state: simulators mid-episode, sampling RNGs, weights and
-        optimizer, so that a resumed run continues exactly as an uninterrupted one."""
-        if self.fused:  # the env workers' state includes the rollout's
-            (env, actor), rollout = wait(self.env.state(), self.actor.state()), None
-        else:
-            env, rollout, actor = wait(self.env.state(), self.rollout.state(), self.actor.state())
-        path = Path(self.cfg.runner.out_dir) / "checkpoints" / f"update_{updates_done:06d}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"updates_done": updates_done, "env_steps": logger.env_steps, "last_return": logger.last_return,
-                    "last_success": logger.last_success,
-                    "env": env, "rollout": rollout, "actor": actor,
-                    "config": OmegaConf.to_container(self.cfg, resolve=True)}, path)
-        return path
 
-    def resume(self, path: str, logger: MetricsLogger) -> int:
-        """Loads a checkpoint written by ``checkpoint``; returns the first update to run."""
-        ckpt = torch.load(path, weights_only=False)
-        if (ckpt["rollout"] is None) != self.fused:
-            raise ValueError(f"checkpoint {path} was written with placement.fuse={ckpt['rollout'] is None}: resume the same way")
-        groups = [("env", self.env), ("actor", self.actor)] + ([] if self.fused else [("rollout", self.rollout)])
-        for name, group in groups:
-            if len(ckpt[name]) != group.world_size:
-                raise ValueError(f"checkpoint {path} has {len(ckpt[name])} {name} rank(s), this placement has "
-                                 f"{group.world_size}: resume with the same placement")
-        wait(*(group.load_state(ckpt[name]) for name, group in groups))
-        logger.resume(ckpt["env_steps"], ckpt["last_return"], ckpt["last_success"])
-        return ckpt["updates_done"]
-
-    @property
-    def groups(self) -> list[WorkerGroup]:
-        """The distinct worker groups (fused, env and rollout are one)."""
-        return list({id(g): g for g in (self.env, self.rollout, self.actor)}.values())
-
-    def close(self) -> None:
-        self.trajectories.destroy()
-        for g in self.groups:
-            g.shutdown()
-        if self._own_cluster:
-            self.cluster.shutdown()
+def check_algorithm(cfg: DictConfig) -> None:
+    """Config errors of the embodied algorithms that need no placement."""
+    name = cfg.algorithm.name
+    if name not in ("ppo", "grpo"):
+        raise ValueError(f"unknown algorithm.name {name!r}: ppo | grpo")
+    if name == "grpo" and cfg.env.group_size < 2:
+        raise ValueError(f"algorithm.name=grpo needs env.group_size > 1 (envs compared from the same seed), "
+                         f"got {cfg.env.group_size}")
+    if name == "grpo" and cfg.env.num_envs % cfg.env.group_size:
+        raise ValueError(f"algorithm.name=grpo: env.num_envs={cfg.env.num_envs} is not a multiple of "
+                         f"env.group_size={cfg.env.group_size}")
+    if name == "grpo" and cfg.algorithm.norm_adv:
+        raise ValueError("algorithm.name=grpo: its advantages are already normalised within each group; "
+                         "set algorithm.norm_adv=false")

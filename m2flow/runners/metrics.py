@@ -1,6 +1,8 @@
 """Per-update metrics: a progress bar, CSV, TensorBoard, and a learning curve at the end.
 
-Logged every update (``metrics.csv`` columns and TensorBoard scalars):
+``RunLog`` writes the rows; each flow's metrics class turns a step's reports into a row. The
+reasoning flow's columns are listed in docs/reasoning.md; the embodied flow's, logged every
+update (``metrics.csv`` columns and TensorBoard scalars):
 
   env_steps            env steps so far (all envs; a chunk counts the actions it ran)
   time_s / update_s    wall time since the start / of this update (incl. weight sync)
@@ -107,22 +109,25 @@ class RunLog:
         return path
 
 
-class MetricsLogger(RunLog):
-    """The embodied flow's columns (module docstring), against env steps."""
+class EmbodiedMetrics:
+    """The embodied flow's rows (module docstring), against env steps."""
 
-    def __init__(self, out_dir: str | Path, total_env_steps: int, progress: bool = True):
-        super().__init__(out_dir, total_env_steps, x="env_steps", y="episode_return", progress=progress)
+    x, y, x_name = "env_steps", "episode_return", "update"
+
+    def __init__(self, progress_total: int):
+        self.progress_total = progress_total
         self.env_steps = self.start_steps = 0
         self.last_return = self.last_success = math.nan
 
-    def resume(self, env_steps: int, last_return: float, last_success: float = math.nan) -> None:
-        """Continues a run: keeps the rows already in metrics.csv (up to ``env_steps``) and
-        counts throughput from the steps this process adds."""
-        self.history = [row for row in self.read_csv() if row["env_steps"] <= env_steps]
-        self.env_steps = self.start_steps = env_steps
-        self.last_return, self.last_success = last_return, last_success
+    def state_dict(self) -> dict[str, float]:
+        return {"env_steps": self.env_steps, "last_return": self.last_return, "last_success": self.last_success}
 
-    def log_update(self, update: int, report: dict[str, Any], update_s: float, time_s: float) -> dict[str, float]:
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Continues a run: throughput counts the steps this process adds."""
+        self.env_steps = self.start_steps = state["env_steps"]
+        self.last_return, self.last_success = state["last_return"], state["last_success"]
+
+    def row(self, update: int, report: dict[str, Any], update_s: float, time_s: float) -> dict[str, float]:
         env, rollout, actor = report["env"], report["rollout"], report["actor"]
         self.env_steps += sum(e["env_steps"] for e in env)
         episodes = [ep for e in env for ep in e["episodes"]]
@@ -135,7 +140,7 @@ class MetricsLogger(RunLog):
             "update": update, "env_steps": self.env_steps, "time_s": time_s, "update_s": update_s,
             "env_steps_per_s": (self.env_steps - self.start_steps) / time_s, "episode_return": self.last_return,
             "episode_length": sum(n for _, n, _ in episodes) / len(episodes) if episodes else math.nan,
-            "episodes": len(episodes), "weight_sync_s": report["weight_sync_s"],
+            "episodes": len(episodes), "weight_sync_s": report["sync"]["weight_sync_s"],
         }
         if not math.isnan(self.last_success):
             row["success_rate"] = self.last_success
@@ -143,5 +148,56 @@ class MetricsLogger(RunLog):
         for name, ranks in (("env", env), ("rollout", rollout), ("actor", actor)):
             for k in ("busy_s", "idle_s"):
                 row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
+        return row
+
+    def summary(self, row: dict[str, float]) -> str:
         success = "" if math.isnan(self.last_success) else f"  success {self.last_success:.2f}"
-        return self.record(row, f"{row['env_steps_per_s']:,.0f} steps/s  return {self.last_return:.1f}{success}")
+        return f"{row['env_steps_per_s']:,.0f} steps/s  return {self.last_return:.1f}{success}"
+
+
+class ReasoningMetrics:
+    """The reasoning flow's rows (documented in docs/reasoning.md), against steps."""
+
+    x, y, x_name = "step", "eval_reward", "step"
+
+    def __init__(self, progress_total: int):
+        self.progress_total = progress_total
+
+    def state_dict(self) -> dict[str, float]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        pass
+
+    def summary(self, row: dict[str, float]) -> str:
+        return f"reward {row['reward']:.3f}  {row['step_s']:.1f} s/step"
+
+    def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
+        """The metrics of step ``i + 1`` (steps count from 1; row 0 is the evaluation before training)."""
+        rollout, (reward,), (inference,), actor = report["rollout"], report["reward"], report["inference"], report["actor"]
+        row: dict[str, float] = {"step": i + 1, "time_s": time_s, "step_s": step_s}
+        row |= {k: v for k, v in reward.items() if k not in ("busy_s", "idle_s")}
+        completions = max(1, sum(r["completions"] for r in rollout))
+        row["completion_tokens"] = sum(r["completion_tokens"] for r in rollout)
+        row["completion_length"] = row["completion_tokens"] / completions
+        row["truncated"] = sum(r["truncated"] for r in rollout) / completions
+        row["rollout_tokens_per_s"] = row["completion_tokens"] / max(max(r["busy_s"] for r in rollout), 1e-9)
+        skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
+                "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows")
+        row |= {k: v for k, v in actor[0].items() if k not in skip}
+        row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
+        row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
+        if "logprob_diff_max" in inference:
+            row["logprob_diff_max"] = inference["logprob_diff_max"]
+        row |= {k: report["sync"][k] if k in report["sync"] else 0.0 for k in ("weight_sync_s", "weight_mb")}
+        parts = [("rollout", rollout), ("reward", [reward]), ("inference", [inference]), ("actor", actor)]
+        if "critic" in report:
+            (critic,) = report["critic"]
+            row |= {k: v for k, v in critic.items() if k not in ("busy_s", "idle_s", "peak_memory_mb")}
+            parts.append(("critic", [critic]))
+        for name, ranks in parts:
+            for k in ("busy_s", "idle_s"):
+                row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
+            if "peak_memory_mb" in ranks[0]:
+                row[f"{name}_peak_memory_mb"] = max(r["peak_memory_mb"] for r in ranks)
+        return row

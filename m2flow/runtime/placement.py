@@ -60,15 +60,12 @@ class ComponentPlacement:
         return out
 
 
-def parse_devices(spec: str | int, cluster: Cluster, component: str = "?") -> tuple[Device, ...]:
-    """Resolves a device-range string against the cluster; errors name the component."""
-    text = str(spec).strip()
-    group = "all"
+def parse_range(spec: str | int, component: str = "?") -> tuple[str, list[int]]:
+    """``"sim:0-2,4"`` -> ``("sim", [0, 1, 2, 4])``: the device group (``"all"`` without a
+    prefix) and the indices within it, in order; errors name the component."""
+    text, group = str(spec).strip(), "all"
     if ":" in text:
         group, text = (s.strip() for s in text.split(":", 1))
-        if group not in cluster.node_groups:
-            raise PlacementError(f"component {component!r}: unknown device group {group!r} in {spec!r}; known: {sorted(cluster.node_groups)}")
-    pool = cluster.group_devices(group)
     indices: list[int] = []
     for part in text.split(","):
         m = _RANGE.match(part)
@@ -77,14 +74,23 @@ def parse_devices(spec: str | int, cluster: Cluster, component: str = "?") -> tu
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise PlacementError(f"component {component!r}: empty device range {part.strip()!r} in {spec!r}")
-        if hi >= len(pool):
-            raise PlacementError(
-                f"component {component!r}: device range {spec!r} reaches device {hi}, "
-                f"but group {group!r} has {len(pool)} device(s) (0-{len(pool) - 1})"
-            )
         indices.extend(range(lo, hi + 1))
     if len(set(indices)) != len(indices):
         raise PlacementError(f"component {component!r}: device range {spec!r} names a device twice")
+    return group, indices
+
+
+def parse_devices(spec: str | int, cluster: Cluster, component: str = "?") -> tuple[Device, ...]:
+    """Resolves a device-range string against the cluster; errors name the component."""
+    group, indices = parse_range(spec, component)
+    if group not in cluster.node_groups:
+        raise PlacementError(f"component {component!r}: unknown device group {group!r} in {spec!r}; known: {sorted(cluster.node_groups)}")
+    pool = cluster.group_devices(group)
+    if max(indices) >= len(pool):
+        raise PlacementError(
+            f"component {component!r}: device range {spec!r} reaches device {max(indices)}, "
+            f"but group {group!r} has {len(pool)} device(s) (0-{len(pool) - 1})"
+        )
     return tuple(pool[i] for i in indices)
 
 

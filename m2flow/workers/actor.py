@@ -52,9 +52,10 @@ class ActorWorker(Worker):
             self.init_process_group("gloo")  # the policy and its gradients live on the CPU
 
     # -- weights ----------------------------------------------------------------------
-    def push_weights(self, rollout_group: str) -> int:
-        """Broadcasts the current weights, tagged with their version, to every rollout rank."""
-        self.broadcast({"weights": self.policy.state_dict(), "version": self.version}, (self.group, self.rank), rollout_group)
+    def push_weights(self, groups: list[str]) -> int:
+        """Broadcasts the current weights, tagged with their version, to every rank of each group."""
+        for group in groups:
+            self.broadcast({"weights": self.policy.state_dict(), "version": self.version}, (self.group, self.rank), group)
         return self.version
 
     def state(self) -> dict[str, Any]:

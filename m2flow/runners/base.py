@@ -1,0 +1,297 @@
+"""What every flow shares: its Plan, cluster, worker groups, channels and device locks; the
+train loop with progress, metrics, evaluation, checkpoints and resume; weight sync; and the
+stream launched ahead of training (``Plan.run_ahead``).
+
+A flow subclasses ``Runner`` with its ``Workflow``, a ``{component: worker class}`` table,
+its metrics, and ``launch`` (start one step's data stream) and ``step`` (one update).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from m2flow.flow import Plan, Workflow
+from m2flow.runners.metrics import RunLog
+from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
+from m2flow.runtime.group import GroupHandle, start_together, wait
+
+NO_SYNC = {"weight_sync_s": 0.0}
+
+
+class Runner:
+    workflow: ClassVar[Workflow]
+    workers: ClassVar[dict[str, type]]  # component -> worker class
+    light: ClassVar[tuple[str, ...]] = ()  # components that hold no model: they never take device turns
+    stateful: ClassVar[tuple[str, ...]] = ()  # components whose state a checkpoint holds
+    prefetch: ClassVar[dict[str, int]] = {}  # channel -> items a reader takes ahead (default: the channel's)
+
+    def __init__(self, cfg: DictConfig, cluster: Cluster | None = None):
+        self.cfg = cfg
+        self.components = self.components_of(cfg)
+        self._own_cluster = cluster is None
+        # On an embedded Ray the devices are known before it starts: a plan or config that
+        # cannot run fails before any process does.
+        known = (len(cluster.devices), cluster.device_kind) if cluster else local_devices(cfg.cluster)
+        if known:
+            self.plan = self._plan(*known)
+            self.prepare()
+        self.cluster = cluster or Cluster(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
+                                          cpu_slots=cfg.cluster.cpu_slots)
+        try:
+            if not known:
+                self.plan = self._plan(len(self.cluster.devices), self.cluster.device_kind)
+                self.prepare()
+            self._start()
+        except BaseException:
+            if self._own_cluster:
+                self.cluster.shutdown()
+            raise
+        self.updates = 0  # steps that train (each changes the weights a sync sends)
+        self.synced: int | None = None  # ``updates`` at the last weight sync (None: never synced)
+        self.streams = 0  # data streams launched: each is keyed by its number
+        self.ahead: tuple[int, dict[str, GroupHandle]] | None = None  # a stream launched ahead of its step
+
+    def _plan(self, num_devices: int, kind: str) -> Plan:
+        plan = plan_of(self.cfg, self.workflow, num_devices, kind, self.components)
+        plan.check(self.workflow, num_devices, self.components)
+        return plan
+
+    def _start(self) -> None:
+        self.placement = self.plan.placement(self.cluster)
+        self.fused = self.plan.fused(self.workflow, self.placement)
+        run = uuid.uuid4().hex[:6]
+        host = {self.workflow.fusable[1]: self.workflow.fusable[0]} if self.fused else {}
+        processes = [c for c in self.components if c not in host]
+        devices = {c: self.placement[c].device_indices for c in processes}
+        heavy = [c for c in processes if c not in self.light]
+        turns = {c: c in heavy and any(devices[c] & devices[m] for m in heavy if m != c) for c in processes}
+        # Lock actors live as long as the process that made them: the driver.
+        locks = DeviceLock(sorted(set().union(*devices.values())), holder="driver") if any(turns.values()) else None
+        self.groups: dict[str, WorkerGroup] = {}
+        for c in processes:  # the groups start their processes in parallel
+            self.groups[c] = WorkerGroup(self.workers[c], self.placement[c], args=self.worker_args(c, turns[c]),
+                                         name=f"{c}-{run}", wait=False)
+        for c, h in host.items():  # a fused component's calls go to its host's processes
+            self.groups[c] = self.groups[h]
+        self.channels = {ch: Channel.create(f"{ch}-{run}", **({"prefetch": self.prefetch[ch]} if ch in self.prefetch else {}))
+                         for ch in self.channels_of()}
+        start_together(*self.distinct_groups, channels=list(self.channels.values()), locks=locks)
+
+    # -- what a flow defines ------------------------------------------------------------
+    def components_of(self, cfg: DictConfig) -> tuple[str, ...]:
+        return self.workflow.components
+
+    def channels_of(self) -> tuple[str, ...]:
+        return self.workflow.channels
+
+    def prepare(self) -> None:
+        """Work done before any process starts (data, env probes); its errors stop the run early."""
+
+    def worker_args(self, component: str, take_turns: bool) -> tuple:
+        raise NotImplementedError
+
+    def launch(self, key: int) -> dict[str, GroupHandle]:
+        """Starts one step's data stream (keyed ``key``): the calls of the components that make it."""
+        raise NotImplementedError
+
+    def step(self, i: int, ahead: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def receivers(self) -> list[str]:
+        """The components that take the trainer's weights."""
+        return ["rollout"]
+
+    def senders(self) -> list[int] | None:
+        """The trainer ranks that send weights (None: every rank)."""
+        return [0]
+
+    def evaluate(self) -> dict[str, float]:
+        return {}
+
+    def evaluates(self, i: int, last: bool) -> bool:
+        return False
+
+    def stop_early(self, row: dict[str, float], log: RunLog) -> bool:
+        return False
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    # -- weights and streams --------------------------------------------------------------
+    @property
+    def trainer(self) -> WorkerGroup:
+        return self.groups[self.workflow.trainer]
+
+    def sync_weights(self) -> dict[str, Any]:
+        """The trainer sends its weights, tagged with their version, to every rank of each
+        receiver; skipped when they have not changed since the last sync. Only receivers are
+        sent to: a message nobody takes would pin the sender's shared-memory segment."""
+        if self.synced == self.updates:
+            return NO_SYNC
+        start = time.perf_counter()
+        receivers = [self.groups[c] for c in self.receivers()]
+        (pushed, *_), *_ = wait(self.trainer.call("push_weights", [g.name for g in receivers], ranks=self.senders()),
+                                *(g.pull_weights(self.trainer.name) for g in receivers))
+        self.synced = self.updates
+        return (pushed if isinstance(pushed, dict) else {}) | {"weight_sync_s": time.perf_counter() - start}
+
+    def stream(self, ahead: bool) -> tuple[int, dict[str, GroupHandle], dict[str, Any]]:
+        """This step's data stream: launched ahead by the last step, or now after a weight
+        sync. With ``ahead``, the next step's stream is launched too: on the current weights
+        when nothing was ahead (it queues behind this one), else as soon as the receivers are
+        done with this one (the calls of a worker run in order, so waiting costs nothing)
+        and have the weights of the last update: its data is then one version old."""
+        if self.ahead is None:
+            sync, current = self.sync_weights(), self._launch()
+        else:
+            current = self.ahead
+            wait(*(current[1][c] for c in self.receivers() if c in current[1]))
+            sync = self.sync_weights() if ahead else NO_SYNC
+        self.ahead = self._launch() if ahead else None
+        self.updates += 1  # the trainer trains on this stream: the next sync has new weights to send
+        return *current, sync
+
+    def _launch(self) -> tuple[int, dict[str, GroupHandle]]:
+        self.streams += 1
+        return self.streams, self.launch(self.streams)
+
+    def wait_ahead(self) -> None:
+        """Blocks until the stream launched ahead (if any) has run its course: a stream cut
+        short by a stop or a checkpoint is made, then dropped."""
+        if self.ahead is not None:
+            wait(*self.ahead[1].values())
+            self.ahead = None
+
+    # -- the loop ---------------------------------------------------------------------------
+    def train(self) -> list[dict[str, float]]:
+        r = self.cfg.runner
+        log = RunLog(r.out_dir, self.metrics.progress_total, x=self.metrics.x, y=self.metrics.y, progress=r.progress)
+        try:
+            first = self.resume(r.resume, log) if r.resume else 0
+            log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}\n{self.describe(first)}")
+            if first == 0 and self.evaluates(-1, False):
+                log.record({self.metrics.x: 0, "time_s": 0.0, **self.evaluate()}, "evaluated")
+            start = time.perf_counter()
+            for i in range(first, self.total):
+                t0 = time.perf_counter()
+                last = i + 1 == self.total
+                saving = last or (bool(r.checkpoint_every) and (i + 1) % r.checkpoint_every == 0)
+                evaluating = self.evaluates(i, last)
+                # Nothing runs ahead past an evaluation or a checkpoint (which holds no stream in flight).
+                report = self.step(i, ahead=bool(self.plan.run_ahead) and not (saving or evaluating))
+                if i == first and "weight_mb" in report["sync"]:
+                    s = report["sync"]
+                    log.note(f"weights: {s['weight_mb']:.0f} MB in {s['weight_buckets']} bucket(s) by {s['weight_transport']}")
+                row = self.metrics.row(i, report, time.perf_counter() - t0, time.perf_counter() - start)
+                if evaluating:
+                    row |= self.evaluate()
+                log.record(row, self.metrics.summary(row))
+                stop = last or self.stop_early(row, log)
+                if stop:
+                    self.wait_ahead()
+                if stop or saving:
+                    self.checkpoint(i + 1, log)
+                if stop:
+                    break
+            return log.history
+        finally:
+            log.close()
+
+    def describe(self, first: int) -> str:
+        return f"updates {first}-{self.total - 1}"
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def checkpoint(self, done: int, log: RunLog) -> Path:
+        """Every stateful component's state (all ranks), the metrics' running values and the
+        flow's own (data order), so that a resumed run continues exactly as an uninterrupted one."""
+        owned = {c: g for c, g in self._stateful().items() if g is not None}
+        states = dict(zip(owned, wait(*(g.state() for g in owned.values()))))
+        path = Path(self.cfg.runner.out_dir) / "checkpoints" / f"{self.metrics.x_name}_{done:06d}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"done": done, "logged_to": log.history[-1][log.x] if log.history else 0,
+                    "metrics": self.metrics.state_dict(), "extra": self.extra_state(),
+                    "states": {c: states.get(c) for c in self._stateful()},
+                    "config": OmegaConf.to_container(self.cfg, resolve=True)}, path)
+        return path
+
+    def resume(self, path: str, log: RunLog) -> int:
+        """Loads a checkpoint written by ``checkpoint``; returns the first update to run."""
+        ckpt = torch.load(path, weights_only=False)
+        for c, group in self._stateful().items():
+            if c not in ckpt["states"]:
+                raise ValueError(f"checkpoint {path} has no {c} state (a run with algorithm.name="
+                                 f"{ckpt['config']['algorithm']['name']}): resume with the same algorithm")
+            state = ckpt["states"][c]
+            if (state is None) != (group is None):
+                raise ValueError(f"checkpoint {path} was written with placement.fuse={state is None}: resume the same way")
+            if group is not None and len(state) != group.world_size:
+                raise ValueError(f"checkpoint {path} has {len(state)} {c} rank(s), this placement has "
+                                 f"{group.world_size}: resume with the same placement")
+        wait(*(g.load_state(ckpt["states"][c]) for c, g in self._stateful().items() if g is not None))
+        self.metrics.load_state_dict(ckpt["metrics"])
+        self.load_extra_state(ckpt["extra"])
+        log.history = [row for row in log.read_csv() if row[log.x] <= ckpt["logged_to"]]
+        return ckpt["done"]
+
+    def _stateful(self) -> dict[str, WorkerGroup | None]:
+        """Stateful component -> its group; None for one fused into another's processes."""
+        fused = self.workflow.fusable[1] if self.fused else None
+        return {c: (None if c == fused else self.groups[c]) for c in self.stateful if c in self.groups}
+
+    # -- the end ------------------------------------------------------------------------------
+    @property
+    def distinct_groups(self) -> list[WorkerGroup]:
+        """The worker groups, each once (a fused component shares its host's)."""
+        return list({id(g): g for g in self.groups.values()}.values())
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.destroy()
+        for g in self.distinct_groups:
+            g.shutdown()
+        if self._own_cluster:
+            self.cluster.shutdown()
+
+
+def plan_of(cfg: DictConfig, workflow: Workflow, num_devices: int, kind: str, components: tuple[str, ...]) -> Plan:
+    """The run's Plan: a plan file (``placement.plan``), the ranges of ``placement.mode=custom``,
+    or a named mode laid out on the cluster's devices."""
+    p, r = cfg.placement, cfg.runner
+    options = {"stages": r.stages if "stages" in r else 1, "run_ahead": int(bool(r.collect_ahead))}
+    if p.get("plan"):
+        return Plan.load(p.plan)
+    granularity = p.granularity if "granularity" in p else 1
+    span = p.actor_devices_per_proc if "actor_devices_per_proc" in p else 1
+    fuse = p.fuse if "fuse" in p else True
+    if p.mode == "custom":
+        given = {c: v for c, v in OmegaConf.to_container(p.components, resolve=True).items() if v is not None}
+        missing = [c for c in components if c not in given]
+        if missing:
+            raise ValueError(f"placement.mode=custom needs placement.components for {missing}")
+        if span > 1 and isinstance(given.get(workflow.trainer), (str, int)):
+            given[workflow.trainer] = {"devices": given[workflow.trainer], "devices_per_proc": span}
+        return Plan.from_dict({"components": {c: given[c] for c in components},
+                               "fuse": [list(workflow.fusable)] if fuse and workflow.fusable else [],
+                               "granularity": {ch: granularity for ch in workflow.channels}, **options})
+    return Plan.for_mode(workflow, p.mode, num_devices, kind, components=components, fuse=fuse,
+                         granularity=granularity, trainer_devices_per_proc=span, **options)
+
+
+def local_devices(cluster: DictConfig) -> tuple[int, str] | None:
+    """The devices an embedded Ray will have: its GPUs, else its CPU slots; None when the run
+    attaches to an existing cluster (known once connected)."""
+    if cluster.address is not None:
+        return None
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), "cuda"
+    return cluster.cpu_slots or cluster.num_cpus or os.cpu_count() or 1, "cpu"

@@ -1,0 +1,101 @@
+"""Plans: every named mode laid out for both flows, custom ranges, YAML round trips, the
+derived mode, and plans that cannot run, refused before any worker starts."""
+
+import pytest
+
+from m2flow.config import load_config
+from m2flow.flow import Plan, PlanError
+from m2flow.runners.base import plan_of
+from m2flow.runners.embodied import WORKFLOW as EMBODIED
+from m2flow.runners.reasoning import COMPONENTS, WORKFLOW as REASONING
+
+LM = "reasoning/grpo_arith_tiny"
+NO_CRITIC = COMPONENTS[:-1]
+
+
+def ranges(plan):
+    return {c: p.as_dict() if p.devices_per_proc > 1 or p.procs_per_device > 1 else p.devices
+            for c, p in plan.components.items()}
+
+
+def embodied(mode, n, *extra):
+    cfg = load_config("embodied/ppo_cartpole", [f"placement.mode={mode}", *extra])
+    return plan_of(cfg, EMBODIED, n, "cpu", EMBODIED.components)
+
+
+def reasoning(mode, n, kind, components=NO_CRITIC, *extra):
+    return plan_of(load_config(LM, [f"placement.mode={mode}", *extra]), REASONING, n, kind, components)
+
+
+def test_embodied_modes():
+    collocated = embodied("collocated", 2)
+    assert ranges(collocated) == {"env": "0-1", "rollout": "0-1", "actor": "0-1"}
+    assert collocated.fuse == [["env", "rollout"]] and collocated.mode(EMBODIED) == "collocated"
+    hybrid = embodied("hybrid", 2)
+    assert ranges(hybrid) == {"env": "0-0", "rollout": "1-1", "actor": "0-1"} and hybrid.mode(EMBODIED) == "hybrid"
+    with pytest.raises(PlanError, match="disaggregated needs >= 3 devices"):
+        embodied("disaggregated", 2)
+    disaggregated = embodied("disaggregated", 4)
+    assert ranges(disaggregated) == {"env": "0-1", "rollout": "2-2", "actor": "3-3"}
+    assert disaggregated.mode(EMBODIED) == "disaggregated"
+    spans = embodied("collocated", 4, "placement.actor_devices_per_proc=2")
+    assert spans.components["actor"].devices_per_proc == 2 and spans.world_size("actor") == 2
+    with pytest.raises(ValueError, match=r"needs placement.components for \['env', 'rollout', 'actor'\]"):
+        embodied("custom", 2)
+    assert embodied("collocated", 2, "runner.stages=2", "runner.collect_ahead=true").stages == 2
+    assert embodied("collocated", 2, "runner.collect_ahead=true").run_ahead == 1
+
+
+def test_reasoning_modes():
+    collocated = reasoning("collocated", 2, "cpu")
+    assert ranges(collocated)["actor"] == {"devices": "0-1", "devices_per_proc": 2} == ranges(collocated)["rollout"]
+    disaggregated = reasoning("disaggregated", 4, "cuda")
+    assert ranges(disaggregated)["rollout"] == "0-1" and ranges(disaggregated)["actor"] == "2-3"
+    assert ranges(disaggregated)["inference"] == {"devices": "2-3", "devices_per_proc": 2}  # one rank: stream order
+    assert disaggregated.mode(REASONING) == "disaggregated"  # was reported as hybrid: reward shares the actor's devices
+    hybrid = reasoning("hybrid", 2, "cpu")
+    assert ranges(hybrid)["rollout"] == "0-0" and ranges(hybrid)["actor"] == "0-1"  # a rank per slot
+    assert hybrid.mode(REASONING) == "hybrid"
+    with pytest.raises(PlanError, match="disaggregated needs >= 2 devices"):
+        reasoning("disaggregated", 1, "cpu")
+    critic = reasoning("disaggregated", 4, "cuda", COMPONENTS)
+    assert ranges(critic)["critic"] == ranges(critic)["inference"] == {"devices": "2-3", "devices_per_proc": 2}
+    custom = ["placement.mode=custom", *(f"placement.components.{c}=0-0" for c in NO_CRITIC)]
+    with pytest.raises(ValueError, match=r"needs placement.components for \['critic'\]"):
+        plan_of(load_config(LM, custom), REASONING, 1, "cpu", COMPONENTS)
+    assert reasoning("collocated", 1, "cpu", NO_CRITIC, "placement.granularity=2").granularity["samples"] == 2
+
+
+def test_plan_round_trips_through_yaml(tmp_path):
+    plan = reasoning("hybrid", 4, "cuda")
+    plan.granularity["samples"] = 3
+    assert Plan.load(plan.save(tmp_path / "plan.yaml")) == plan
+    table = plan.table(REASONING)
+    assert table.startswith("plan (hybrid):") and "actor" in table and "samples granularity 3" in table
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"components": {"actor": "0-5"}}, "component 'actor' needs device 5 .* the cluster has 4 device"),
+    ({"components": {"reward": "0-1"}}, "component 'reward' must be one process"),
+    ({"components": {"critic": "0"}}, r"unknown component\(s\) \['critic'\]"),
+    ({"components": {"actor": "1-0"}}, "empty device range"),
+    ({"components": {"actor": {"devices": "0-2", "devices_per_proc": 2}}}, "3 device.* cannot make processes of 2"),
+    ({"fuse": [["rollout", "actor"]]}, "cannot fuse"),
+    ({"granularity": {"sample": 2}}, r"unknown channel\(s\) \['sample'\]"),
+    ({"run_ahead": 2}, "run_ahead must be 0 or 1"),
+    ({"stages": 0}, "stages must be >= 1"),
+])
+def test_plans_that_cannot_run_name_the_component(change, message):
+    data = reasoning("collocated", 4, "cpu").to_dict()
+    for key, value in change.items():
+        data[key] = data[key] | value if key == "components" else value
+    with pytest.raises(PlanError, match=message):
+        Plan.from_dict(data).check(REASONING, 4, NO_CRITIC)
+
+
+def test_plan_files_refuse_unknown_keys(tmp_path):
+    (tmp_path / "p.yaml").write_text("components: {actor: '0'}\nahead: 1\n")
+    with pytest.raises(PlanError, match=r"unknown key\(s\) \['ahead'\]"):
+        Plan.load(tmp_path / "p.yaml")
+    with pytest.raises(PlanError, match="no such file"):
+        Plan.load(tmp_path / "missing.yaml")
