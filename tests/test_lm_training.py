@@ -12,16 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from m2flow.engines import training
-from m2flow.engines.training import (
-    LMTrainer,
-    LossScale,
-    SequenceBatch,
-    compute_logprobs,
-    named_weights,
-    split_by_token_budget,
-    weights_hash,
-)
+from m2flow.engines import scoring
+from m2flow.engines.batch import PromptLayout, SequenceBatch, concat_batches, split_by_token_budget
+from m2flow.engines.scoring import compute_logprobs, token_logprobs
+from m2flow.engines.trainer import LMTrainer, LossScale
+from m2flow.engines.weights import named_weights, weights_hash
 from m2flow.models.lm import TINY_CONFIGS, load_lm
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -146,16 +141,16 @@ def grouped_batch(prompts: int, n: int, seed: int = 0) -> SequenceBatch:
 
 def test_prompt_layout_finds_shared_prompts_and_refuses_other_layouts():
     batch = SequenceBatch.from_completions([[5, 6], [5, 6], [7], [5, 6]], [[1], [2, 3], [], [4]], pad_id=0)
-    layout = training.PromptLayout.of(batch)
+    layout = PromptLayout.of(batch)
     assert layout.prompt_lengths.tolist() == [2, 2, 1, 2] and layout.completion_lengths.tolist() == [1, 2, 0, 1]
     assert layout.prompts.tolist() == [0, 0, 1, 0]
     # A prompt's rows come together, longest first, when the budget allows.
     assert [g.tolist() for g in split_by_token_budget(batch, 100, layout.prompts)] == [[1, 0, 3, 2]]
     assert [g.tolist() for g in split_by_token_budget(batch, 8, layout.prompts)] == [[1, 0], [3, 2]]
     left_padded = SequenceBatch(torch.tensor([[0, 5, 6]]), torch.tensor([[0, 1, 1]]), torch.tensor([[0, 0, 1]]))
-    assert training.PromptLayout.of(left_padded) is None
+    assert PromptLayout.of(left_padded) is None
     interleaved = SequenceBatch(torch.tensor([[5, 6, 7]]), torch.tensor([[1, 1, 1]]), torch.tensor([[0, 1, 0]]))
-    assert training.PromptLayout.of(interleaved) is None
+    assert PromptLayout.of(interleaved) is None
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
@@ -165,12 +160,12 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(name):
     model, _ = load_lm(name)
     batch = grouped_batch(prompts=3, n=4, seed=5)
     mask = batch.completion_mask.bool()
-    layout = training.PromptLayout.of(batch)
+    layout = PromptLayout.of(batch)
     assert layout is not None and len(set(layout.prompts.tolist())) == 3
     grads = []
     for shared in (None, layout):
         model.zero_grad()
-        logprobs, entropy = training._token_logprobs(model, batch, 0.7, True, shared)
+        logprobs, entropy = token_logprobs(model, batch, 0.7, True, shared)
         (logprobs[mask].sum() + 0.1 * entropy[mask].sum()).backward()  # the full path also scores prompts
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
         if shared is None:
@@ -218,7 +213,7 @@ def test_logit_chunking_changes_nothing(monkeypatch):
     batch = random_batch(6, seed=10)
     results = []
     for chunk_tokens in (4096, 5):
-        monkeypatch.setattr(training, "LOGIT_CHUNK_TOKENS", chunk_tokens)
+        monkeypatch.setattr(scoring, "LOGIT_CHUNK_TOKENS", chunk_tokens)
         model, _ = load_lm("tiny-llama")
         scored = compute_logprobs(model, batch, max_tokens=200, with_entropy=True)
         trainer = LMTrainer(model, lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=200)
@@ -463,8 +458,6 @@ def test_loss_scale_shares_add_up():
 def test_accumulating_parts_then_finish_step_equals_one_train_step():
     """A mini-batch streamed in parts, each accumulated as a plain sum and divided by the
     token count at the end, takes the same step as train_step over the whole batch."""
-    from m2flow.engines.training import concat_batches
-
     model, _ = load_lm("tiny-llama", seed=3)
     twin, _ = load_lm("tiny-llama", seed=3)
     batch = random_batch(6, seed=5)

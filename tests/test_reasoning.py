@@ -32,7 +32,7 @@ def test_inert_rows_are_those_of_zero_advantage_under_a_loss_of_the_advantage_al
     import torch
 
     from m2flow.algorithms import broadcast_to_tokens, grpo_advantages
-    from m2flow.engines.training import SequenceBatch
+    from m2flow.engines.batch import SequenceBatch
     from m2flow.workers.lm_actor import LMActorWorker
 
     # Two groups of 3: the first's rewards are all equal (no signal), the second's are not.

@@ -68,7 +68,7 @@ class GenerationEngine(ABC):
 
     @abstractmethod
     def weights_hash(self) -> str:
-        """``m2flow.engines.training.weights_hash`` of the weights the engine generates with,
+        """``m2flow.engines.weights.weights_hash`` of the weights the engine generates with,
         under the names of the model's state dict: equal to the actor's exactly when a sync
         took."""
 

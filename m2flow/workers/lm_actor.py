@@ -40,7 +40,8 @@ from m2flow.algorithms import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from m2flow.engines.training import LMTrainer, LossScale, SequenceBatch, concat_batches
+from m2flow.engines.batch import SequenceBatch, concat_batches
+from m2flow.engines.trainer import LMTrainer, LossScale
 from m2flow.runtime import Channel, DeviceLock, Worker, dispatch
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
 
