@@ -356,7 +356,7 @@ def test_data_parallel_matches_one_process(tmp_path, shard):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_offload_round_trip_keeps_training_identical(device):
+def test_optimizer_offload_round_trip_keeps_training_identical(device):
     batch = random_batch(6, seed=6)
     plain_model, _ = load_lm("tiny-gemma")
     plain = LMTrainer(plain_model, lr=1e-3, max_tokens_per_micro_batch=40, device=device)
@@ -366,13 +366,10 @@ def test_offload_round_trip_keeps_training_identical(device):
         t.train_step(batch, token_mean_nll)
     on_gpu = device != "cpu"
     assert switched.offload_optimizer() is on_gpu
-    assert switched.offload_model() is on_gpu
     if on_gpu:
-        assert all(p.device.type == "cpu" for p in switched_model.parameters())
         assert all(v.device.type == "cpu" for s in switched.optimizer.state.values() for v in s.values())
         with pytest.raises(RuntimeError, match="offloaded"):
             switched.train_step(batch, token_mean_nll)
-    assert switched.onload_model() is on_gpu
     assert switched.onload_optimizer() is on_gpu
     for t in (plain, switched):
         t.train_step(batch, token_mean_nll)

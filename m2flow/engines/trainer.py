@@ -258,8 +258,6 @@ class LMTrainer:
         return float(norm) if torch.isfinite(norm) else float("nan")
 
     def _check_ready(self) -> None:
-        if next(self.model.parameters()).device != self.device:
-            raise RuntimeError("the model is offloaded: call onload_model() before training")
         if self._offloaded_state:
             raise RuntimeError("the optimizer is offloaded: call onload_optimizer() before training")
 
@@ -383,24 +381,6 @@ class LMTrainer:
             state[key] = state[key].to(self.device)
         self._offloaded_state = []
         return moved
-
-    def offload_model(self) -> bool:
-        """Move the weights to CPU memory (the optimizer keeps referring to the same
-        parameters). Returns whether anything moved; a no-op on a CPU device."""
-        if self.device.type == "cpu":
-            log.info("offload_model: the trainer runs on the CPU, nothing to move")
-            return False
-        self.model.to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return True
-
-    def onload_model(self) -> bool:
-        """Move the weights back to the trainer's device. Returns whether anything moved."""
-        if next(self.model.parameters()).device == self.device:
-            return False
-        self.model.to(self.device)
-        return True
 
     # -- checkpoints and weight sync -----------------------------------------------------
 
