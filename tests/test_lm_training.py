@@ -3,9 +3,11 @@ plain unpadded forwards, gradient accumulation, learning, data parallel (2 gloo 
 offload and checkpoint round trips, weight hashing, and bad input."""
 
 import io
+import math
 import random
 import socket
 import time
+import types
 
 import pytest
 import torch
@@ -108,6 +110,66 @@ def test_compute_logprobs_bf16_autocast_returns_fp32():
     assert bf16.dtype == torch.float32
     mask = batch.completion_mask.bool()
     assert 0 < (bf16 - fp32)[mask].abs().max().item() < 0.1  # bf16 rounding, not a different function
+
+
+class Bigram(torch.nn.Module):
+    """A causal LM whose logits at a position are ``table[token at that position]``: log-probs
+    and entropies can be worked out by hand."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = torch.nn.Parameter(table)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        return types.SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_compute_logprobs_and_entropy_by_hand():
+    # After token 0 the logits are [0, ln 3]: probabilities 1/4, 3/4; at T = 2, [0, ln 3 / 2]:
+    # 1 / (1 + sqrt 3), sqrt 3 / (1 + sqrt 3). After token 1 they are uniform at any T.
+    model = Bigram(torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]]))
+    batch = SequenceBatch.from_completions([[0], [1]], [[1, 0], [0, 0, 1]], pad_id=0)  # row 0 padded
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    r3 = math.sqrt(3.0)
+    ln2 = math.log(2.0)
+    for max_tokens in (100, 4):  # one micro-batch, then one per row
+        logprobs, entropy = compute_logprobs(model, batch, max_tokens=max_tokens, with_entropy=True,
+                                             share_prompts=False)
+        torch.testing.assert_close(logprobs, torch.tensor([[0.0, math.log(0.75), -ln2, 0.0],
+                                                           [0.0, -ln2, math.log(0.25), math.log(0.75)]]))
+        torch.testing.assert_close(entropy, torch.tensor([[0.0, h, ln2, 0.0], [0.0, ln2, h, h]]))
+    at_t2 = compute_logprobs(model, batch, max_tokens=100, temperature=2.0, share_prompts=False)
+    torch.testing.assert_close(at_t2, torch.tensor([[0.0, math.log(r3 / (1 + r3)), -ln2, 0.0],
+                                                    [0.0, -ln2, math.log(1 / (1 + r3)), math.log(r3 / (1 + r3))]]))
+
+
+def test_training_logprobs_of_bf16_logits_are_fp32_log_softmax_with_gradients(monkeypatch):
+    """The training forward (chunked and checkpointed) against ``torch.log_softmax`` of the
+    upcast logits: the same log-probs and entropies in fp32, and the same gradients."""
+    monkeypatch.setattr(scoring, "LOGIT_CHUNK_TOKENS", 6)  # two rows of 3 positions per chunk: 2 chunks
+    torch.manual_seed(0)
+    model = Bigram(torch.randn(11, 11).to(torch.bfloat16))
+    ids = torch.randint(0, 11, (2, 7))
+    ones = torch.ones_like(ids)
+    batch = SequenceBatch(ids, ones, torch.cat([torch.zeros_like(ids[:, :1]), ones[:, 1:]], dim=1))
+    logprobs, entropy = token_logprobs(model, batch, 0.7, True)
+    assert logprobs.dtype == entropy.dtype == torch.float32
+    (logprobs.sum() + entropy.sum()).backward()
+    grad, model.table.grad = model.table.grad, None
+    assert grad.dtype == torch.bfloat16
+
+    reference = torch.log_softmax(model.table[ids[:, :-1]].float() / 0.7, dim=-1)
+    ref_logprobs = reference.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref_entropy = -(reference.exp() * reference).sum(-1)
+    torch.testing.assert_close(logprobs[:, 1:], ref_logprobs)
+    torch.testing.assert_close(entropy[:, 1:], ref_entropy)
+    assert (logprobs[:, 0] == 0).all() and (entropy[:, 0] == 0).all()
+    # The gradient in fp64, against bf16 accumulation (per chunk, per term): to bf16's precision.
+    table = model.table.detach().double().requires_grad_()
+    exact = torch.log_softmax(table[ids[:, :-1]] / 0.7, dim=-1)
+    (exact.gather(-1, ids[:, 1:, None]).sum() - (exact.exp() * exact).sum()).backward()
+    scale = float(table.grad.abs().max())
+    torch.testing.assert_close(grad.double(), table.grad, rtol=2**-7, atol=2**-7 * scale)
 
 
 def test_split_by_token_budget_respects_budget_and_covers_rows():

@@ -9,12 +9,10 @@ from m2flow.algorithms import (
     aggregate,
     broadcast_to_tokens,
     dynamic_sampling_keep,
-    entropy_from_logits,
     grpo_advantages,
     kl_loss,
     kl_penalty,
     kl_shaped_rewards,
-    logprobs_from_logits,
     masked_mean,
     masked_sum,
     masked_whiten,
@@ -61,37 +59,6 @@ def test_masked_whiten_unbiased_over_masked_elements():
 def test_broadcast_to_tokens():
     out = broadcast_to_tokens(torch.tensor([2.0, -3.0]), mask([[0, 1, 1], [1, 0, 0]]))
     assert torch.equal(out, torch.tensor([[0.0, 2.0, 2.0], [-3.0, 0.0, 0.0]]))
-
-
-# --------------------------------------------------------------------------- from logits
-
-
-def test_logprobs_and_entropy_from_logits():
-    # logits [0, ln 3]: probs 1/4, 3/4.  /T = 2: [0, ln 3 / 2]: probs 1 / (1 + sqrt 3), sqrt 3 / (1 + sqrt 3)
-    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
-    tokens = torch.tensor([[1, 0]])
-    torch.testing.assert_close(logprobs_from_logits(logits, tokens), torch.tensor([[math.log(0.75), math.log(0.25)]]))
-    r3 = math.sqrt(3.0)
-    at_t2 = torch.tensor([[math.log(r3 / (1 + r3)), math.log(1 / (1 + r3))]])
-    torch.testing.assert_close(logprobs_from_logits(logits, tokens, temperature=2.0), at_t2)
-    # H = -(1/4 ln 1/4 + 3/4 ln 3/4); uniform over 4 -> ln 4
-    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
-    torch.testing.assert_close(entropy_from_logits(logits), torch.tensor([[h, h]]))
-    torch.testing.assert_close(entropy_from_logits(torch.zeros(2, 3, 4)), torch.full((2, 3), math.log(4.0)))
-    with pytest.raises(ValueError):
-        logprobs_from_logits(logits, tokens, temperature=0.0)
-
-
-def test_logprobs_from_bf16_logits_are_float32_and_differentiable():
-    torch.manual_seed(0)
-    logits = torch.randn(3, 5, 11).to(torch.bfloat16).requires_grad_()
-    tokens = torch.randint(0, 11, (3, 5))
-    logp = logprobs_from_logits(logits, tokens, temperature=0.7)
-    assert logp.dtype == torch.float32
-    reference = torch.log_softmax(logits.float() / 0.7, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(logp, reference)
-    logp.sum().backward()
-    assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
 
 
 # --------------------------------------------------------------------------- outcome advantages

@@ -59,44 +59,6 @@ def broadcast_to_tokens(per_sequence: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-# --------------------------------------------------------------------------- from logits
-
-
-def _float_rows(logits: Tensor, temperature: float):
-    """Logit rows of one sequence at a time, in at least float32 and divided by temperature:
-    a full-size upcast or scaled copy of [B, T, V] would be the largest tensor in the step."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    for row in logits:
-        row = row.float() if row.dtype not in (torch.float32, torch.float64) else row
-        yield row / temperature if temperature != 1.0 else row
-
-
-def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """``log softmax(logits / temperature)[tokens]``: [B, T, V], [B, T] -> [B, T].
-
-    Computed as ``z[token] - logsumexp(z)`` one sequence at a time, never materialising a
-    [B, T, V] log-softmax; bf16/fp16 logits are upcast per row (logsumexp in bf16 is too
-    coarse for importance ratios), so the result is float32 (float64 for float64 logits).
-    ``logits[:, t]`` must be the prediction for ``tokens[:, t]`` (the caller shifts by one).
-    """
-    rows = [
-        row.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row, dim=-1)
-        for row, index in zip(_float_rows(logits, temperature), tokens)
-    ]
-    return torch.stack(rows)
-
-
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of ``softmax(logits / temperature)`` per position, [B, T, V] -> [B, T]:
-    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, one sequence at a time in float32."""
-    rows = []
-    for row in _float_rows(logits, temperature):
-        probs = torch.softmax(row, dim=-1)
-        rows.append(torch.logsumexp(row, dim=-1) - (probs * row).sum(-1))
-    return torch.stack(rows)
-
-
 # --------------------------------------------------------------------------- outcome advantages
 
 
