@@ -19,7 +19,6 @@ from m2flow.algorithms import (
     overlong_penalty,
     policy_loss,
     reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
     rloo_advantages,
     token_gae,
     value_loss_tokens,
@@ -97,8 +96,6 @@ def test_group_size_errors():
         rloo_advantages(REWARDS, 1)
     with pytest.raises(ValueError):
         rloo_advantages(REWARDS, 5)
-    with pytest.raises(ValueError):
-        reinforce_pp_baseline_advantages(REWARDS, torch.ones(12, 2, dtype=torch.bool), 5)
 
 
 def test_rloo_advantages():
@@ -131,15 +128,6 @@ def test_reinforce_pp_discounted_then_whitened_over_batch():
     s = math.sqrt(0.45)
     expected = torch.tensor([[-0.7 / s, -0.45 / s, 0.05 / s, 0.0], [0.05 / s, 1.05 / s, 0.0, 0.0]])
     torch.testing.assert_close(reinforce_pp_advantages(token_rewards, m, gamma=0.5), expected)
-
-
-def test_reinforce_pp_baseline_subtracts_group_mean_first():
-    outcome = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    m = torch.ones(4, 1, dtype=torch.bool)
-    # centred in groups of 2: [0.5, -0.5, 0, 0]; mean 0, unbiased var 0.5 / 3 -> std 1 / sqrt 6
-    r6 = math.sqrt(6.0)
-    out = reinforce_pp_baseline_advantages(outcome, m, group_size=2)
-    torch.testing.assert_close(out, torch.tensor([[0.5 * r6], [-0.5 * r6], [0.0], [0.0]]))
 
 
 def test_token_gae_stops_at_sequence_end_and_skips_unmasked_tokens():

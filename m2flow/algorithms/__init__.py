@@ -23,7 +23,6 @@ from m2flow.algorithms.tokens import (
     overlong_penalty,
     policy_loss,
     reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
     rloo_advantages,
     token_gae,
     value_loss_tokens,
@@ -33,5 +32,4 @@ __all__ = ["episode_group_advantages", "episode_mask", "gae", "group_normalized"
            "ppo_policy_loss", "value_loss"]
 __all__ += ["aggregate", "broadcast_to_tokens", "dynamic_sampling_keep", "grpo_advantages", "kl_loss", "kl_penalty",
             "kl_shaped_rewards", "masked_mean", "masked_sum", "masked_whiten", "overlong_penalty", "policy_loss",
-            "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "rloo_advantages", "token_gae",
-            "value_loss_tokens"]
+            "reinforce_pp_advantages", "rloo_advantages", "token_gae", "value_loss_tokens"]

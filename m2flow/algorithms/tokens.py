@@ -151,24 +151,6 @@ def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float = 
 
 
 @torch.no_grad()
-def reinforce_pp_baseline_advantages(
-    outcome: Tensor,
-    mask: Tensor,
-    group_size: int,
-    kl: Tensor | None = None,
-    kl_coef: float = 0.0,
-    gamma: float = 1.0,
-    eps: float = 1e-8,
-) -> Tensor:
-    """REINFORCE++-baseline (OpenRLHF ``reinforce_baseline``), [B] outcome -> [B, T]:
-    the group mean of the outcome rewards is subtracted first (``r_i - mean_g``), then as
-    :func:`reinforce_pp_advantages` on ``kl_shaped_rewards(r - mean_g, mask, kl, kl_coef)``."""
-    groups = _groups(outcome, group_size)
-    centred = (groups - groups.mean(dim=1, keepdim=True)).view_as(outcome)
-    return reinforce_pp_advantages(kl_shaped_rewards(centred, mask, kl, kl_coef), mask, gamma, eps)
-
-
-@torch.no_grad()
 def token_gae(
     token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[Tensor, Tensor]:
