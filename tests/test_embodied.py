@@ -137,7 +137,7 @@ def test_resume_continues_exactly(cluster, tmp_path, ahead):
         runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", common + [f"runner.out_dir={out}", *extra]), cluster)
         try:
             history = runner.train()
-            return runner.actor.call("weights_digest").wait(), history
+            return runner.actor.weights_hash().wait(), history
         finally:
             runner.close()
 
@@ -183,19 +183,19 @@ def test_fused_rollout_matches_separate_rollout(cluster, tmp_path):
     with the same seeds the weights after training equal those of separate rollout workers."""
     common = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
               "placement.components.actor=0-1", "runner.progress=false", "runner.total_env_steps=768"]
-    digests = []
+    hashes = []
     for fuse in (True, False):
         cfg = load_config("embodied/ppo_cartpole", common + [f"placement.fuse={fuse}", f"runner.out_dir={tmp_path / str(fuse)}"])
         runner = EmbodiedRunner(cfg, cluster)
         try:
             assert runner.fused is fuse and (runner.rollout is runner.env) is fuse
             history = runner.train()
-            digests.append(runner.actor.call("weights_digest", ranks=[0]).wait())
+            hashes.append(runner.actor.weights_hash(ranks=[0]).wait())
         finally:
             runner.close()
         assert len(history) == 3
         assert_times_add_up(history, fuse)
-    assert digests[0] == digests[1]
+    assert hashes[0] == hashes[1]
 
 
 def test_success_rate_is_logged_where_envs_report_success(tmp_path):

@@ -68,14 +68,14 @@ class ActorWorker(Worker):
         self.version = state["version"]
         self.shuffle.set_state(state["shuffle"])
 
-    def weights_digest(self) -> str:
-        import hashlib
+    def weights_hash(self) -> str:
+        """``m2flow.engines.weights.weights_hash`` of the policy: equal on two actors exactly
+        when they hold identical weights."""
+        # Here, not at the top: importing m2flow.engines loads transformers, which the
+        # embodied flow does not otherwise need.
+        from m2flow.engines.weights import weights_hash
 
-        h = hashlib.sha256()
-        for name, t in sorted(self.policy.state_dict().items()):
-            h.update(name.encode())
-            h.update(t.detach().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return weights_hash(self.policy)
 
     # -- training ---------------------------------------------------------------------
     def train(self, trajectories_in: Channel, update: int, total_updates: int) -> dict:
