@@ -221,19 +221,16 @@ def test_success_rate_is_logged_where_envs_report_success(tmp_path):
 def test_compiled_minibatch_loss_matches_eager(critic):
     """algorithm.compile: the compiled minibatch loss gives the eager one's loss, stats and
     gradients (same policy, same minibatch)."""
-    import types
-
     import gymnasium as gym
     import torch
 
+    from m2flow.algorithms import PPO_STATS, ppo_minibatch_loss
     from m2flow.models import build_policy, flatten_parameters
-    from m2flow.workers.actor import ActorWorker
 
     torch.manual_seed(0)
     policy = build_policy(gym.spaces.Box(-1, 1, (17,)), gym.spaces.Box(-1, 1, (6,)), {})
     flat = flatten_parameters(policy)
-    algo = {"clip": 0.2, "clip_high": 0.28, "ent_coef": 0.01, "vf_coef": 0.5, "value_clip": 0.2, "norm_adv": critic}
-    owner = types.SimpleNamespace(policy=policy, algo=algo)
+    coefs = {"clip": 0.2, "clip_high": 0.28, "ent_coef": 0.01, "vf_coef": 0.5, "value_clip": 0.2, "norm_adv": critic}
     n = 64
     obs, actions = torch.randn(n, 17), torch.randn(n, 6)
     with torch.no_grad():
@@ -244,13 +241,13 @@ def test_compiled_minibatch_loss_matches_eager(critic):
 
     def run(loss_fn):
         flat.grad.zero_()
-        loss, stats = loss_fn(owner, *batch)
+        loss, stats = loss_fn(policy, *batch, **coefs)
         loss.backward()
         return loss.detach(), stats, flat.grad.clone()
 
-    eager = run(ActorWorker._minibatch_loss)
-    compiled = run(torch.compile(ActorWorker._minibatch_loss))
-    assert 0 < float(eager[1][ActorWorker.STATS.index("clip_fraction")]) < 1
-    assert (float(eager[1][ActorWorker.STATS.index("value_loss")]) > 0) == critic
+    eager = run(ppo_minibatch_loss)
+    compiled = run(torch.compile(ppo_minibatch_loss))
+    assert 0 < float(eager[1][PPO_STATS.index("clip_fraction")]) < 1
+    assert (float(eager[1][PPO_STATS.index("value_loss")]) > 0) == critic
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
