@@ -10,6 +10,7 @@ from m2flow.algorithms import (
     broadcast_to_tokens,
     dynamic_sampling_keep,
     grpo_advantages,
+    inert_rows,
     kl_loss,
     kl_penalty,
     kl_shaped_rewards,
@@ -312,6 +313,20 @@ def test_policy_loss_huge_log_ratio_stays_finite():
     loss.backward()
     assert loss.item() == pytest.approx(-0.5)
     assert torch.isfinite(logp.grad).all() and math.isfinite(stats["ratio_max"])
+
+
+def test_inert_rows_are_those_of_zero_advantage_under_a_loss_of_the_advantage_alone():
+    # Two groups of 3: the first's rewards are all equal (no signal), the second's are not.
+    m = mask([[0, 0, 1, 1, 1]] * 6)
+    adv = broadcast_to_tokens(grpo_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0]), 3), m)
+    terms = {"kl_coef": 0.0, "kl_in_reward": False, "entropy_coef": 0.0}
+    inert = lambda **changes: inert_rows(adv, m, **(terms | changes)).tolist()  # noqa: E731
+    assert inert() == [True, True, True, False, False, False]
+    assert inert(kl_coef=0.04) == [False] * 6  # the KL term pulls every row
+    assert inert(kl_coef=0.04, kl_in_reward=True) == [True, True, True, False, False, False]
+    assert inert(entropy_coef=0.01) == [False] * 6
+    assert inert(enabled=False) == [False] * 6
+    assert inert_rows(None, m, **terms).tolist() == [False] * 6  # no advantages yet
 
 
 # --------------------------------------------------------------------------- value loss

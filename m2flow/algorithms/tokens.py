@@ -357,6 +357,20 @@ def kl_loss(
     return aggregate(kl_penalty(logp, ref_logp.detach(), kind), mask, agg, norm_len, total_tokens, total_seqs)
 
 
+def inert_rows(advantages: Tensor | None, mask: Tensor, *, kl_coef: float, kl_in_reward: bool, entropy_coef: float,
+               enabled: bool = True) -> Tensor:
+    """bool [B], on the CPU: the rows whose loss and gradient are exactly zero, which a trainer
+    need not forward: advantage 0 on every masked token (a group whose rewards are all equal,
+    under grpo, dr_grpo or rloo) and no other term in the loss (no KL term, i.e. ``kl_coef``
+    0 or the KL in the reward, and no entropy bonus). They still count in the loss's token
+    and row totals, so the update is the one of a pass over every row. All False when not
+    ``enabled`` or without ``advantages``."""
+    if not enabled or advantages is None or (kl_coef > 0 and not kl_in_reward) or entropy_coef:
+        return torch.zeros(mask.shape[0], dtype=torch.bool)
+    signal = (advantages != 0) & mask.bool()
+    return ~signal.any(dim=1).cpu()
+
+
 # --------------------------------------------------------------------------- DAPO
 
 
