@@ -123,7 +123,7 @@ def test_resume_continues_exactly(cluster, tmp_path, ahead):
         runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", common + [f"runner.out_dir={out}", *extra]), cluster)
         try:
             history = runner.train()
-            return runner.groups["actor"].call("weights_digest").wait(), history
+            return runner.groups["actor"].weights_hash().wait(), history
         finally:
             runner.close()
 
@@ -169,19 +169,19 @@ def test_fused_rollout_matches_separate_rollout(cluster, tmp_path):
     with the same seeds the weights after training equal those of separate rollout workers."""
     common = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
               "placement.components.actor=0-1", "runner.progress=false", "runner.total_env_steps=768"]
-    digests = []
+    hashes = []
     for fuse in (True, False):
         cfg = load_config("embodied/ppo_cartpole", common + [f"placement.fuse={fuse}", f"runner.out_dir={tmp_path / str(fuse)}"])
         runner = EmbodiedRunner(cfg, cluster)
         try:
             assert runner.fused is fuse and (runner.groups["rollout"] is runner.groups["env"]) is fuse
             history = runner.train()
-            digests.append(runner.groups["actor"].call("weights_digest", ranks=[0]).wait())
+            hashes.append(runner.groups["actor"].weights_hash(ranks=[0]).wait())
         finally:
             runner.close()
         assert len(history) == 3
         assert_times_add_up(history, fuse)
-    assert digests[0] == digests[1]
+    assert hashes[0] == hashes[1]
 
 
 def test_success_rate_is_logged_where_envs_report_success(tmp_path):
@@ -205,19 +205,16 @@ def test_success_rate_is_logged_where_envs_report_success(tmp_path):
 def test_compiled_minibatch_loss_matches_eager(critic):
     """algorithm.compile: the compiled minibatch loss gives the eager one's loss, stats and
     gradients (same policy, same minibatch)."""
-    import types
-
     import gymnasium as gym
     import torch
 
+    from m2flow.algorithms import PPO_STATS, ppo_minibatch_loss
     from m2flow.models import build_policy, flatten_parameters
-    from m2flow.workers.actor import ActorWorker
 
     torch.manual_seed(0)
     policy = build_policy(gym.spaces.Box(-1, 1, (17,)), gym.spaces.Box(-1, 1, (6,)), {})
     flat = flatten_parameters(policy)
-    algo = {"clip": 0.2, "clip_high": 0.28, "ent_coef": 0.01, "vf_coef": 0.5, "value_clip": 0.2, "norm_adv": critic}
-    owner = types.SimpleNamespace(policy=policy, algo=algo)
+    coefs = {"clip": 0.2, "clip_high": 0.28, "ent_coef": 0.01, "vf_coef": 0.5, "value_clip": 0.2, "norm_adv": critic}
     n = 64
     obs, actions = torch.randn(n, 17), torch.randn(n, 6)
     with torch.no_grad():
@@ -228,13 +225,13 @@ def test_compiled_minibatch_loss_matches_eager(critic):
 
     def run(loss_fn):
         flat.grad.zero_()
-        loss, stats = loss_fn(owner, *batch)
+        loss, stats = loss_fn(policy, *batch, **coefs)
         loss.backward()
         return loss.detach(), stats, flat.grad.clone()
 
-    eager = run(ActorWorker._minibatch_loss)
-    compiled = run(torch.compile(ActorWorker._minibatch_loss))
-    assert 0 < float(eager[1][ActorWorker.STATS.index("clip_fraction")]) < 1
-    assert (float(eager[1][ActorWorker.STATS.index("value_loss")]) > 0) == critic
+    eager = run(ppo_minibatch_loss)
+    compiled = run(torch.compile(ppo_minibatch_loss))
+    assert 0 < float(eager[1][PPO_STATS.index("clip_fraction")]) < 1
+    assert (float(eager[1][PPO_STATS.index("value_loss")]) > 0) == critic
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)

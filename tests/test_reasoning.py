@@ -27,26 +27,6 @@ def test_bad_configs_are_named():
             check_config(load_config(PRESET, [override]))
 
 
-def test_inert_rows_are_those_of_zero_advantage_under_a_loss_of_the_advantage_alone():
-    from types import SimpleNamespace
-
-    import torch
-
-    from m2flow.algorithms import broadcast_to_tokens, grpo_advantages
-    from m2flow.engines.training import SequenceBatch
-    from m2flow.workers.lm_actor import LMActorWorker
-
-    # Two groups of 3: the first's rewards are all equal (no signal), the second's are not.
-    batch = SequenceBatch.from_completions([[5, 6]] * 6, [[7, 8, 9]] * 6, pad_id=0)
-    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
-    batch.advantages = broadcast_to_tokens(grpo_advantages(rewards, 3), batch.completion_mask)
-    algo = {"kl_coef": 0.0, "kl_in_reward": False, "entropy_coef": 0.0}
-    inert = lambda **changes: LMActorWorker._inert_rows(SimpleNamespace(algo=algo | changes), batch).tolist()  # noqa: E731
-    assert inert() == [True, True, True, False, False, False]
-    assert inert(kl_coef=0.04) == [False] * 6  # the KL term pulls every row
-    assert inert(kl_coef=0.04, kl_in_reward=True) == [True, True, True, False, False, False]
-    assert inert(entropy_coef=0.01) == [False] * 6
-    assert inert(skip_inert_rows=False) == [False] * 6
 
 
 def _train(cluster, tmp_path, *overrides):

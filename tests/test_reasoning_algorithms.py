@@ -9,19 +9,17 @@ from m2flow.algorithms import (
     aggregate,
     broadcast_to_tokens,
     dynamic_sampling_keep,
-    entropy_from_logits,
     grpo_advantages,
+    inert_rows,
     kl_loss,
     kl_penalty,
     kl_shaped_rewards,
-    logprobs_from_logits,
     masked_mean,
     masked_sum,
     masked_whiten,
     overlong_penalty,
     policy_loss,
     reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
     rloo_advantages,
     token_gae,
     value_loss_tokens,
@@ -63,37 +61,6 @@ def test_broadcast_to_tokens():
     assert torch.equal(out, torch.tensor([[0.0, 2.0, 2.0], [-3.0, 0.0, 0.0]]))
 
 
-# --------------------------------------------------------------------------- from logits
-
-
-def test_logprobs_and_entropy_from_logits():
-    # logits [0, ln 3]: probs 1/4, 3/4.  /T = 2: [0, ln 3 / 2]: probs 1 / (1 + sqrt 3), sqrt 3 / (1 + sqrt 3)
-    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
-    tokens = torch.tensor([[1, 0]])
-    torch.testing.assert_close(logprobs_from_logits(logits, tokens), torch.tensor([[math.log(0.75), math.log(0.25)]]))
-    r3 = math.sqrt(3.0)
-    at_t2 = torch.tensor([[math.log(r3 / (1 + r3)), math.log(1 / (1 + r3))]])
-    torch.testing.assert_close(logprobs_from_logits(logits, tokens, temperature=2.0), at_t2)
-    # H = -(1/4 ln 1/4 + 3/4 ln 3/4); uniform over 4 -> ln 4
-    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
-    torch.testing.assert_close(entropy_from_logits(logits), torch.tensor([[h, h]]))
-    torch.testing.assert_close(entropy_from_logits(torch.zeros(2, 3, 4)), torch.full((2, 3), math.log(4.0)))
-    with pytest.raises(ValueError):
-        logprobs_from_logits(logits, tokens, temperature=0.0)
-
-
-def test_logprobs_from_bf16_logits_are_float32_and_differentiable():
-    torch.manual_seed(0)
-    logits = torch.randn(3, 5, 11).to(torch.bfloat16).requires_grad_()
-    tokens = torch.randint(0, 11, (3, 5))
-    logp = logprobs_from_logits(logits, tokens, temperature=0.7)
-    assert logp.dtype == torch.float32
-    reference = torch.log_softmax(logits.float() / 0.7, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(logp, reference)
-    logp.sum().backward()
-    assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
-
-
 # --------------------------------------------------------------------------- outcome advantages
 
 # three groups of 4: [0, 0, 0, 1], [0.1] * 4, [1, 1, 0, 0]
@@ -130,8 +97,6 @@ def test_group_size_errors():
         rloo_advantages(REWARDS, 1)
     with pytest.raises(ValueError):
         rloo_advantages(REWARDS, 5)
-    with pytest.raises(ValueError):
-        reinforce_pp_baseline_advantages(REWARDS, torch.ones(12, 2, dtype=torch.bool), 5)
 
 
 def test_rloo_advantages():
@@ -164,15 +129,6 @@ def test_reinforce_pp_discounted_then_whitened_over_batch():
     s = math.sqrt(0.45)
     expected = torch.tensor([[-0.7 / s, -0.45 / s, 0.05 / s, 0.0], [0.05 / s, 1.05 / s, 0.0, 0.0]])
     torch.testing.assert_close(reinforce_pp_advantages(token_rewards, m, gamma=0.5), expected)
-
-
-def test_reinforce_pp_baseline_subtracts_group_mean_first():
-    outcome = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    m = torch.ones(4, 1, dtype=torch.bool)
-    # centred in groups of 2: [0.5, -0.5, 0, 0]; mean 0, unbiased var 0.5 / 3 -> std 1 / sqrt 6
-    r6 = math.sqrt(6.0)
-    out = reinforce_pp_baseline_advantages(outcome, m, group_size=2)
-    torch.testing.assert_close(out, torch.tensor([[0.5 * r6], [-0.5 * r6], [0.0], [0.0]]))
 
 
 def test_token_gae_stops_at_sequence_end_and_skips_unmasked_tokens():
@@ -357,6 +313,20 @@ def test_policy_loss_huge_log_ratio_stays_finite():
     loss.backward()
     assert loss.item() == pytest.approx(-0.5)
     assert torch.isfinite(logp.grad).all() and math.isfinite(stats["ratio_max"])
+
+
+def test_inert_rows_are_those_of_zero_advantage_under_a_loss_of_the_advantage_alone():
+    # Two groups of 3: the first's rewards are all equal (no signal), the second's are not.
+    m = mask([[0, 0, 1, 1, 1]] * 6)
+    adv = broadcast_to_tokens(grpo_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0]), 3), m)
+    terms = {"kl_coef": 0.0, "kl_in_reward": False, "entropy_coef": 0.0}
+    inert = lambda **changes: inert_rows(adv, m, **(terms | changes)).tolist()  # noqa: E731
+    assert inert() == [True, True, True, False, False, False]
+    assert inert(kl_coef=0.04) == [False] * 6  # the KL term pulls every row
+    assert inert(kl_coef=0.04, kl_in_reward=True) == [True, True, True, False, False, False]
+    assert inert(entropy_coef=0.01) == [False] * 6
+    assert inert(enabled=False) == [False] * 6
+    assert inert_rows(None, m, **terms).tolist() == [False] * 6  # no advantages yet
 
 
 # --------------------------------------------------------------------------- value loss

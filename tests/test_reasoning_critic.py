@@ -10,7 +10,7 @@ import torch
 from m2flow.algorithms import kl_penalty, kl_shaped_rewards, masked_whiten, token_gae, value_loss_tokens
 from m2flow.config import load_config
 from m2flow.engines.critic import CriticTrainer, ValueModel
-from m2flow.engines.training import SequenceBatch, concat_batches
+from m2flow.engines.batch import SequenceBatch, concat_batches
 from m2flow.models.lm import tiny_lm
 from m2flow.runners.checks import check_config
 from m2flow.runners.reasoning import ReasoningRunner

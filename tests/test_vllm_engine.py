@@ -32,7 +32,7 @@ from torch import nn
 
 from m2flow.config import load_config
 from m2flow.engines import build_engine
-from m2flow.engines.training import named_weights, weights_hash
+from m2flow.engines.weights import named_weights, weights_hash
 from m2flow.engines.vllm_engine import WORKER_EXTENSION, VLLMEngine, WorkerExtension, hf_named_weights
 from m2flow.models.lm import load_lm
 from m2flow.runners.checks import check_config

@@ -4,7 +4,12 @@ all elements, to be minimised."""
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from m2flow.algorithms.advantages import normalize
+
+# The stats of ppo_minibatch_loss, in the order of the tensor it returns.
+PPO_STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
 
 
 def ppo_policy_loss(
@@ -61,3 +66,30 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float 
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     clipped = (clipped_values - returns) ** 2
     return torch.max(unclipped, clipped).mean()
+
+
+def ppo_minibatch_loss(policy: nn.Module, obs: Tensor, actions: Tensor, old_logp: Tensor, advantages: Tensor,
+                       weights: Tensor | None, old_values: Tensor | None, returns: Tensor | None, *, clip: float,
+                       clip_high: float | None, ent_coef: float, vf_coef: float, value_clip: float | None,
+                       norm_adv: bool) -> tuple[Tensor, Tensor]:
+    """The PPO loss of one minibatch of an embodied policy and its detached ``PPO_STATS``, float64.
+
+    ``policy.evaluate(obs, actions)`` gives (log-probs, entropies, values). The loss is the
+    clipped surrogate (``ppo_policy_loss``, clip range ``clip``/``clip_high``) of the
+    advantages, normalised over the minibatch when ``norm_adv``, minus ``ent_coef`` times the
+    mean entropy, plus ``vf_coef`` times ``value_loss`` (clipped by ``value_clip``) when
+    ``returns`` are given (value loss 0 in the stats without them: GRPO has no critic).
+    ``weights`` (GRPO): per-sample weights, 0 for padding. Pure tensor code, no host syncs:
+    under ``torch.compile`` it is one compiled graph, forward and backward."""
+    logp, entropy, values = policy.evaluate(obs, actions)
+    adv = normalize(advantages) if norm_adv else advantages
+    pg_loss, st = ppo_policy_loss(logp, old_logp, adv, clip, clip_high, weights)
+    with torch.set_grad_enabled(bool(ent_coef)):  # without a bonus, a statistic only
+        ent = entropy.mean() if weights is None else (entropy * weights).mean()
+    loss = pg_loss - ent_coef * ent if ent_coef else pg_loss
+    v_loss = torch.zeros(())
+    if returns is not None:
+        v_loss = value_loss(values, old_values, returns, value_clip)
+        loss = loss + vf_coef * v_loss
+    stats = torch.stack([pg_loss, v_loss, ent, st["approx_kl"], st["clip_fraction"]]).detach()
+    return loss, stats.double()

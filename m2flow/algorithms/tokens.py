@@ -59,44 +59,6 @@ def broadcast_to_tokens(per_sequence: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-# --------------------------------------------------------------------------- from logits
-
-
-def _float_rows(logits: Tensor, temperature: float):
-    """Logit rows of one sequence at a time, in at least float32 and divided by temperature:
-    a full-size upcast or scaled copy of [B, T, V] would be the largest tensor in the step."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    for row in logits:
-        row = row.float() if row.dtype not in (torch.float32, torch.float64) else row
-        yield row / temperature if temperature != 1.0 else row
-
-
-def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """``log softmax(logits / temperature)[tokens]``: [B, T, V], [B, T] -> [B, T].
-
-    Computed as ``z[token] - logsumexp(z)`` one sequence at a time, never materialising a
-    [B, T, V] log-softmax; bf16/fp16 logits are upcast per row (logsumexp in bf16 is too
-    coarse for importance ratios), so the result is float32 (float64 for float64 logits).
-    ``logits[:, t]`` must be the prediction for ``tokens[:, t]`` (the caller shifts by one).
-    """
-    rows = [
-        row.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row, dim=-1)
-        for row, index in zip(_float_rows(logits, temperature), tokens)
-    ]
-    return torch.stack(rows)
-
-
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of ``softmax(logits / temperature)`` per position, [B, T, V] -> [B, T]:
-    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, one sequence at a time in float32."""
-    rows = []
-    for row in _float_rows(logits, temperature):
-        probs = torch.softmax(row, dim=-1)
-        rows.append(torch.logsumexp(row, dim=-1) - (probs * row).sum(-1))
-    return torch.stack(rows)
-
-
 # --------------------------------------------------------------------------- outcome advantages
 
 
@@ -186,24 +148,6 @@ def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float = 
     batch, not the group, is the baseline. 0 on masked-out positions.
     """
     return masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask, eps=eps)
-
-
-@torch.no_grad()
-def reinforce_pp_baseline_advantages(
-    outcome: Tensor,
-    mask: Tensor,
-    group_size: int,
-    kl: Tensor | None = None,
-    kl_coef: float = 0.0,
-    gamma: float = 1.0,
-    eps: float = 1e-8,
-) -> Tensor:
-    """REINFORCE++-baseline (OpenRLHF ``reinforce_baseline``), [B] outcome -> [B, T]:
-    the group mean of the outcome rewards is subtracted first (``r_i - mean_g``), then as
-    :func:`reinforce_pp_advantages` on ``kl_shaped_rewards(r - mean_g, mask, kl, kl_coef)``."""
-    groups = _groups(outcome, group_size)
-    centred = (groups - groups.mean(dim=1, keepdim=True)).view_as(outcome)
-    return reinforce_pp_advantages(kl_shaped_rewards(centred, mask, kl, kl_coef), mask, gamma, eps)
 
 
 @torch.no_grad()
@@ -411,6 +355,20 @@ def kl_loss(
     kind))``, to be added as ``beta * kl_loss``. The default k3 is unbiased and non-negative;
     its gradient vanishes at ``logp = ref_logp``. Gradients reach ``logp`` only."""
     return aggregate(kl_penalty(logp, ref_logp.detach(), kind), mask, agg, norm_len, total_tokens, total_seqs)
+
+
+def inert_rows(advantages: Tensor | None, mask: Tensor, *, kl_coef: float, kl_in_reward: bool, entropy_coef: float,
+               enabled: bool = True) -> Tensor:
+    """bool [B], on the CPU: the rows whose loss and gradient are exactly zero, which a trainer
+    need not forward: advantage 0 on every masked token (a group whose rewards are all equal,
+    under grpo, dr_grpo or rloo) and no other term in the loss (no KL term, i.e. ``kl_coef``
+    0 or the KL in the reward, and no entropy bonus). They still count in the loss's token
+    and row totals, so the update is the one of a pass over every row. All False when not
+    ``enabled`` or without ``advantages``."""
+    if not enabled or advantages is None or (kl_coef > 0 and not kl_in_reward) or entropy_coef:
+        return torch.zeros(mask.shape[0], dtype=torch.bool)
+    signal = (advantages != 0) & mask.bool()
+    return ~signal.any(dim=1).cpu()
 
 
 # --------------------------------------------------------------------------- DAPO

@@ -15,14 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from m2flow.engines.training import (
-    LMTrainer,
-    PromptLayout,
-    SequenceBatch,
-    _autocast,
-    _micro_batch,
-    split_by_token_budget,
-)
+from m2flow.engines.batch import PromptLayout, SequenceBatch, micro_batch, split_by_token_budget
+from m2flow.engines.scoring import autocast
+from m2flow.engines.trainer import LMTrainer
 
 
 class ValueModel(nn.Module):
@@ -70,8 +65,8 @@ class CriticTrainer(LMTrainer):
         self.model.eval()
         try:
             for idx in split_by_token_budget(batch, self.max_tokens):
-                mb = _micro_batch(batch, idx).to(self.device)
-                with _autocast(self.device, self.autocast_dtype):
+                mb = micro_batch(batch, idx).to(self.device)
+                with autocast(self.device, self.autocast_dtype):
                     values, _ = self.forward_tokens(mb, with_entropy=False)
                 out[idx.to(out.device), :values.shape[1]] = values.to(out.device)
         finally:

@@ -68,7 +68,7 @@ class GenerationEngine(ABC):
 
     @abstractmethod
     def weights_hash(self) -> str:
-        """``m2flow.engines.training.weights_hash`` of the weights the engine generates with,
+        """``m2flow.engines.weights.weights_hash`` of the weights the engine generates with,
         under the names of the model's state dict: equal to the actor's exactly when a sync
         took."""
 
@@ -98,18 +98,3 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_posi
                              f"{max_positions} positions")
         checked.append(ids)
     return checked
-
-
-BACKENDS = ("torch", "vllm")  # the names build_engine takes
-
-
-def build_engine(backend: str, model, tokenizer, **options) -> GenerationEngine:
-    """A generation engine: ``"torch"`` (any device, the default) or ``"vllm"`` (GPU, optional).
-    ``options`` go to the backend's constructor (e.g. ``max_batch_size``)."""
-    if backend == "torch":
-        from m2flow.engines.torch_engine import TorchEngine
-        return TorchEngine(model, tokenizer, **options)
-    if backend == "vllm":
-        from m2flow.engines.vllm_engine import VLLMEngine
-        return VLLMEngine(model, tokenizer, **options)
-    raise ValueError(f"unknown generation backend {backend!r}: expected 'torch' or 'vllm'")

@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, validate_prompts
+from m2flow.engines.weights import weights_hash
 
 
 class SlotKVCache(Cache):
@@ -179,8 +180,6 @@ class TorchEngine(GenerationEngine):
                 state[name].copy_(tensor)  # in place: tied weights stay tied
 
     def weights_hash(self) -> str:
-        from m2flow.engines.training import weights_hash
-
         return weights_hash(self.model)
 
     def offload(self) -> None:

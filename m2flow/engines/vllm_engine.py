@@ -44,6 +44,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, validate_prompts
+from m2flow.engines.weights import weights_hash
 
 GPU_MEMORY_UTILIZATION = 0.5  # the default share of the GPU: room for a collocated actor
 WORKER_EXTENSION = f"{__name__}.WorkerExtension"
@@ -200,8 +201,6 @@ class WorkerExtension:
         return len(weights)
 
     def m2flow_weights_hash(self) -> str:
-        from m2flow.engines.training import weights_hash
-
         return weights_hash(hf_named_weights(self.model_runner.get_model()))
 
 

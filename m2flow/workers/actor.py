@@ -8,29 +8,20 @@ minibatch (gloo: the policies of this flow are small and stay on the CPU).
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from m2flow.algorithms import (
-    episode_group_advantages,
-    gae,
-    next_values,
-    normalize,
-    ppo_policy_loss,
-    value_loss,
-)
+from m2flow.algorithms import PPO_STATS, episode_group_advantages, gae, next_values, ppo_minibatch_loss
 from m2flow.models import build_policy, flatten_parameters
 from m2flow.runtime import Channel, Worker, dispatch
 from m2flow.workers.layout import Layout
 
 
 class ActorWorker(Worker):
-    # The minibatch loss's stats, in the order of the tensor it returns.
-    STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
-
     def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
         self.cfg, self.algo, self.layout = cfg, cfg["algorithm"], layout
         self.grpo = self.algo.get("name", "ppo") == "grpo"
@@ -46,7 +37,11 @@ class ActorWorker(Worker):
         # Compiled, the minibatch's loss (forward and backward) runs as a few fused kernels
         # instead of ~100 small ops, whose dispatch is much of a small policy's training time
         # (a quarter less actor time on HalfCheetah, after a one-off compile: docs/benchmarks.md).
-        self._loss = torch.compile(self._minibatch_loss) if self.algo.get("compile") else self._minibatch_loss
+        a = self.algo
+        loss = partial(ppo_minibatch_loss, self.policy, clip=a["clip"], clip_high=a.get("clip_high"),
+                       ent_coef=a["ent_coef"], vf_coef=a["vf_coef"], value_clip=a.get("value_clip"),
+                       norm_adv=a.get("norm_adv", True))
+        self._loss = torch.compile(loss) if a.get("compile") else loss
         self.version = 0
         if self.world_size > 1:
             self.init_process_group("gloo")  # the policy and its gradients live on the CPU
@@ -69,14 +64,14 @@ class ActorWorker(Worker):
         self.version = state["version"]
         self.shuffle.set_state(state["shuffle"])
 
-    def weights_digest(self) -> str:
-        import hashlib
+    def weights_hash(self) -> str:
+        """``m2flow.engines.weights.weights_hash`` of the policy: equal on two actors exactly
+        when they hold identical weights."""
+        # Here, not at the top: importing m2flow.engines loads transformers, which the
+        # embodied flow does not otherwise need.
+        from m2flow.engines.weights import weights_hash
 
-        h = hashlib.sha256()
-        for name, t in sorted(self.policy.state_dict().items()):
-            h.update(name.encode())
-            h.update(t.detach().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return weights_hash(self.policy)
 
     # -- training ---------------------------------------------------------------------
     def train(self, trajectories_in: Channel, update: int, total_updates: int) -> dict:
@@ -169,8 +164,8 @@ class ActorWorker(Worker):
             raise ValueError(f"{size} samples per actor rank cannot be cut into minibatches of {mb}")
         fields = [b.get(k) for k in ("obs", "actions", "logp", "advantages", "weights", "values", "returns")]
         max_norm = a["max_grad_norm"]
-        kl = self.STATS.index("approx_kl")
-        rows: list[torch.Tensor] = []  # per minibatch: its STATS, averaged at the end
+        kl = PPO_STATS.index("approx_kl")
+        rows: list[torch.Tensor] = []  # per minibatch: its PPO_STATS, averaged at the end
         norms: list[torch.Tensor] = []  # and its gradient norm
         for epoch in range(a["epochs"]):
             # One gather per field and epoch; a minibatch is then a slice (a view), not a gather.
@@ -193,33 +188,12 @@ class ActorWorker(Worker):
                 epoch_kl = float(torch.stack(rows[first:])[:, kl].mean())
                 if self._mean_across_ranks(epoch_kl) > a["target_kl"]:
                     break  # every rank sees the same mean, so all stop together
-        out = dict(zip(self.STATS, torch.stack(rows).mean(0).tolist()))
+        out = dict(zip(PPO_STATS, torch.stack(rows).mean(0).tolist()))
         out["grad_norm"] = float(torch.stack(norms).double().mean())
         if "returns" not in b:
             del out["value_loss"]  # GRPO: no critic
         out["epochs"] = epoch + 1
         return out
-
-    def _minibatch_loss(self, obs: torch.Tensor, actions: torch.Tensor, old_logp: torch.Tensor,
-                        advantages: torch.Tensor, weights: torch.Tensor | None, old_values: torch.Tensor | None,
-                        returns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The PPO loss of one minibatch and its detached ``STATS`` (value loss 0 without a
-        critic). Pure tensor code, no host syncs: with ``algorithm.compile`` it is one
-        compiled graph, forward and backward."""
-        a = self.algo
-        logp, entropy, values = self.policy.evaluate(obs, actions)
-        adv = normalize(advantages) if a.get("norm_adv", True) else advantages
-        # GRPO: per-sample weights (0 for padding), and no critic (see _group_advantages).
-        pg_loss, st = ppo_policy_loss(logp, old_logp, adv, a["clip"], a.get("clip_high"), weights)
-        with torch.set_grad_enabled(bool(a["ent_coef"])):  # without a bonus, a statistic only
-            ent = entropy.mean() if weights is None else (entropy * weights).mean()
-        loss = pg_loss - a["ent_coef"] * ent if a["ent_coef"] else pg_loss
-        v_loss = torch.zeros(())
-        if returns is not None:
-            v_loss = value_loss(values, old_values, returns, a.get("value_clip"))
-            loss = loss + a["vf_coef"] * v_loss
-        stats = torch.stack([pg_loss, v_loss, ent, st["approx_kl"], st["clip_fraction"]]).detach()
-        return loss, stats.double()
 
     def _all_reduce_grads(self) -> None:
         if self.world_size > 1:

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from m2flow.engines.training import compute_logprobs
+from m2flow.engines.scoring import compute_logprobs
 from m2flow.runtime import Channel
 from m2flow.workers.lm_common import END, load_model, memory_mb
 from m2flow.workers.lm_rollout import WeightReceiver

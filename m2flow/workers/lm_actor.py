@@ -32,6 +32,7 @@ from m2flow.algorithms import (
     aggregate,
     broadcast_to_tokens,
     grpo_advantages,
+    inert_rows,
     kl_loss,
     kl_penalty,
     kl_shaped_rewards,
@@ -40,7 +41,8 @@ from m2flow.algorithms import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from m2flow.engines.training import LMTrainer, LossScale, SequenceBatch, concat_batches
+from m2flow.engines.batch import SequenceBatch, concat_batches
+from m2flow.engines.trainer import LMTrainer, LossScale
 from m2flow.runtime import Channel, DeviceLock, Worker, dispatch
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
 
@@ -207,17 +209,10 @@ class LMActorWorker(Worker):
                                        generator=self.shuffle, inert=self._inert_rows(batch))
 
     def _inert_rows(self, batch: SequenceBatch) -> torch.Tensor:
-        """bool [B]: the rows whose loss and gradient are exactly zero, which the trainer need
-        not forward: advantage 0 on every completion token (a group whose rewards are all
-        equal, under grpo, dr_grpo or rloo) and no other term in the loss (no KL term, no
-        entropy bonus). They still count in the loss's token and row totals, so the update is
-        the one of a pass over every row."""
+        """bool [B]: the rows the trainer need not forward (``inert_rows``) under this algorithm."""
         a = self.algo
-        if (not a.get("skip_inert_rows", True) or batch.advantages is None
-                or (a["kl_coef"] > 0 and not a["kl_in_reward"]) or a["entropy_coef"]):
-            return torch.zeros(len(batch), dtype=torch.bool)
-        signal = (batch.advantages != 0) & batch.completion_mask.bool()
-        return ~signal.any(dim=1).cpu()
+        return inert_rows(batch.advantages, batch.completion_mask, kl_coef=a["kl_coef"], kl_in_reward=a["kl_in_reward"],
+                          entropy_coef=a["entropy_coef"], enabled=a.get("skip_inert_rows", True))
 
     def _advantages(self, batch: SequenceBatch) -> None:
         a, mask = self.algo, batch.completion_mask

@@ -25,7 +25,8 @@ import torch
 
 from m2flow.algorithms import kl_penalty, kl_shaped_rewards, masked_whiten, token_gae, value_loss_tokens
 from m2flow.engines.critic import CriticTrainer, ValueModel
-from m2flow.engines.training import LossScale, SequenceBatch, concat_batches
+from m2flow.engines.batch import SequenceBatch, concat_batches
+from m2flow.engines.trainer import LossScale
 from m2flow.runtime import Channel, Worker, dispatch
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
 

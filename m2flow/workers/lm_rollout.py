@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from m2flow.engines import SamplingParams, build_engine
-from m2flow.engines.training import SequenceBatch
+from m2flow.engines.batch import SequenceBatch
+from m2flow.engines.weights import weights_hash
 from m2flow.runtime import Channel, Worker, dispatch
 from m2flow.workers.lm_common import load_model, memory_mb
 
@@ -42,8 +43,6 @@ class WeightReceiver(Worker):
                 return self.version
 
     def weights_hash(self) -> str:
-        from m2flow.engines.training import weights_hash
-
         return weights_hash(self._receive_model())
 
 
