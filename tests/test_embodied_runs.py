@@ -73,7 +73,7 @@ def test_pixel_policy_trains_end_to_end(cluster, tmp_path):
     # What the env workers hand the policy (the checkpoint holds their latest observations):
     # whole frames, one half white, the other black.
     ckpt = torch.load(tmp_path / "checkpoints" / "update_000002.pt", weights_only=False)
-    frames = np.concatenate([state["obs"][0] for state in ckpt["env"]])
+    frames = np.concatenate([state["obs"][0] for state in ckpt["states"]["env"]])
     assert frames.shape == (4, 36, 36, 3)
     for frame in frames:
         halves = sorted((frame[:, :18].min(), frame[:, :18].max(), frame[:, 18:].min(), frame[:, 18:].max()))

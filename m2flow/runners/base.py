@@ -238,6 +238,7 @@ class Runner:
                 raise ValueError(f"checkpoint {path} has {len(state)} {c} rank(s), this placement has "
                                  f"{group.world_size}: resume with the same placement")
         wait(*(g.load_state(ckpt["states"][c]) for c, g in self._stateful().items() if g is not None))
+        self.synced = None  # the loaded weights go out before the first step, whatever was synced before
         self.metrics.load_state_dict(ckpt["metrics"])
         self.load_extra_state(ckpt["extra"])
         log.history = [row for row in log.read_csv() if row[log.x] <= ckpt["logged_to"]]
