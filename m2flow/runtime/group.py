@@ -20,7 +20,7 @@ import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from m2flow.runtime.cluster import NAMESPACE
+from m2flow.runtime.names import NAMESPACE
 from m2flow.runtime.placement import ComponentPlacement
 from m2flow.runtime.worker import CALL_PREFIX, WorkerInfo, actor_class, callable_methods
 
