@@ -272,24 +272,6 @@ def test_names_are_unique(channel):
     assert ch.get(timeout=10) == "via connect"
 
 
-def test_async_variants(channel):
-    ch = channel(maxsize=4)
-
-    async def main():
-        for i in range(6):
-            await ch.aput(i, weight=2)
-            if i == 3:
-                assert [await ch.aget(), await ch.aget()] == [0, 1]
-        assert await ch.aget_batch(5) == [2, 3, 4]
-        assert await ch.aget(timeout=5) == 5
-        with pytest.raises(TimeoutError, match="no item after 0.1 s"):
-            await ch.aget(key="k", timeout=0.1)
-        await ch.aput("blocking", key="k", timeout=5)
-        assert await ch.aget(key="k") == "blocking"
-
-    asyncio.run(main())
-
-
 def test_calls_that_overtake_each_other_keep_the_producers_order():
     async def main():
         actor = ChannelActor("local", "uid", 0, None, False)  # the actor's logic, without Ray

@@ -31,7 +31,6 @@ process, since an async actor may start calls out of order).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import pickle
 import queue
@@ -347,35 +346,6 @@ class Channel:
         """Items of ``key`` in the channel, plus those this handle prefetched. This
         process's pipelined puts may still be on their way: ``flush()`` first to count them."""
         return ray.get(self._actor.qsize.remote(key)) + len(self._buffers.get(key, ()))
-
-    # -- async ------------------------------------------------------------------------
-    async def aput(self, item: Any, key: Hashable = None, weight: float = 1.0, timeout: float | None = None) -> None:
-        blob = self._pack(item)
-        if timeout is None and self.put_window:
-            if self._producer.pipeline((key, blob, float(weight)), self.put_window):
-                with self._span("put", key):
-                    await asyncio.get_running_loop().run_in_executor(None, self._producer.wait_room,
-                                                                     self.put_window, key)
-        else:
-            ref = self._producer.call(key, blob, float(weight), timeout, False)
-            with self._span("put", key):
-                self._check_put(await ref, key, timeout)
-
-    async def aget(self, key: Hashable = None, timeout: float | None = None) -> Any:
-        buf = self._buffers.get(key)
-        if not buf:
-            with self._span("get", key):
-                status, entries = await self._actor.get.remote(key, timeout, self.prefetch)
-            buf = self._fill(key, status, entries, timeout)
-        return self._unpack(buf.popleft())
-
-    async def aget_batch(self, target_weight: float, key: Hashable = None, timeout: float | None = None) -> list:
-        taken, need = self._take_buffered(key, target_weight)
-        if need > 0:
-            with self._span("get_batch", key):
-                reply = await self._actor.get.remote(key, timeout, 1, need)
-            taken += self._batch_reply(key, taken, reply, timeout)
-        return [self._unpack(e) for e in taken]
 
     # -- helpers ----------------------------------------------------------------------
     def _fill(self, key: Hashable, status: int, entries: list[Entry], timeout: float | None) -> deque[Entry]:
