@@ -10,6 +10,7 @@ from typing import Any
 # module: the names it exports from the package
 _EXPORTS = {
     "channel": ("Channel", "ChannelClosed", "ChannelEmpty", "ChannelFull"),
+    "clock": ("Clock",),
     "cluster": ("Cluster", "Device"),
     "comm": ("CommWork",),
     "device_lock": ("DeviceLock", "LockTimeout"),
@@ -24,8 +25,8 @@ __all__ = [name for names in _EXPORTS.values() for name in names]
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from m2flow.runtime import channel, cluster, comm, device_lock, group, placement, trace, worker
+    from m2flow.runtime import channel, clock, cluster, comm, device_lock, group, placement, trace, worker
 
-    for module in (channel, cluster, comm, device_lock, group, placement, trace, worker):
+    for module in (channel, clock, cluster, comm, device_lock, group, placement, trace, worker):
         globals().update((n, getattr(module, n)) for n in _EXPORTS[module.__name__.rpartition(".")[2]])
     return globals()[name]
