@@ -11,7 +11,7 @@ import torch
 
 from m2flow.engines.training import compute_logprobs
 from m2flow.runtime import Channel, Clock
-from m2flow.workers.lm_common import END, load_model, memory_mb
+from m2flow.workers.lm_common import END, load_model, memory_mb, until_end
 from m2flow.workers.lm_rollout import WeightReceiver
 
 
@@ -35,11 +35,7 @@ class InferenceWorker(WeightReceiver):
         reader of ``batches_out``. In and out under ``key``, the stream's channel key."""
         clock = Clock()
         diffs = []
-        while True:
-            with clock.idle():
-                batch = scored_in.get(key)
-            if batch == END:
-                break
+        for batch in until_end(scored_in, key, clock):
             with clock.busy():  # less the wait for the turn
                 if self.ref is not None or self.policy is not None:
                     with clock.turn(self.turns):

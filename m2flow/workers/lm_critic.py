@@ -26,7 +26,7 @@ from m2flow.algorithms import kl_penalty, kl_shaped_rewards, masked_whiten, toke
 from m2flow.engines.critic import CriticTrainer, ValueModel
 from m2flow.engines.training import LossScale, SequenceBatch, concat_batches
 from m2flow.runtime import Channel, Clock, Worker, dispatch
-from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
+from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb, until_end
 
 
 def add_gae(batch: SequenceBatch, values: torch.Tensor, algo: dict) -> None:
@@ -71,11 +71,7 @@ class LMCriticWorker(Worker):
         statistics (``value_loss``, ...)."""
         clock = Clock()
         batches = []
-        while True:
-            with clock.idle():
-                batch = batches_in.get(key)
-            if batch == END:
-                break
+        for batch in until_end(batches_in, key, clock):
             with clock.turn(self.turns), clock.busy():
                 values = self.trainer.values(batch)
             with clock.busy():
