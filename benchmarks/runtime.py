@@ -50,8 +50,9 @@ from common import Run, json_safe, loaded, log, side_order, spread
 from m2flow.runtime.channel import Channel
 from m2flow.runtime.cluster import Cluster
 from m2flow.runtime.group import WorkerGroup
+from m2flow.runtime.names import free_port
 from m2flow.runtime.placement import Placement
-from m2flow.runtime.worker import Worker, free_port
+from m2flow.runtime.worker import Worker
 
 MB = 1 << 20
 TARGETS = {"p2p_100MB": 1.5, "channel_10MB": 3.0, "channel_1KB": 1.5, "group_call": 1 / 1.2}

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m2flow.runtime.channel import _OK, Channel, ChannelClosed, ChannelEmpty, ChannelFull, _ChannelActor
+from m2flow.runtime.channel import Channel, ChannelClosed, ChannelEmpty, ChannelFull
+from m2flow.runtime.channel_actor import OK, ChannelActor
 from m2flow.runtime.group import WorkerError, WorkerGroup
 from m2flow.runtime.placement import Placement
 from m2flow.runtime.trace import get_tracer
@@ -271,33 +272,15 @@ def test_names_are_unique(channel):
     assert ch.get(timeout=10) == "via connect"
 
 
-def test_async_variants(channel):
-    ch = channel(maxsize=4)
-
-    async def main():
-        for i in range(6):
-            await ch.aput(i, weight=2)
-            if i == 3:
-                assert [await ch.aget(), await ch.aget()] == [0, 1]
-        assert await ch.aget_batch(5) == [2, 3, 4]
-        assert await ch.aget(timeout=5) == 5
-        with pytest.raises(TimeoutError, match="no item after 0.1 s"):
-            await ch.aget(key="k", timeout=0.1)
-        await ch.aput("blocking", key="k", timeout=5)
-        assert await ch.aget(key="k") == "blocking"
-
-    asyncio.run(main())
-
-
 def test_calls_that_overtake_each_other_keep_the_producers_order():
     async def main():
-        actor = _ChannelActor("local", "uid", 0, None, False)  # the actor's logic, without Ray
+        actor = ChannelActor("local", "uid", 0, None, False)  # the actor's logic, without Ray
         late = asyncio.ensure_future(actor.put_batch("p", 1, [(None, b"b", 1.0), (None, b"c", 1.0)]))
         await asyncio.sleep(0.01)
         assert not late.done() and await actor.qsize(None) == 0  # waits for call 0 of "p"
-        assert await actor.put("q", 0, None, b"other", 1.0, None, False) == _OK
-        assert await actor.put("p", 0, None, b"a", 1.0, None, False) == _OK
-        assert await late == _OK
+        assert await actor.put("q", 0, None, b"other", 1.0, None, False) == OK
+        assert await actor.put("p", 0, None, b"a", 1.0, None, False) == OK
+        assert await late == OK
         status, entries = await actor.get(None, 0, 10)
         assert [blob for blob, _ in entries] == [b"other", b"a", b"b", b"c"]
 

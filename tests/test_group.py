@@ -1,4 +1,6 @@
+import inspect
 import os
+import pydoc
 import signal
 import time
 
@@ -25,7 +27,12 @@ class Echo(Worker):
         }
 
     def times(self, x):
+        """``x`` times the scale."""
         return x * self.scale
+
+    def keywords(self, x: int, *, by: int = 1, **extra) -> dict:
+        """Its arguments."""
+        return {"x": x, "by": by, **extra}
 
     def times_twice(self, x):
         return self.times(self.times(x))
@@ -119,6 +126,28 @@ def test_error_names_group_rank_and_traceback(group):
             group.call(missing)
     with pytest.raises(IndexError):
         group.call("times", 1, ranks=[2])
+
+
+def test_group_methods_are_bound_with_the_worker_methods_signature_and_docstring(group):
+    ranks = inspect.Parameter("ranks", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Sequence[int] | None")
+    for name in ("times", "keywords", "double"):
+        method, worker_method = getattr(group, name), getattr(Echo, name)
+        assert inspect.ismethod(method) and method.__self__ is group and method.__name__ == name
+        assert method.__doc__ == worker_method.__doc__
+        # Without self, and without the parameter Ray adds to an actor class's methods for its tracing.
+        params = [p for p in list(inspect.signature(worker_method).parameters.values())[1:] if p.name != "_ray_trace_ctx"]
+        at = len(params) - (name == "keywords")  # ranks goes before **extra
+        assert list(inspect.signature(method).parameters.values()) == [*params[:at], ranks, *params[at:]]
+        assert inspect.signature(method).return_annotation == "GroupHandle"
+    doc = pydoc.render_doc(group.times, renderer=pydoc.plaintext)  # help(group.times)
+    assert "times(x, *, ranks: 'Sequence[int] | None' = None) -> 'GroupHandle'" in doc and "``x`` times the scale." in doc
+    assert group.keywords(2, by=3, ranks=[1], z=4).wait() == [{"x": 2, "by": 3, "z": 4}]
+    with pytest.raises(AttributeError, match="Echo has no public method 'missing'"):
+        group.missing(1)
+    with pytest.raises(AttributeError, match="has no attribute '_m2flow_init'"):
+        group._m2flow_init()
+    assert inspect.signature(group.init_process_group) == inspect.signature(WorkerGroup.init_process_group).replace(
+        parameters=list(inspect.signature(WorkerGroup.init_process_group).parameters.values())[1:])  # the group's own
 
 
 def test_wait_timeout(group):

@@ -1,16 +1,32 @@
-"""The distributed runtime: devices, placement, workers, communication, channels, locks, traces."""
+"""The distributed runtime: devices, placement, workers, communication, channels, locks, traces.
 
-from m2flow.runtime.channel import Channel, ChannelClosed, ChannelEmpty, ChannelFull
-from m2flow.runtime.cluster import Cluster, Device
-from m2flow.runtime.comm import CommWork
-from m2flow.runtime.device_lock import DeviceLock, LockTimeout
-from m2flow.runtime.group import GroupHandle, WorkerDiedError, WorkerError, WorkerGroup
-from m2flow.runtime.placement import ComponentPlacement, Placement, PlacementError
-from m2flow.runtime.trace import get_tracer, write_chrome_trace
-from m2flow.runtime.worker import Worker, dispatch
+The names below are imported on first use, all at once: importing one runtime module
+alone (``channel_actor`` in a channel's actor process, ``device_lock`` in a lock's) must
+not import torch with them.
+"""
 
-__all__ = [
-    "Channel", "ChannelClosed", "ChannelEmpty", "ChannelFull", "Cluster", "CommWork", "ComponentPlacement",
-    "Device", "DeviceLock", "GroupHandle", "LockTimeout", "Placement", "PlacementError", "Worker",
-    "WorkerDiedError", "WorkerError", "WorkerGroup", "dispatch", "get_tracer", "write_chrome_trace",
-]
+from typing import Any
+
+# module: the names it exports from the package
+_EXPORTS = {
+    "channel": ("Channel", "ChannelClosed", "ChannelEmpty", "ChannelFull"),
+    "clock": ("Clock",),
+    "cluster": ("Cluster", "Device"),
+    "comm": ("CommWork",),
+    "device_lock": ("DeviceLock", "LockTimeout"),
+    "group": ("GroupHandle", "WorkerDiedError", "WorkerError", "WorkerGroup"),
+    "placement": ("ComponentPlacement", "Placement", "PlacementError"),
+    "trace": ("get_tracer", "write_chrome_trace"),
+    "worker": ("Worker", "dispatch"),
+}
+__all__ = [name for names in _EXPORTS.values() for name in names]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from m2flow.runtime import channel, clock, cluster, comm, device_lock, group, placement, trace, worker
+
+    for module in (channel, clock, cluster, comm, device_lock, group, placement, trace, worker):
+        globals().update((n, getattr(module, n)) for n in _EXPORTS[module.__name__.rpartition(".")[2]])
+    return globals()[name]

@@ -1,10 +1,11 @@
 """Channel: a named, bounded, keyed, weighted FIFO between components.
 
-One small async Ray actor per channel keeps the order, the bound and the waiting
-producers and consumers. Payloads never pass through it: ``comm.pack`` puts large CPU
-tensors in the producer's shared memory (or the object store on a multi-node
-cluster), so a 10 MB tensor makes one hop, producer to consumer; the actor holds the
-small packed metadata, and small items ride inline.
+One small async Ray actor per channel (``channel_actor``) keeps the order, the bound and
+the waiting producers and consumers; this module is the handle that users call. Payloads
+never pass through the actor: ``comm.pack`` puts large CPU tensors in the producer's
+shared memory (or the object store on a multi-node cluster), so a 10 MB tensor makes one
+hop, producer to consumer; the actor holds the small packed metadata, and small items
+ride inline.
 
 Throughput, since one actor round trip costs most of a millisecond:
 
@@ -30,7 +31,6 @@ process, since an async actor may start calls out of order).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import pickle
 import queue
@@ -39,31 +39,20 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray import cloudpickle
 
+from m2flow.runtime import comm
+from m2flow.runtime.channel_actor import CLOSED, FULL, OK, TIMEOUT, Blob, ChannelActor, Entry
+from m2flow.runtime.names import NAMESPACE
 from m2flow.runtime.trace import get_tracer
-
-# The channel's actor imports this module in a process that never sees a tensor, so the
-# modules that import torch (comm, cluster) are imported where the handle needs them:
-# a channel then starts in a third of the time.
 
 # Like worker groups: a sliver of a CPU, so that a 2-core node can still place it.
 ACTOR_CPUS = 0.01
 PUT_WINDOW = 32
 PREFETCH = 16
-
-# Actor replies carry a status rather than raising: a Ray exception costs a traceback.
-_OK, _CLOSED, _FULL, _TIMEOUT = range(4)
-
-# A comm.Packed item, pickled by its producer: the actor never unpickles it, and later
-# changes to the producer's objects cannot reach it. One that holds object-store
-# references is put in the object store instead, where Ray keeps them alive.
-Blob = bytes | ray.ObjectRef
-_Entry = tuple[Blob, float]  # an item in the channel and its weight
 
 
 class ChannelClosed(Exception):
@@ -82,234 +71,20 @@ def _refused(name: str, key: Hashable) -> ChannelClosed:
     return ChannelClosed(f"channel {name!r} is closed: cannot put (key {key!r})")
 
 
-# -- the actor ------------------------------------------------------------------------
-@dataclass(eq=False, slots=True)
-class _Put:
-    key: Hashable
-    blob: Blob
-    weight: float
-    nowait: bool
-    status: int | None = None
-    future: asyncio.Future | None = None  # only when the call has to wait
-
-
-@dataclass(eq=False, slots=True)
-class _Get:
-    max_items: int
-    target: float | None  # batch getters: the weight to reach
-    status: int | None = None
-    future: asyncio.Future | None = None
-    taken: list[_Entry] = field(default_factory=list)
-    weight: float = 0.0
-
-
-def _resolve(waiter: _Put | _Get, status: int) -> None:
-    waiter.status = status
-    if waiter.future is not None and not waiter.future.done():
-        waiter.future.set_result(None)
-
-
-class _ChannelActor:
-    """All methods run on one event loop and never await between reading and changing
-    state, so each is atomic; waiting calls park on a future that others resolve."""
-
-    def __init__(self, name: str, uid: str, maxsize: int, max_weight: float | None, multi_node: bool):
-        self.name, self.uid, self.maxsize, self.max_weight, self.multi_node = name, uid, maxsize, max_weight, multi_node
-        self.items: dict[Hashable, deque[_Entry]] = {}
-        self.count, self.weight = 0, 0.0
-        self.closed = False
-        self.next_seq: dict[str, int] = {}
-        self.early: dict[str, dict[int, list[_Put]]] = {}  # puts that overtook an earlier put of their producer
-        self.putters: deque[_Put] = deque()  # admitted in order, waiting for room
-        self.getters: dict[Hashable, deque[_Get]] = {}
-
-    async def info(self) -> tuple[str, int, float | None, bool]:
-        return self.uid, self.maxsize, self.max_weight, self.multi_node
-
-    async def qsize(self, key: Hashable) -> int:
-        return len(self.items.get(key, ()))
-
-    async def put(self, producer: str, seq: int, key: Hashable, blob: Blob, weight: float,
-                  timeout: float | None, nowait: bool) -> int:
-        """One put that the caller waits for: its status is OK, CLOSED, FULL or TIMEOUT."""
-        p = _Put(key, blob, weight, nowait)
-        self._arrive(producer, seq, [p])
-        if p.status is None:
-            p.future = asyncio.get_running_loop().create_future()
-            await asyncio.wait([p.future], timeout=timeout)
-            if p.status is None:  # timed out; a put still in `early` is skipped when its turn comes
-                p.status = _TIMEOUT
-                if p in self.putters:
-                    self.putters.remove(p)
-        return p.status
-
-    async def put_batch(self, producer: str, seq: int, entries: list[tuple[Hashable, Blob, float]]) -> int:
-        """Pipelined puts: returns OK once all are in the channel, CLOSED if any was refused."""
-        puts = [_Put(key, blob, weight, False) for key, blob, weight in entries]
-        self._arrive(producer, seq, puts)
-        last = puts[-1]  # admitted in order: the last one is in when all are
-        if last.status is None:
-            last.future = asyncio.get_running_loop().create_future()
-            await last.future
-        return _CLOSED if any(p.status == _CLOSED for p in puts) else _OK
-
-    async def get(self, key: Hashable, timeout: float | None, max_items: int = 1,
-                  target: float | None = None) -> tuple[int, list[_Entry]]:
-        g = _Get(max_items, target)
-        self.getters.setdefault(key, deque()).append(g)
-        self._pump()
-        if g.status is None and self.closed:
-            self._drop_getter(key, g)
-            _resolve(g, _OK if g.taken else _CLOSED)
-        if g.status is None and timeout != 0:
-            g.future = asyncio.get_running_loop().create_future()
-            await asyncio.wait([g.future], timeout=timeout)
-        if g.status is None:
-            self._drop_getter(key, g)
-            self._requeue(key, g.taken)
-            return _TIMEOUT, []
-        return g.status, g.taken
-
-    async def requeue(self, key: Hashable, entries: list[_Entry]) -> None:
-        self._requeue(key, entries)
-
-    async def close(self) -> None:
-        self.closed = True
-        for p in itertools.chain(self.putters, *(ps for e in self.early.values() for ps in e.values())):
-            _resolve(p, _CLOSED)
-        self.putters.clear()
-        self.early.clear()
-        # No key has both items and getters (`_pump` keeps it so): these get only what they took.
-        for waiting in self.getters.values():
-            for g in waiting:
-                _resolve(g, _OK if g.taken else _CLOSED)
-        self.getters.clear()
-
-    # -- internals, all synchronous ---------------------------------------------------
-    def _arrive(self, producer: str, seq: int, puts: list[_Put]) -> None:
-        """Admits a producer's calls in the order it made them."""
-        expected = self.next_seq.get(producer, 0)
-        if seq != expected:
-            self.early.setdefault(producer, {})[seq] = puts
-            if self.closed:
-                for p in puts:
-                    _resolve(p, _CLOSED)
-            return
-        for p in puts:
-            self._admit(p)
-        early = self.early.get(producer)
-        while early and expected + 1 in early:
-            expected += 1
-            for p in early.pop(expected):
-                self._admit(p)
-        if early is not None and not early:
-            del self.early[producer]
-        self.next_seq[producer] = expected + 1
-
-    def _admit(self, p: _Put) -> None:
-        if p.status is not None:
-            return
-        if self.closed:
-            _resolve(p, _CLOSED)
-        elif not self.putters and self._has_room(p.weight):
-            self._append(p)
-            _resolve(p, _OK)
-            if p.key in self.getters:
-                self._pump()
-        elif p.nowait:
-            _resolve(p, _FULL)
-        else:
-            self.putters.append(p)
-
-    def _has_room(self, weight: float) -> bool:
-        if self.count == 0:  # an item heavier than max_weight still passes, alone
-            return True
-        return (not self.maxsize or self.count < self.maxsize) and (
-            self.max_weight is None or self.weight + weight <= self.max_weight)
-
-    def _append(self, p: _Put) -> None:
-        self.items.setdefault(p.key, deque()).append((p.blob, p.weight))
-        self.count += 1
-        self.weight += p.weight
-
-    def _pump(self) -> None:
-        """Hands queued items to waiting getters and room to waiting putters until neither can move."""
-        while True:
-            moved = False
-            for key in [k for k in self.getters if k in self.items]:
-                self._serve(key)
-                moved = True
-            while self.putters and self._has_room(self.putters[0].weight):
-                p = self.putters.popleft()
-                self._append(p)
-                _resolve(p, _OK)
-                moved = True
-            if not moved:
-                return
-
-    def _serve(self, key: Hashable) -> None:
-        q, waiting = self.items[key], self.getters[key]
-        while q and waiting:
-            g = waiting[0]
-            if g.target is None:
-                # Prefetch only when nobody else waits on this key: idle consumers come first.
-                n = 1 if len(waiting) > 1 else min(g.max_items, len(q))
-                g.taken = [self._take(q) for _ in range(n)]
-            else:
-                while q and g.weight < g.target:
-                    g.taken.append(self._take(q))
-                    g.weight += g.taken[-1][1]
-                if g.weight < g.target:
-                    break
-            waiting.popleft()
-            _resolve(g, _OK)
-        if not q:
-            del self.items[key]
-        if not waiting:
-            del self.getters[key]
-
-    def _take(self, q: deque[_Entry]) -> _Entry:
-        entry = q.popleft()
-        self.count -= 1
-        self.weight = self.weight - entry[1] if self.count else 0.0  # no float drift when empty
-        return entry
-
-    def _drop_getter(self, key: Hashable, g: _Get) -> None:
-        waiting = self.getters.get(key)
-        if waiting is not None and g in waiting:
-            waiting.remove(g)
-            if not waiting:
-                del self.getters[key]
-
-    def _requeue(self, key: Hashable, entries: list[_Entry]) -> None:
-        if entries:
-            self.items.setdefault(key, deque()).extendleft(reversed(entries))
-            self.count += len(entries)
-            self.weight += sum(w for _, w in entries)
-            self._pump()
-
-
-_RemoteChannelActor = ray.remote(_ChannelActor)
+_RemoteChannelActor = ray.remote(ChannelActor)
 
 
 def _actor_name(name: str) -> str:
     return f"channel:{name}"
 
 
-def _namespace() -> str:
-    from m2flow.runtime.cluster import NAMESPACE
-
-    return NAMESPACE
-
-
 def _lookup(name: str) -> Any:
     try:
-        return ray.get_actor(_actor_name(name), namespace=_namespace())
+        return ray.get_actor(_actor_name(name), namespace=NAMESPACE)
     except ValueError:
         return None
 
 
-# -- the handle -----------------------------------------------------------------------
 class _Producer:
     """This process's puts to one channel, as one ordered stream of actor calls.
 
@@ -402,7 +177,7 @@ class _Producer:
             with self.cond:
                 self.inflight.popleft()
                 self.unacked -= n
-                if status == _CLOSED:
+                if status == CLOSED:
                     self.closed = self.refused = True
                     self.unacked -= len(self.outbox)
                     self.outbox = []
@@ -420,7 +195,7 @@ def _producer(name: str, uid: str, actor: Any) -> _Producer:
         return _producers[uid]
 
 
-def _give_back(actor: Any, buffers: dict[Hashable, deque[_Entry]]) -> None:
+def _give_back(actor: Any, buffers: dict[Hashable, deque[Entry]]) -> None:
     for key, entries in buffers.items():
         if entries:
             try:
@@ -441,7 +216,7 @@ class Channel:
         self.last_transport: str | None = None  # of the last item this handle returned
         self._actor, self._uid = actor, uid
         self._producer = _producer(name, uid, actor)
-        self._buffers: dict[Hashable, deque[_Entry]] = {}  # prefetched, per key
+        self._buffers: dict[Hashable, deque[Entry]] = {}  # prefetched, per key
         weakref.finalize(self, _give_back, actor, self._buffers).atexit = False
 
     @classmethod
@@ -459,7 +234,7 @@ class Channel:
         uid = uuid.uuid4().hex
         try:
             actor = _RemoteChannelActor.options(
-                name=_actor_name(name), namespace=_namespace(), num_cpus=ACTOR_CPUS, max_concurrency=10_000,
+                name=_actor_name(name), namespace=NAMESPACE, num_cpus=ACTOR_CPUS, max_concurrency=10_000,
             ).remote(name, uid, maxsize, max_weight, multi_node)
         except ValueError:  # created by someone else meanwhile
             raise ValueError(taken) from None
@@ -526,19 +301,17 @@ class Channel:
         ray.kill(self._actor, no_restart=True)
 
     def _pack(self, item: Any) -> Blob:
-        from m2flow.runtime import comm
-
         packed = comm.pack(item, same_node=not self.multi_node)
         # Object-store references must travel where Ray can see them, inside an object.
         return ray.put(packed) if packed.transport == "object_store" else cloudpickle.dumps(packed)
 
     def _check_put(self, status: int, key: Hashable, timeout: float | None) -> None:
-        if status == _CLOSED:
+        if status == CLOSED:
             self._producer.mark_closed()
             raise _refused(self.name, key)
-        if status == _FULL:
+        if status == FULL:
             raise ChannelFull(f"channel {self.name!r} is full (key {key!r})")
-        if status == _TIMEOUT:
+        if status == TIMEOUT:
             raise TimeoutError(f"channel {self.name!r}, key {key!r}: still full after {timeout} s")
 
     # -- get ------------------------------------------------------------------------------
@@ -554,7 +327,7 @@ class Channel:
         buf = self._buffers.get(key)
         if not buf:
             status, entries = ray.get(self._actor.get.remote(key, 0, self.prefetch))
-            if status == _TIMEOUT:
+            if status == TIMEOUT:
                 raise ChannelEmpty(f"channel {self.name!r} has no item with key {key!r}")
             buf = self._fill(key, status, entries, 0)
         return self._unpack(buf.popleft())
@@ -574,65 +347,34 @@ class Channel:
         process's pipelined puts may still be on their way: ``flush()`` first to count them."""
         return ray.get(self._actor.qsize.remote(key)) + len(self._buffers.get(key, ()))
 
-    # -- async ------------------------------------------------------------------------
-    async def aput(self, item: Any, key: Hashable = None, weight: float = 1.0, timeout: float | None = None) -> None:
-        blob = self._pack(item)
-        if timeout is None and self.put_window:
-            if self._producer.pipeline((key, blob, float(weight)), self.put_window):
-                with self._span("put", key):
-                    await asyncio.get_running_loop().run_in_executor(None, self._producer.wait_room,
-                                                                     self.put_window, key)
-        else:
-            ref = self._producer.call(key, blob, float(weight), timeout, False)
-            with self._span("put", key):
-                self._check_put(await ref, key, timeout)
-
-    async def aget(self, key: Hashable = None, timeout: float | None = None) -> Any:
-        buf = self._buffers.get(key)
-        if not buf:
-            with self._span("get", key):
-                status, entries = await self._actor.get.remote(key, timeout, self.prefetch)
-            buf = self._fill(key, status, entries, timeout)
-        return self._unpack(buf.popleft())
-
-    async def aget_batch(self, target_weight: float, key: Hashable = None, timeout: float | None = None) -> list:
-        taken, need = self._take_buffered(key, target_weight)
-        if need > 0:
-            with self._span("get_batch", key):
-                reply = await self._actor.get.remote(key, timeout, 1, need)
-            taken += self._batch_reply(key, taken, reply, timeout)
-        return [self._unpack(e) for e in taken]
-
     # -- helpers ----------------------------------------------------------------------
-    def _fill(self, key: Hashable, status: int, entries: list[_Entry], timeout: float | None) -> deque[_Entry]:
-        if status == _CLOSED:
+    def _fill(self, key: Hashable, status: int, entries: list[Entry], timeout: float | None) -> deque[Entry]:
+        if status == CLOSED:
             raise self._drained(key)
-        if status == _TIMEOUT:
+        if status == TIMEOUT:
             raise TimeoutError(f"channel {self.name!r}, key {key!r}: no item after {timeout} s")
         buf = self._buffers.setdefault(key, deque())
         buf.extend(entries)
         return buf
 
-    def _take_buffered(self, key: Hashable, target: float) -> tuple[list[_Entry], float]:
+    def _take_buffered(self, key: Hashable, target: float) -> tuple[list[Entry], float]:
         taken, buf = [], self._buffers.get(key)
         while buf and target > 0:
             taken.append(buf.popleft())
             target -= taken[-1][1]
         return taken, target
 
-    def _batch_reply(self, key: Hashable, taken: list[_Entry], reply: tuple[int, list[_Entry]],
-                     timeout: float | None) -> list[_Entry]:
+    def _batch_reply(self, key: Hashable, taken: list[Entry], reply: tuple[int, list[Entry]],
+                     timeout: float | None) -> list[Entry]:
         status, entries = reply
-        if status == _OK or (status == _CLOSED and taken):
+        if status == OK or (status == CLOSED and taken):
             return entries
         self._buffers.setdefault(key, deque()).extendleft(reversed(taken))  # still this handle's, in order
-        if status == _CLOSED:
+        if status == CLOSED:
             raise self._drained(key)
         raise TimeoutError(f"channel {self.name!r}, key {key!r}: not enough weight after {timeout} s")
 
-    def _unpack(self, entry: _Entry) -> Any:
-        from m2flow.runtime import comm
-
+    def _unpack(self, entry: Entry) -> Any:
         blob = entry[0]
         packed = ray.get(blob) if isinstance(blob, ray.ObjectRef) else pickle.loads(blob)
         self.last_transport = packed.transport

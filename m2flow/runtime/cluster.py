@@ -16,12 +16,8 @@ from typing import Any
 import ray
 
 from m2flow.runtime import shm
-
-NAMESPACE = "m2flow"
-
-
-def shm_prefix(session: str) -> str:
-    return f"m2flow-{session}"
+from m2flow.runtime.comm import cleanup_pipes
+from m2flow.runtime.names import NAMESPACE, shm_prefix
 
 
 @dataclass(frozen=True)
@@ -164,8 +160,6 @@ class Cluster:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
-        from m2flow.runtime.comm import cleanup_pipes
-
         shm.cleanup(shm_prefix(self.session))
         cleanup_pipes(shm_prefix(self.session))
 

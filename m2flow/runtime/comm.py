@@ -39,6 +39,7 @@ import torch
 from ray import cloudpickle
 
 from m2flow.runtime import payload, shm
+from m2flow.runtime.names import NAMESPACE, free_port, shm_prefix
 from m2flow.runtime.trace import get_tracer
 
 INLINE_BYTES = 64 * 1024
@@ -98,8 +99,6 @@ def process_pool() -> shm.ShmPool:
     """This process's shared-memory pool; its segments are named after the session so
     that the cluster can remove leftovers of crashed processes."""
     global _POOL
-    from m2flow.runtime.cluster import shm_prefix
-
     prefix = shm_prefix(os.environ.get("M2FLOW_SESSION", "default"))
     with _POOL_LOCK:
         if _POOL is None or _POOL.prefix != prefix:  # a driver may run one cluster after another
@@ -129,8 +128,6 @@ _FRAME = struct.Struct("<I")
 
 
 def _pipe_path(session: str, pid: int) -> str:
-    from m2flow.runtime.cluster import shm_prefix
-
     return os.path.join(shm.SHM_DIR, f"{shm_prefix(session)}-pipe-{pid}")
 
 
@@ -290,8 +287,6 @@ class Communicator:
     # -- peers -----------------------------------------------------------------
     def peer(self, address: tuple[str, int]) -> tuple[Any, PeerInfo]:
         if address not in self._peers:
-            from m2flow.runtime.cluster import NAMESPACE
-
             try:
                 actor = ray.get_actor(f"{address[0]}:{address[1]}", namespace=NAMESPACE)
             except ValueError:
@@ -451,8 +446,6 @@ class Communicator:
 
     def _host_pair(self, peer: tuple[str, int], actor: Any) -> None:
         import torch.distributed as dist
-
-        from m2flow.runtime.worker import free_port
 
         with self._nccl_lock:  # the main and an IO thread may both get here
             if peer in self._nccl:

@@ -1,18 +1,22 @@
 """WorkerGroup: N ranks of one component, launched by placement, called as one.
 
 ``group.generate(batch)`` runs ``generate`` on every rank (or ``ranks=[...]``) and returns
-a ``GroupHandle`` at once; ``handle.wait()`` gives the gathered result, or raises a
+a ``GroupHandle`` at once (``group.generate`` has the worker method's signature, plus
+``ranks``, and docstring); ``handle.wait()`` gives the gathered result, or raises a
 ``WorkerError`` naming the group, the rank and the remote traceback. A rank whose process
 died surfaces as ``WorkerDiedError`` as soon as Ray notices, not at a time-out.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
 import time
+import types
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import ray
@@ -20,7 +24,7 @@ import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from m2flow.runtime.cluster import NAMESPACE
+from m2flow.runtime.names import NAMESPACE
 from m2flow.runtime.placement import ComponentPlacement
 from m2flow.runtime.worker import CALL_PREFIX, WorkerInfo, actor_class, callable_methods
 
@@ -179,6 +183,9 @@ class WorkerGroup:
             refs.append(actor._m2flow_init.remote(info, master, tuple(args), dict(kwargs or {})))
         self._starting = GroupHandle(self, "__init__", list(range(self.world_size)), refs, "list")
         self.init_timeout_s = init_timeout_s
+        for method, call in _group_methods(cls).items():
+            if method not in vars(self) and not hasattr(type(self), method):  # the group's own names come first
+                setattr(self, method, types.MethodType(call, self))
         if wait:
             self.ready()
 
@@ -189,7 +196,7 @@ class WorkerGroup:
     # -- calls -----------------------------------------------------------------
     def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> GroupHandle:
         if method not in self._methods:
-            raise AttributeError(f"{self.cls.__name__} has no public method {method!r}")
+            raise _no_method(self.cls, method)
         split, gather = getattr(getattr(self.cls, method), "_m2flow_dispatch", ("all", "list"))
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         bad = [r for r in ranks if not 0 <= r < self.world_size]
@@ -200,10 +207,12 @@ class WorkerGroup:
         refs = [getattr(self.actors[r], CALL_PREFIX + method).remote(*a, **k) for r, (a, k) in zip(ranks, per_rank)]
         return GroupHandle(self, method, ranks, refs, gather)
 
-    def __getattr__(self, method: str):
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return lambda *args, **kwargs: self.call(method, *args, **kwargs)
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for a name that is neither the group's nor one of its worker's methods.
+        cls = self.__dict__.get("cls")
+        if cls is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise _no_method(cls, name)
 
     def init_process_group(self, backend: str | None = None) -> None:
         self.call("init_process_group", backend).wait()
@@ -224,6 +233,35 @@ class WorkerGroup:
     def kill(self) -> None:
         for a in self.actors:
             ray.kill(a, no_restart=True)
+
+
+def _no_method(cls: type, name: str) -> AttributeError:
+    return AttributeError(f"{cls.__name__} has no public method {name!r}")
+
+
+_RANKS = inspect.Parameter("ranks", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Sequence[int] | None")
+
+
+@functools.cache
+def _group_methods(cls: type) -> dict[str, Callable]:
+    """The group's methods for a worker class, bound to each group at its construction:
+    ``group.<name>(...)`` is ``group.call(name, ...)``, with the worker method's docstring
+    and signature, plus ``ranks`` and returning a ``GroupHandle``."""
+    return {name: _group_method(name, getattr(cls, name)) for name in callable_methods(cls)}
+
+
+def _group_method(name: str, method: Callable) -> Callable:
+    def call(self: WorkerGroup, *args: Any, **kwargs: Any) -> GroupHandle:
+        return self.call(name, *args, **kwargs)
+
+    functools.update_wrapper(call, method)
+    signature = inspect.signature(method)
+    # Ray adds _ray_trace_ctx (its tracing) to the signature of every method of an actor class.
+    params = [p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"]
+    if "ranks" not in signature.parameters:  # a worker parameter of that name is taken by call() anyway
+        params.insert(next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params)), _RANKS)
+    call.__signature__ = signature.replace(parameters=params, return_annotation="GroupHandle")
+    return call
 
 
 # -- split and gather ---------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import socket
 import time
 from dataclasses import dataclass
 from collections.abc import Hashable
@@ -20,8 +19,10 @@ from typing import Any, Callable
 
 import ray
 
-from m2flow.runtime.cluster import NAMESPACE, Device
+from m2flow.runtime.cluster import Device
 from m2flow.runtime.comm import Communicator, CommWork, Envelope, PeerInfo
+from m2flow.runtime.device_lock import DeviceLock
+from m2flow.runtime.names import NAMESPACE, free_port
 from m2flow.runtime.trace import get_tracer, set_process_name
 
 # Methods in this concurrency group run on their own threads, so a worker busy in a
@@ -71,12 +72,6 @@ def _pin_process(cores: list[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class Worker:
@@ -192,8 +187,6 @@ class Worker:
         """The lock of this worker's devices, for components that share them and take turns
         (a no-op context when they do not). ``all_ranks``: a turn of the whole group at once,
         for work with collectives (``GroupTurn``); every rank must enter it together."""
-        from m2flow.runtime.device_lock import DeviceLock
-
         if not take_turns:
             return nullcontext()
         if all_ranks and self.world_size > 1:
@@ -230,8 +223,6 @@ class GroupTurn:
     (``init_process_group``)."""
 
     def __init__(self, worker: Worker) -> None:
-        from m2flow.runtime.device_lock import DeviceLock
-
         self.lock = DeviceLock(worker._group_devices, f"{worker.group}:all") if worker.rank == 0 else None
         self.last_wait_s = 0.0
 

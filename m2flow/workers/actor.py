@@ -7,7 +7,6 @@ minibatch (gloo: the policies of this flow are small and stay on the CPU).
 
 from __future__ import annotations
 
-import time
 from functools import partial
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from m2flow.algorithms import PPO_STATS, episode_group_advantages, gae, next_values, ppo_minibatch_loss
 from m2flow.models import build_policy, flatten_parameters
-from m2flow.runtime import Channel, Worker, dispatch
+from m2flow.runtime import Channel, Clock, Worker, dispatch
 from m2flow.workers.layout import Layout
 
 
@@ -75,10 +74,10 @@ class ActorWorker(Worker):
 
     # -- training ---------------------------------------------------------------------
     def train(self, trajectories_in: Channel, update: int, total_updates: int) -> dict:
-        start = time.perf_counter()
-        parts = [trajectories_in.get(key=self.rank) for _ in range(self.layout.env_ranks)]
-        parts.sort(key=lambda p: p["env_rank"])  # arrival order varies; the batch must not
-        waited = time.perf_counter() - start
+        clock = Clock(busy_unless_idle=True)
+        with clock.idle():
+            parts = [trajectories_in.get(key=self.rank) for _ in range(self.layout.env_ranks)]
+            parts.sort(key=lambda p: p["env_rank"])  # arrival order varies; the batch must not
         # Collected ahead (runner.collect_ahead), the data is one version behind the weights.
         allowed = {self.version - 1, self.version} if self.cfg["runner"].get("collect_ahead") else {self.version}
         stale = {p["policy_version"] for p in parts} - allowed
@@ -91,13 +90,11 @@ class ActorWorker(Worker):
         if self.algo.get("anneal_lr"):
             for g in self.optimizer.param_groups:
                 g["lr"] = self.algo["lr"] * (1.0 - update / total_updates)
-        with self.turns:
+        with clock.turn(self.turns):
             batch, stats = self._group_advantages(data) if self.grpo else self._advantages(data)
             stats |= self._optimize(batch)
         self.version += 1
-        lock_wait = getattr(self.turns, "last_wait_s", 0.0)
-        stats |= {"busy_s": time.perf_counter() - start - waited - lock_wait, "idle_s": waited + lock_wait,
-                  "lock_wait_s": lock_wait, "policy_lag": lag}
+        stats |= clock.report(lock_wait=True) | {"policy_lag": lag}
         return stats
 
     def _advantages(self, d: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:

@@ -14,14 +14,13 @@ there (reported with its partial return), and every env resets for the next wind
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 import torch
 
 from m2flow.envs import EnvBatch
-from m2flow.runtime import Channel, dispatch
+from m2flow.runtime import Channel, Clock, dispatch
 from m2flow.workers.layout import Layout
 from m2flow.workers.rollout import PolicyHost, PolicyReplica
 
@@ -55,49 +54,44 @@ class EnvWorker(PolicyHost):
         """One rollout of ``steps`` steps per env: observations go to this rank's rollout
         worker of group ``policy`` (point to point), or to the hosted replica when fused;
         the trajectory goes to the actor ranks."""
-        busy = idle = inferring = 0.0
+        clock, inference = Clock(), Clock()  # inference: the fused rollout's
         executed = 0  # env steps: a chunk cut short by an episode end counts its executed actions
         records = [_Recorder() for _ in self.batches]
         episodes: list[tuple[float, int, bool | None]] = []  # (raw return, length, success) of each ended one
         versions = set()
         server = self.layout.rollout_of(self.rank)
-        with self.turns:  # a lock only when hosting the rollout on shared devices
+        with clock.turn(self.turns):  # a lock only when hosting the rollout on shared devices
             if not self.replica:
                 for s in range(self.stages):
                     self.isend(self.obs[s], policy, server, tag=("obs", s))
             for t in range(steps):
                 for s, batch in enumerate(self.batches):
-                    start = time.perf_counter()
                     if self.replica:
-                        actions, logp = self.replica.infer(self.obs[s])
-                        reply = {"actions": actions, "logp": logp, "version": self.replica.version}
-                        inferring += time.perf_counter() - start
+                        with inference.busy():
+                            actions, logp = self.replica.infer(self.obs[s])
+                            reply = {"actions": actions, "logp": logp, "version": self.replica.version}
                     else:
-                        reply = self.recv(policy, server, tag=("act", s))
-                    mid = time.perf_counter()
-                    result = batch.step_chunk(reply["actions"]) if self.layout.chunk > 1 else batch.step(reply["actions"])
-                    records[s].add(self.obs[s], reply, result)
-                    executed += int(result.valid.sum()) if self.layout.chunk > 1 else result.stepped
-                    versions.add(reply["version"])
-                    episodes += [(ret, length, success) for (_, ret), (_, length), success
-                                 in zip(result.episode_returns, result.episode_lengths, result.episode_successes)]
-                    self.obs[s] = result.obs
-                    if t < steps - 1 and not self.replica:
-                        self.isend(result.obs, policy, server, tag=("obs", s))
-                    if not self.replica:
-                        idle += mid - start
-                    busy += time.perf_counter() - mid
+                        with clock.idle():
+                            reply = self.recv(policy, server, tag=("act", s))
+                    with clock.busy():
+                        result = batch.step_chunk(reply["actions"]) if self.layout.chunk > 1 else batch.step(reply["actions"])
+                        records[s].add(self.obs[s], reply, result)
+                        executed += int(result.valid.sum()) if self.layout.chunk > 1 else result.stepped
+                        versions.add(reply["version"])
+                        episodes += [(ret, length, success) for (_, ret), (_, length), success
+                                     in zip(result.episode_returns, result.episode_lengths, result.episode_successes)]
+                        self.obs[s] = result.obs
+                        if t < steps - 1 and not self.replica:
+                            self.isend(result.obs, policy, server, tag=("obs", s))
                 # GRPO, fused: once every episode of the window has ended there is nothing left
                 # to infer or step (a separate rollout worker expects all ``steps`` rounds).
                 if self.grpo and self.replica and all(b.all_done for b in self.batches):
                     break
             if self.grpo:
-                start = time.perf_counter()
-                episodes += self._next_window()
-                busy += time.perf_counter() - start
-        lock_wait = getattr(self.turns, "last_wait_s", 0.0)
-        idle += lock_wait
-        self.inference = {"busy_s": inferring, "idle_s": lock_wait, "lock_wait_s": lock_wait}
+                with clock.busy():
+                    episodes += self._next_window()
+        inference.waited(clock.lock_wait_s)  # the fused rollout waited for the same turn
+        self.inference = inference.report(lock_wait=True)
         if len(versions) > 1:
             raise RuntimeError(f"env rank {self.rank} got actions from policy versions {sorted(versions)} in one rollout")
         (version,) = versions
@@ -113,7 +107,7 @@ class EnvWorker(PolicyHost):
             part["policy_version"], part["env_rank"] = version, self.rank
             trajectories_out.put(part, key=a, weight=steps * share)
         trajectories_out.flush()
-        return {"busy_s": busy, "idle_s": idle, "episodes": episodes, "env_steps": executed}
+        return clock.report() | {"episodes": episodes, "env_steps": executed}
 
     def _next_window(self) -> list[tuple[float, int, bool | None]]:
         """GRPO: cuts the episodes still running (their partial returns are reported as

@@ -7,13 +7,11 @@ nor recomputation configured it holds no model and passes batches through.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from m2flow.engines.scoring import compute_logprobs
-from m2flow.runtime import Channel
-from m2flow.workers.lm_common import END, load_model, memory_mb
+from m2flow.runtime import Channel, Clock
+from m2flow.workers.lm_common import END, load_model, memory_mb, until_end
 from m2flow.workers.lm_rollout import WeightReceiver
 
 
@@ -35,37 +33,29 @@ class InferenceWorker(WeightReceiver):
         """Adds ``ref_logprobs`` / ``old_logprobs`` to each batch and passes it on, to the actor
         ranks (which take batches as they become free) or the critic. Then one end marker per
         reader of ``batches_out``. In and out under ``key``, the stream's channel key."""
-        busy = idle = 0.0
+        clock = Clock()
         diffs = []
-        while True:
-            start = time.perf_counter()
-            batch = scored_in.get(key)
-            mid = time.perf_counter()
-            idle += mid - start
-            if batch == END:
-                break
-            if self.ref is not None or self.policy is not None:
-                with self.turns:
-                    idle += getattr(self.turns, "last_wait_s", 0.0)
-                    mid = time.perf_counter()
-                    if self.ref is not None:
-                        batch.ref_logprobs = compute_logprobs(self.ref, batch, self.max_tokens, self.temperature,
-                                                               share_prompts=self.share_prompts)
-                    if self.policy is not None:
-                        if batch.extras["version"] != self.version:
-                            raise RuntimeError(f"batch from policy version {batch.extras['version']}, the inference "
-                                               f"worker holds version {self.version}")
-                        recomputed = compute_logprobs(self.policy, batch, self.max_tokens, self.temperature,
-                                                      share_prompts=self.share_prompts)
-                        mask = batch.completion_mask.bool()
-                        diffs.append(float((recomputed - batch.old_logprobs)[mask].abs().max()) if mask.any() else 0.0)
-                        batch.old_logprobs = recomputed
-            batches_out.put(batch, key, weight=batch.extras["groups"])
-            busy += time.perf_counter() - mid
+        for batch in until_end(scored_in, key, clock):
+            with clock.busy():  # less the wait for the turn
+                if self.ref is not None or self.policy is not None:
+                    with clock.turn(self.turns):
+                        if self.ref is not None:
+                            batch.ref_logprobs = compute_logprobs(self.ref, batch, self.max_tokens, self.temperature,
+                                                                   share_prompts=self.share_prompts)
+                        if self.policy is not None:
+                            if batch.extras["version"] != self.version:
+                                raise RuntimeError(f"batch from policy version {batch.extras['version']}, the "
+                                                   f"inference worker holds version {self.version}")
+                            recomputed = compute_logprobs(self.policy, batch, self.max_tokens, self.temperature,
+                                                          share_prompts=self.share_prompts)
+                            mask = batch.completion_mask.bool()
+                            diffs.append(float((recomputed - batch.old_logprobs)[mask].abs().max()) if mask.any() else 0.0)
+                            batch.old_logprobs = recomputed
+                batches_out.put(batch, key, weight=batch.extras["groups"])
         for _ in range(readers):  # after every batch: a rank that takes one has nothing left to take
             batches_out.put(END, key)
         batches_out.flush()
-        out = {"busy_s": busy, "idle_s": idle, "peak_memory_mb": memory_mb(self.device)}
+        out = clock.report() | {"peak_memory_mb": memory_mb(self.device)}
         if diffs:  # sampling vs recomputed log-probs of the same weights: should be round-off
             out["logprob_diff_max"] = max(diffs)
         return out

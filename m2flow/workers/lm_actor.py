@@ -43,7 +43,7 @@ from m2flow.algorithms import (
 )
 from m2flow.engines.batch import SequenceBatch, concat_batches
 from m2flow.engines.trainer import LMTrainer, LossScale
-from m2flow.runtime import Channel, DeviceLock, Worker, dispatch
+from m2flow.runtime import Channel, Clock, DeviceLock, Worker, dispatch
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
 
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
@@ -120,8 +120,7 @@ class LMActorWorker(Worker):
         """One policy update from the step's batches (channel key ``key``); with several ranks,
         each trains on the batches it takes (``batches_in`` must hand out one item per get:
         prefetch 1)."""
-        start = time.perf_counter()
-        busy = idle = 0.0
+        clock = Clock()
         batches = []
         stats: dict[str, Any] = {}
         tokens = seqs = policy_lag = inert_rows = 0
@@ -130,11 +129,10 @@ class LMActorWorker(Worker):
         # train on them at once, instead of one waiting here for the whole generation.
         wait_free = self.world_size > 1 and isinstance(self.turns, DeviceLock)
         while True:
-            t0 = time.perf_counter()
-            if wait_free:
-                self.turns.wait_free()
-            batch = batches_in.get(key)  # whichever rank is free takes the next batch
-            idle += time.perf_counter() - t0
+            with clock.idle():
+                if wait_free:
+                    self.turns.wait_free()
+                batch = batches_in.get(key)  # whichever rank is free takes the next batch
             if batch == END:
                 break
             lag = self.version - batch.extras["version"]
@@ -154,17 +152,12 @@ class LMActorWorker(Worker):
             if inert.all():  # counted in the step's divisor above; nothing to forward
                 continue
             rows = batch.select((~inert).nonzero().squeeze(1)) if inert.any() else batch
-            with self.turns:
-                idle += getattr(self.turns, "last_wait_s", 0.0)
-                t1 = time.perf_counter()
+            with clock.turn(self.turns), clock.busy():
                 self.trainer.onload_optimizer()
                 raw = LossScale(tokens=self.world_size, sequences=self.world_size, world_size=self.world_size)
                 part = self.trainer.accumulate(rows, self._loss, raw)
-                busy += time.perf_counter() - t1
             _add_weighted(stats, part, int(rows.completion_mask.sum()))
-        with self.together:
-            idle += getattr(self.together, "last_wait_s", 0.0)
-            t1 = time.perf_counter()
+        with clock.turn(self.together), clock.busy():
             self.trainer.onload_optimizer()
             if self.streaming:
                 result = self._finish_streamed(stats, tokens, seqs) | {"inert_rows": inert_rows}
@@ -172,10 +165,9 @@ class LMActorWorker(Worker):
                 result = self._train_gathered(batches)
             peak = memory_mb(self.device)
             self.trainer.offload_optimizer()  # context switching: the rollout gets the room
-            busy += time.perf_counter() - t1
         self.version += 1
-        return result | {"busy_s": busy, "idle_s": idle, "peak_memory_mb": peak, "version": self.version,
-                         "time_s": time.perf_counter() - start, "policy_lag": policy_lag}
+        return result | clock.report() | {"peak_memory_mb": peak, "version": self.version, "time_s": clock.elapsed(),
+                                          "policy_lag": policy_lag}
 
     def _finish_streamed(self, stats: dict[str, Any], tokens: int, seqs: int) -> dict:
         counts = torch.tensor([tokens, seqs], dtype=torch.float64)

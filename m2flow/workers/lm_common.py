@@ -1,14 +1,30 @@
 """What the reasoning components share: loading the model a config names, memory readings,
-and the marker that ends a step's stream."""
+and the marker that ends a step's stream, and reading a stream up to it."""
 
 from __future__ import annotations
 
 import resource
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from m2flow.runtime import Channel, Clock
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 END = "end-of-step"  # sent down a channel after a step's last batch
+
+
+def until_end(channel: Channel, key: int, clock: Clock) -> Iterator[Any]:
+    """The items of a step's stream under ``key``, up to its end marker; the waits for them
+    are ``clock``'s idle time."""
+    while True:
+        with clock.idle():
+            item = channel.get(key)
+        if item == END:
+            return
+        yield item
 
 
 def dtype_of(name: str | None) -> torch.dtype | None:

@@ -18,7 +18,6 @@ One rank: the stream passes through it in order, and whitening needs all of it.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -27,8 +26,8 @@ from m2flow.algorithms import kl_penalty, kl_shaped_rewards, masked_whiten, toke
 from m2flow.engines.critic import CriticTrainer, ValueModel
 from m2flow.engines.batch import SequenceBatch, concat_batches
 from m2flow.engines.trainer import LossScale
-from m2flow.runtime import Channel, Worker, dispatch
-from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
+from m2flow.runtime import Channel, Clock, Worker, dispatch
+from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb, until_end
 
 
 def add_gae(batch: SequenceBatch, values: torch.Tensor, algo: dict) -> None:
@@ -71,43 +70,30 @@ class LMCriticWorker(Worker):
         and passes them on to the actor; trains the critic on them, then sends one end marker
         per actor rank, all under ``key``, the stream's channel key. Returns the critic's
         statistics (``value_loss``, ...)."""
-        busy = idle = 0.0
+        clock = Clock()
         batches = []
-        while True:
-            t0 = time.perf_counter()
-            batch = batches_in.get(key)
-            idle += time.perf_counter() - t0
-            if batch == END:
-                break
-            with self.turns:
-                idle += getattr(self.turns, "last_wait_s", 0.0)
-                t1 = time.perf_counter()
+        for batch in until_end(batches_in, key, clock):
+            with clock.turn(self.turns), clock.busy():
                 values = self.trainer.values(batch)
-                busy += time.perf_counter() - t1
-            t1 = time.perf_counter()
-            add_gae(batch, values, self.algo)
-            batches.append(batch)
-            busy += time.perf_counter() - t1
-        t1 = time.perf_counter()
-        if batches:  # none when dynamic sampling dropped every group
-            whiten_advantages(batches)
-        for batch in batches:
-            batches_out.put(batch, key, weight=batch.extras["groups"])
-        busy += time.perf_counter() - t1
-        with self.turns:
-            idle += getattr(self.turns, "last_wait_s", 0.0)
-            t1 = time.perf_counter()
+            with clock.busy():
+                add_gae(batch, values, self.algo)
+                batches.append(batch)
+        with clock.busy():
+            if batches:  # none when dynamic sampling dropped every group
+                whiten_advantages(batches)
+            for batch in batches:
+                batches_out.put(batch, key, weight=batch.extras["groups"])
+        with clock.turn(self.turns), clock.busy():
             self.trainer.onload_optimizer()
             stats = self._update(batches) if batches else {}
             peak = memory_mb(self.device)
             self.trainer.offload_optimizer()  # context switching: the others get the room
-            busy += time.perf_counter() - t1
         # The end markers only now: an actor rank that held one of these devices while the
         # critic waited for the rest would wait for it in the actor's all-reduce: a deadlock.
         for _ in range(actor_ranks):
             batches_out.put(END, key)
         batches_out.flush()
-        return stats | {"busy_s": busy, "idle_s": idle, "peak_memory_mb": peak}
+        return stats | clock.report() | {"peak_memory_mb": peak}
 
     def _update(self, batches: list[SequenceBatch]) -> dict[str, float]:
         batch = concat_batches(batches, pad_id=self.tokenizer.pad_token_id or 0)

@@ -7,7 +7,6 @@ bucket as it arrives, so no process holds a second full copy of the model.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ import torch
 from m2flow.engines import SamplingParams, build_engine
 from m2flow.engines.batch import SequenceBatch
 from m2flow.engines.weights import weights_hash
-from m2flow.runtime import Channel, Worker, dispatch
+from m2flow.runtime import Channel, Clock, Worker, dispatch
 from m2flow.workers.lm_common import load_model, memory_mb
 
 
@@ -100,11 +99,9 @@ class LMRolloutWorker(WeightReceiver):
         under ``key``, the stream's channel key."""
         if self.version < 0:
             raise RuntimeError("the rollout has no weights: the actor must sync them first")
-        start = time.perf_counter()
+        clock = Clock()
         stats = {"groups": 0, "completions": 0, "completion_tokens": 0, "truncated": 0}
-        with self.turns:
-            waited = getattr(self.turns, "last_wait_s", 0.0)
-            gen_start = time.perf_counter()
+        with clock.busy(), clock.turn(self.turns):  # busy: from the grant of the turn to its release
             self._onload()
             pending: list[tuple[dict, list]] = []
             for group in self.engine.generate([p["token_ids"] for p in prompts], self.params):
@@ -121,9 +118,9 @@ class LMRolloutWorker(WeightReceiver):
             samples_out.flush()
             peak = memory_mb(self.device)
             self._offload()  # context switching: the KV cache (and on a GPU the weights) make room
-        busy = time.perf_counter() - gen_start
-        return stats | {"busy_s": busy, "idle_s": waited, "lock_wait_s": waited, "peak_memory_mb": peak,
-                        "tokens_per_s": stats["completion_tokens"] / max(busy, 1e-9), "time_s": time.perf_counter() - start}
+        return stats | clock.report(lock_wait=True) | {
+            "peak_memory_mb": peak, "tokens_per_s": stats["completion_tokens"] / max(clock.busy_s, 1e-9),
+            "time_s": clock.elapsed()}
 
     def _batch(self, groups: list[tuple[dict, list]]) -> SequenceBatch:
         rows = [(prompt, c) for prompt, group in groups for c in group]

@@ -8,14 +8,12 @@ them.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 from m2flow.algorithms import dynamic_sampling_keep, overlong_penalty
 from m2flow.rewards import RewardScorer
-from m2flow.runtime import Channel, Worker
+from m2flow.runtime import Channel, Clock, Worker
 from m2flow.workers.lm_common import END
 
 
@@ -29,44 +27,42 @@ class RewardWorker(Worker):
 
     def score(self, samples_in: Channel, scored_out: Channel, num_groups: int, key: int = 0) -> dict:
         """Scores the step's ``num_groups`` groups (channel key ``key``), then sends the end marker."""
-        busy = idle = 0.0
+        clock = Clock()
         seen = kept = 0
         rewards_all, parts_all = [], {}
         while seen < num_groups:
-            start = time.perf_counter()
-            batch = samples_in.get(key)
-            mid = time.perf_counter()
-            idle += mid - start
-            seen += batch.extras["groups"]
-            scores = self.scorer.score(batch.extras["text"], batch.extras["answer"])
-            rewards = torch.from_numpy(scores.total)
-            rewards_all.append(scores.total)
-            for name, part in scores.parts.items():
-                parts_all.setdefault(name, []).append(part)
-            buffer, factor = self.overlong
-            if buffer:
-                lengths = batch.completion_mask.sum(1)
-                rewards = rewards + overlong_penalty(lengths, self.max_new_tokens, buffer, factor)
-            batch.extras["reward"] = rewards
-            if self.dynamic_sampling:
-                n = batch.extras["group_size"]
-                keep = dynamic_sampling_keep(rewards, n)
-                groups = int(keep.sum())
-                rows = torch.arange(len(batch)).view(-1, n)[keep].reshape(-1)
-                batch = batch.select(rows) if groups else None
-            else:
-                groups = batch.extras["groups"]
-            if batch is not None:
-                batch.extras["groups"] = groups
-                scored_out.put(batch, key, weight=groups)
-                kept += groups
-            busy += time.perf_counter() - mid
+            with clock.idle():
+                batch = samples_in.get(key)
+            with clock.busy():
+                seen += batch.extras["groups"]
+                scores = self.scorer.score(batch.extras["text"], batch.extras["answer"])
+                rewards = torch.from_numpy(scores.total)
+                rewards_all.append(scores.total)
+                for name, part in scores.parts.items():
+                    parts_all.setdefault(name, []).append(part)
+                buffer, factor = self.overlong
+                if buffer:
+                    lengths = batch.completion_mask.sum(1)
+                    rewards = rewards + overlong_penalty(lengths, self.max_new_tokens, buffer, factor)
+                batch.extras["reward"] = rewards
+                if self.dynamic_sampling:
+                    n = batch.extras["group_size"]
+                    keep = dynamic_sampling_keep(rewards, n)
+                    groups = int(keep.sum())
+                    rows = torch.arange(len(batch)).view(-1, n)[keep].reshape(-1)
+                    batch = batch.select(rows) if groups else None
+                else:
+                    groups = batch.extras["groups"]
+                if batch is not None:
+                    batch.extras["groups"] = groups
+                    scored_out.put(batch, key, weight=groups)
+                    kept += groups
         scored_out.put(END, key)
         scored_out.flush()
         rewards = np.concatenate(rewards_all)
         return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()), "groups_kept": kept,
                 "groups": seen, **{f"reward_{_short(k)}": float(np.concatenate(v).mean()) for k, v in parts_all.items()},
-                "busy_s": busy, "idle_s": idle}
+                **clock.report()}
 
     def score_texts(self, texts: list[str], answers: list[str]) -> dict:
         """Mean scores of finished texts (evaluation)."""

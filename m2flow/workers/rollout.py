@@ -8,13 +8,11 @@ in its own process, with no message per step (see ``EnvWorker``).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 from m2flow.models import build_policy
-from m2flow.runtime import Worker, dispatch
+from m2flow.runtime import Clock, Worker, dispatch
 from m2flow.workers.layout import Layout
 
 
@@ -68,25 +66,21 @@ class RolloutWorker(PolicyHost):
     def act(self, envs: str, steps: int) -> dict:
         """Answers ``steps`` observations per stage of each env rank of group ``envs`` that
         it serves, batching those env ranks into one inference."""
-        with self.turns:
-            busy, idle = self._serve(envs, steps)
-        lock_wait = getattr(self.turns, "last_wait_s", 0.0)
-        return {"busy_s": busy, "idle_s": idle + lock_wait, "lock_wait_s": lock_wait}
+        clock = Clock()
+        with clock.turn(self.turns):
+            self._serve(envs, steps, clock)
+        return clock.report(lock_wait=True)
 
-    def _serve(self, envs: str, steps: int) -> tuple[float, float]:
-        busy = idle = 0.0
+    def _serve(self, envs: str, steps: int, clock: Clock) -> None:
         for _ in range(steps):
             for s in range(self.layout.stages):
-                start = time.perf_counter()
-                obs = [self.recv(envs, e, tag=("obs", s)) for e in self.envs]
-                mid = time.perf_counter()
-                actions, logp = self.replica.infer(np.concatenate(obs))
-                offset = 0
-                for e, o in zip(self.envs, obs):
-                    n = len(o)
-                    self.isend({"actions": actions[offset:offset + n], "logp": logp[offset:offset + n],
-                                "version": self.replica.version}, envs, e, tag=("act", s))
-                    offset += n
-                idle += mid - start
-                busy += time.perf_counter() - mid
-        return busy, idle
+                with clock.idle():
+                    obs = [self.recv(envs, e, tag=("obs", s)) for e in self.envs]
+                with clock.busy():
+                    actions, logp = self.replica.infer(np.concatenate(obs))
+                    offset = 0
+                    for e, o in zip(self.envs, obs):
+                        n = len(o)
+                        self.isend({"actions": actions[offset:offset + n], "logp": logp[offset:offset + n],
+                                    "version": self.replica.version}, envs, e, tag=("act", s))
+                        offset += n
