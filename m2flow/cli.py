@@ -9,7 +9,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="m2flow", description="Flexible, efficient, large-scale RL training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a preset, e.g. embodied/ppo_cartpole placement.mode=hybrid")
-    train.add_argument("preset", help="a preset name under examples/ or a YAML file")
+    train.add_argument("preset", help="a preset name (m2flow presets lists them) or a YAML file")
     train.add_argument("overrides", nargs="*", help="key.path=value overrides")
     sub.add_parser("presets", help="list the presets")
     demo = sub.add_parser("demo", help="place a few workers on an embedded Ray and stream data between them")

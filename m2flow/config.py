@@ -1,4 +1,4 @@
-"""Configs: YAML presets under examples/, with command-line overrides (OmegaConf)."""
+"""Configs: YAML presets under m2flow/presets/, with command-line overrides (OmegaConf)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-PRESET_DIR = Path(__file__).resolve().parents[1] / "examples"
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 
 def presets() -> list[str]:
@@ -15,7 +15,7 @@ def presets() -> list[str]:
 
 
 def load_config(preset: str, overrides: list[str] | None = None) -> DictConfig:
-    """``preset`` is a name under examples/ (``embodied/ppo_cartpole``) or a YAML path;
+    """``preset`` is a name under m2flow/presets/ (``embodied/ppo_cartpole``) or a YAML path;
     ``overrides`` are ``key.path=value`` strings. Unknown keys are errors, not typos
     silently ignored."""
     path = Path(preset)

@@ -123,7 +123,7 @@ def check_ppo_config(a: DictConfig) -> None:
     missing = [k for k in PPO_KEYS if k not in a]
     if missing:
         raise ValueError(f"algorithm.name=ppo needs algorithm.{', algorithm.'.join(missing)} "
-                         "(see examples/reasoning/ppo_arith_tiny.yaml)")
+                         "(see the preset reasoning/ppo_arith_tiny)")
     for key in ("gae_gamma", "gae_lambda"):
         if not 0.0 <= a[key] <= 1.0:
             raise ValueError(f"algorithm.{key} must be in [0, 1], got {a[key]}")
