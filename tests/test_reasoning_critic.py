@@ -89,20 +89,27 @@ def test_ppo_configs_and_placement():
     assert components_of(cfg)[-1] == "critic"
     assert "critic" not in components_of(load_config("reasoning/grpo_arith_tiny"))
     cases = [
-        ("algorithm.gae_lambda=1.5", "gae_lambda must be in \\[0, 1\\]"),
-        ("algorithm.critic_lr=0", "critic_lr must be > 0"),
-        ("algorithm.value_clip=0", "value_clip must be > 0 or null"),
-        ("algorithm.critic_epochs=0", "critic_epochs must be >= 1"),
+        ("algorithm.gae_lambda=1.5", "algorithm.gae_lambda: must be in \\[0, 1\\], got 1.5"),
+        ("algorithm.critic_lr=0", "algorithm.critic_lr: must be > 0, got 0"),
+        ("algorithm.value_clip=0", "algorithm.value_clip: must be > 0 or null, got 0"),
+        ("algorithm.critic_epochs=0", "algorithm.critic_epochs: must be >= 1, got 0"),
         ("algorithm.dynamic_sampling=true", "with rollout.n=1 that is every group"),
     ]
     for override, message in cases:
         with pytest.raises(ValueError, match=message):
-            check_config(load_config(PRESET, [override]))
+            load_config(PRESET, [override])
+    assert cfg.algorithm.critic_lr == cfg.algorithm.lr  # the critic's learning rate follows the actor's
+    cfg.algorithm.critic_epochs = 0
+    with pytest.raises(ValueError, match="algorithm.critic_epochs: must be >= 1, got 0"):
+        check_config(cfg)
     pipelined = load_config(PRESET, ["placement.mode=pipelined"])
     ranges = placement_config(pipelined.placement, 4, "cuda", components_of(pipelined))
     assert ranges["critic"] == ranges["inference"] == {"devices": "2-3", "devices_per_proc": 2}
-    custom = load_config(PRESET, ["placement.mode=custom", *(f"placement.components.{c}=0-0" for c in
-                                                             ("rollout", "reward", "inference", "actor"))])
+    overrides = ["placement.mode=custom", *(f"placement.components.{c}=0-0" for c in
+                                            ("rollout", "reward", "inference", "actor"))]
+    with pytest.raises(ValueError, match="placement.components.critic: placement.mode=custom needs .* missing: critic"):
+        load_config(PRESET, overrides)
+    custom = load_config(PRESET, overrides, validate_config=False)
     with pytest.raises(ValueError, match="needs placement.components for \\['critic'\\]"):
         placement_config(custom.placement, 1, "cpu", components_of(custom))
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from m2flow.config.validate import check_grpo_layout, resolved, validate
 from m2flow.envs import make_env
 from m2flow.runners.metrics import MetricsLogger
 from m2flow.runtime import Channel, Cluster, DeviceLock, Placement, WorkerGroup
@@ -66,33 +67,13 @@ def _mode_ranges(cfg: DictConfig, num_devices: int) -> dict[str, Any]:
 
 
 def check_algorithm(cfg: DictConfig, layout: Layout) -> None:
-    """Config errors that would otherwise surface deep inside a worker, or not at all.
-
-    GRPO compares the episodes of a group of ``env.group_size`` envs that start from the same
-    seed, one episode per env and rollout window: a group must sit whole in one env batch
-    (stage) and in one actor rank's share. ``runner.rollout_steps`` should cover the task's
-    horizon; an episode still running at the window's end is cut there and scored with its
-    partial return.
-    """
-    name, k = cfg.algorithm.name, cfg.env.get("group_size", 1)
-    if name not in ("ppo", "grpo"):
-        raise ValueError(f"unknown algorithm.name {name!r}: ppo | grpo")
-    if name == "ppo":
-        return
-    if k < 2:
-        raise ValueError(f"algorithm.name=grpo needs env.group_size > 1 (envs compared from the same seed), got {k}")
-    if cfg.env.num_envs % k:
-        raise ValueError(f"algorithm.name=grpo: env.num_envs={cfg.env.num_envs} is not a multiple of env.group_size={k}")
-    if layout.envs_per_stage % k:
-        raise ValueError(f"algorithm.name=grpo: a group of env.group_size={k} envs must sit in one env batch, but each has "
-                         f"{layout.envs_per_stage} (env.num_envs / {layout.env_ranks} env rank(s) / runner.stages={layout.stages})")
-    share = layout.envs_per_rank // layout.actor_ranks
-    if share % k:
-        raise ValueError(f"algorithm.name=grpo: each of the {layout.actor_ranks} actor ranks trains on {share} envs of every "
-                         f"env rank, not a multiple of env.group_size={k}")
-    if cfg.algorithm.get("norm_adv", False):
-        raise ValueError("algorithm.name=grpo: its advantages are already normalised within each group; "
-                         "set algorithm.norm_adv=false")
+    """Config errors that would otherwise surface deep inside a worker, or not at all: the
+    checks of ``m2flow.config.validate`` (run when the config is loaded, again here for a
+    config changed since), then GRPO's rules that depend on the ranks (``check_grpo_layout``).
+    Each raises a ``ConfigError``."""
+    validate(cfg)
+    if cfg.algorithm.name == "grpo":
+        check_grpo_layout(resolved(cfg), layout)
 
 
 class EmbodiedRunner:

@@ -21,18 +21,18 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from m2flow.engines import BACKENDS
+from m2flow.config.schema import ReasoningAlgorithmConfig
+from m2flow.config.validate import check_values, resolved, validate
 from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, Placement, WorkerGroup
 from m2flow.runtime.group import start_together, wait
 from m2flow.workers.inference import InferenceWorker
-from m2flow.workers.lm_actor import ALGORITHMS, LMActorWorker
+from m2flow.workers.lm_actor import LMActorWorker
 from m2flow.workers.lm_critic import LMCriticWorker
 from m2flow.workers.lm_rollout import LMRolloutWorker
 from m2flow.workers.reward import RewardWorker
 
 COMPONENTS = ("rollout", "reward", "inference", "actor")
-PPO_KEYS = ("gae_gamma", "gae_lambda", "critic_lr", "value_clip", "critic_epochs")
 SINGLE_RANK = ("reward", "inference", "critic")  # each is one rank: the stream passes through it in order
 
 
@@ -85,54 +85,15 @@ def placement_config(cfg: DictConfig, num_devices: int, kind: str,
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Config errors that would otherwise surface deep inside a worker."""
-    a, r = cfg.algorithm, cfg.rollout
-    if a.name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm.name {a.name!r}: {' | '.join(ALGORITHMS)}")
-    if r.backend not in BACKENDS:
-        raise ValueError(f"rollout.backend must be {' | '.join(BACKENDS)}, got {r.backend!r}")
-    if r.backend == "vllm" and "gpu_memory_utilization" not in r:
-        raise ValueError("rollout.backend=vllm needs rollout.gpu_memory_utilization (vLLM's share of the GPU, "
-                         "in (0, 1])")
-    if "gpu_memory_utilization" in r:
-        from m2flow.engines.vllm_engine import check_memory_fraction
-
-        check_memory_fraction(r.gpu_memory_utilization)
-    if r.n < 2 and a.name not in ("reinforce_pp", "ppo"):
-        raise ValueError(f"algorithm.name={a.name} compares the samples of a prompt: rollout.n must be >= 2, got {r.n}")
-    if r.n < 2 and a.dynamic_sampling:
-        raise ValueError("algorithm.dynamic_sampling=true drops groups whose rewards are all equal: with rollout.n=1 "
-                         "that is every group")
-    if a.old_logprobs not in ("rollout", "recompute"):
-        raise ValueError(f"algorithm.old_logprobs must be rollout | recompute, got {a.old_logprobs!r}")
-    if a.kl_in_reward and a.name not in ("reinforce_pp", "ppo"):
-        raise ValueError("algorithm.kl_in_reward=true needs algorithm.name=reinforce_pp | ppo (group-relative "
-                         "advantages take the KL term in the loss)")
-    if a.name == "ppo":
-        check_ppo_config(a)
-    if a.get("data_parallel", "replicate") not in ("replicate", "fsdp"):
-        raise ValueError(f"algorithm.data_parallel must be replicate | fsdp, got {a.data_parallel!r}")
-    if cfg.placement.granularity < 1:
-        raise ValueError(f"placement.granularity must be >= 1 group, got {cfg.placement.granularity}")
-    if cfg.data.prompts_per_step < 1:
-        raise ValueError(f"data.prompts_per_step must be >= 1, got {cfg.data.prompts_per_step}")
+    """Config errors that would otherwise surface deep inside a worker: the checks of
+    ``m2flow.config.validate`` (run when the config is loaded, again here for a config
+    changed since). Raises a ``ConfigError``."""
+    validate(cfg)
 
 
 def check_ppo_config(a: DictConfig) -> None:
-    """The critic's keys: there (a preset written before ppo lacks them) and in range."""
-    missing = [k for k in PPO_KEYS if k not in a]
-    if missing:
-        raise ValueError(f"algorithm.name=ppo needs algorithm.{', algorithm.'.join(missing)} "
-                         "(see the preset reasoning/ppo_arith_tiny)")
-    for key in ("gae_gamma", "gae_lambda"):
-        if not 0.0 <= a[key] <= 1.0:
-            raise ValueError(f"algorithm.{key} must be in [0, 1], got {a[key]}")
-    if a.critic_lr <= 0:
-        raise ValueError(f"algorithm.critic_lr must be > 0, got {a.critic_lr}")
-    if a.value_clip is not None and a.value_clip <= 0:
-        raise ValueError(f"algorithm.value_clip must be > 0 or null (no clipping), got {a.value_clip}")
-    if a.critic_epochs < 1:
-        raise ValueError(f"algorithm.critic_epochs must be >= 1, got {a.critic_epochs}")
+    """The algorithm section's keys in range, the critic's (ppo) among them."""
+    check_values(resolved(a), ReasoningAlgorithmConfig, "algorithm.")
 
 
 def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
