@@ -210,7 +210,7 @@ def test_presets_are_listed_and_a_config_printed_with_docs(capsys):
     assert listed == presets() and {"embodied/ppo_cartpole", "reasoning/grpo_arith_tiny"} <= set(listed)
     cli.main(["config", RP, "algorithm.lr=1e-4", "--docs"])
     out = capsys.readouterr().out
-    assert "  critic_lr: 0.0001  # ppo: the critic's AdamW learning rate (default: algorithm.lr)\n" in out
+    assert "  lr: 0.0001  # the actor's AdamW learning rate\n" in out
     assert all("  # " in line for line in out.splitlines())  # every key has its doc
     assert yaml.safe_load(out) == OmegaConf.to_container(load_config(RP, ["algorithm.lr=1e-4"]), resolve=True)
 

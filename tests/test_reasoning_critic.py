@@ -98,7 +98,6 @@ def test_ppo_configs_and_placement():
     for override, message in cases:
         with pytest.raises(ValueError, match=message):
             load_config(PRESET, [override])
-    assert cfg.algorithm.critic_lr == cfg.algorithm.lr  # the critic's learning rate follows the actor's
     cfg.algorithm.critic_epochs = 0
     with pytest.raises(ValueError, match="algorithm.critic_epochs: must be >= 1, got 0"):
         check_config(cfg)

@@ -263,7 +263,7 @@ class ReasoningAlgorithmConfig:
                                           "gradients, optimizer state sharded)", choices=("replicate", "fsdp"))
     gae_gamma: float = opt(1.0, "ppo: discount per token", within=UNIT)
     gae_lambda: float = opt(0.95, "ppo: GAE's lambda", within=UNIT)
-    critic_lr: float = opt("${.lr}", "ppo: the critic's AdamW learning rate (default: algorithm.lr)", within=POSITIVE)
+    critic_lr: float = opt(MISSING, "ppo: the critic's AdamW learning rate", within=POSITIVE)
     value_clip: Optional[float] = opt(0.2, "ppo: how far a value may move from the one the advantages used "
                                            "(null: no clip)", within=POSITIVE)
     critic_epochs: int = opt(1, "ppo: critic passes over the step, each in mini_batches", within=AT_LEAST_1)
