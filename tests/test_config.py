@@ -45,11 +45,12 @@ def cli_error(capsys, argv: list[str]) -> str:
 
 def _files(tmp: Path) -> dict[str, str]:
     """Files for the cases below: a data file too short to hold out a test set, a data file
-    of the wrong kind, and a preset with a misspelt nested key."""
+    of the wrong kind, a preset with a misspelt nested key, and one that leaves keys unset."""
     (tmp / "three.jsonl").write_text("".join(f'{{"question": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(3)))
     (tmp / "problems.csv").write_text("question,answer\n1+1,2\n")
     text = (ROOT / "m2flow/presets/embodied/ppo_cartpole.yaml").read_text()
     (tmp / "typo.yaml").write_text(text + "policy:\n  hiden: [32, 32]\n")
+    (tmp / "mine.yaml").write_text("flow: embodied\nname: mine\nenv:\n  id: CartPole-v1\n")  # keys left unset
     return {"tmp": str(tmp)}
 
 
@@ -64,6 +65,7 @@ MALFORMED = [
     (E, ["algorithm.lr.scale=2"], "algorithm.lr.scale"),
     (R, ["env.id=CartPole-v1"], "env"),
     ("{tmp}/typo.yaml", [], "policy.hiden"),
+    ("{tmp}/mine.yaml", ["env.num_envs=4"], "algorithm.epochs"),
     (E, ["totl_env_steps"], "totl_env_steps"),
     ("embodied/ppo_cartpol", [], "preset"),
     # wrong types

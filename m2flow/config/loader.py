@@ -71,7 +71,8 @@ def load_config(preset: str, overrides: list[str] | None = None, validate_config
     except OmegaConfBaseException as e:  # an interpolation that does not resolve
         raise translate(e, root) from None
     if missing:
-        raise ConfigError(missing[0], f"required and not set: the preset must set it, or add {missing[0]}=VALUE")
+        also = f" (also unset: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise ConfigError(missing[0], f"required and not set: the preset must set it, or add {missing[0]}=VALUE{also}")
     if validate_config:
         validate(cfg)
     return cfg

@@ -9,6 +9,7 @@ they work on a ``DictConfig`` and on ``OmegaConf.to_container``'s dict alike.
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from pathlib import Path
 from typing import Any, Mapping
@@ -220,13 +221,19 @@ def check_data(data: Mapping) -> None:
 
 
 def count_rows(path: Path) -> int | None:
-    """Rows in a .jsonl (non-empty lines) or .parquet file (from its metadata); None if unreadable."""
+    """Rows in a .jsonl (non-empty lines, each JSON) or .parquet file (from its metadata); None
+    if the file is malformed: loading the problems names the line or the cause."""
     try:
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
             return pq.ParquetFile(path).metadata.num_rows
+        rows = 0
         with path.open() as f:
-            return sum(1 for line in f if line.strip())
-    except Exception:  # noqa: BLE001 - a malformed file is reported where it is read
+            for line in f:
+                if line.strip():
+                    json.loads(line)
+                    rows += 1
+        return rows
+    except Exception:  # noqa: BLE001
         return None
