@@ -1,26 +1,52 @@
-"""Command line: ``m2flow train PRESET [key=value ...]``, ``m2flow presets``, ``m2flow demo``."""
+"""Command line: ``m2flow train PRESET [key=value ...]``, ``m2flow config PRESET [key=value ...]``,
+``m2flow presets``, ``m2flow demo``.
+
+A config mistake is one line on stderr, ``m2flow: error: key.path: ...``, and exit status 2,
+before anything starts; ``m2flow --debug ...`` shows its traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="m2flow", description="Flexible, efficient, large-scale RL training on Ray.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a config error")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a preset, e.g. embodied/ppo_cartpole placement.mode=hybrid")
-    train.add_argument("preset", help="a preset name under examples/ or a YAML file")
-    train.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    config = sub.add_parser("config", help="print the resolved config of a preset with overrides (YAML)")
+    for p in (train, config):
+        p.add_argument("preset", help="a preset name (m2flow presets lists them) or a YAML file")
+        p.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    config.add_argument("--docs", action="store_true", help="add each key's doc as a comment")
     sub.add_parser("presets", help="list the presets")
     demo = sub.add_parser("demo", help="place a few workers on an embedded Ray and stream data between them")
     demo.add_argument("--out", default="runs/demo", help="where the trace is written")
     args = parser.parse_args(argv)
 
+    from m2flow.config import ConfigError
+
+    try:
+        command(args)
+    except ConfigError as e:
+        if args.debug:
+            raise
+        print(f"m2flow: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def command(args: argparse.Namespace) -> None:
     if args.command == "train":
         from m2flow.config import load_config
         from m2flow.runners import run
 
         run(load_config(args.preset, args.overrides))
+    elif args.command == "config":
+        from m2flow.config import load_config, to_yaml
+
+        print(to_yaml(load_config(args.preset, args.overrides), docs=args.docs), end="")
     elif args.command == "presets":
         from m2flow.config import presets
 

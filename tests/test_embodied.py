@@ -102,9 +102,9 @@ def test_collect_ahead_learns(cluster, tmp_path, rollout):
 
 
 def test_bad_overrides_are_clear_errors():
-    with pytest.raises(ValueError, match="no such key"):
+    with pytest.raises(ValueError, match="runner.totl_env_steps: no such key; did you mean runner.total_env_steps"):
         load_config("embodied/ppo_cartpole", ["runner.totl_env_steps=5"])
-    with pytest.raises(FileNotFoundError, match="known presets:.*embodied/ppo_cartpole"):
+    with pytest.raises(ValueError, match="no preset or file 'embodied/nope'; presets:.*embodied/ppo_cartpole"):
         load_config("embodied/nope")
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from m2flow.config import load_config, presets
 from m2flow.envs import EnvBatch
-from m2flow.runners.embodied import EmbodiedRunner, check_algorithm
+from m2flow.config.validate import check_grpo_layout, resolved, validate as check_algorithm
+from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.workers.layout import Layout
 
 # ------------------------------------------------------------------ EnvBatch without auto-reset
@@ -64,24 +65,25 @@ def test_without_auto_reset_chunks_skip_done_envs():
 def _check(overrides, env_ranks=1, actor_ranks=1, stages=1):
     cfg = load_config("embodied/grpo_cartpole", overrides)
     check_algorithm(cfg)
-    if cfg.algorithm.name == "grpo":
-        Layout.build(cfg.env.num_envs, env_ranks, 1, actor_ranks, stages, cfg.policy.chunk).check_groups(cfg.env.group_size)
+    check_grpo_layout(resolved(cfg), Layout.build(cfg.env.num_envs, env_ranks, 1, actor_ranks, stages, cfg.policy.chunk))
 
 
 def test_grpo_config_errors():
     _check([])
     _check(["env.group_size=8"], env_ranks=2)
-    with pytest.raises(ValueError, match="unknown algorithm.name 'a2c'"):
+    with pytest.raises(ValueError, match=r"algorithm.name: must be one of ppo \| grpo, got 'a2c'"):
         _check(["algorithm.name=a2c"])
-    with pytest.raises(ValueError, match="needs env.group_size > 1"):
+    with pytest.raises(ValueError, match="env.group_size: algorithm.name=grpo compares envs .* must be > 1, got 1"):
         _check(["env.group_size=1"])
-    with pytest.raises(ValueError, match="env.num_envs=16 is not a multiple of env.group_size=3"):
+    with pytest.raises(ValueError, match="env.num_envs: algorithm.name=grpo: 16 is not a multiple of env.group_size=3"):
         _check(["env.group_size=3"])
-    with pytest.raises(ValueError, match="must sit in one env batch, but each has 4"):
-        _check(["env.group_size=8"], stages=4)
-    with pytest.raises(ValueError, match="each of the 4 actor ranks trains on 4 envs"):
+    with pytest.raises(ValueError, match="runner.stages: .* must sit in one env batch, but 4 stages leave 4 envs per batch"):
+        _check(["env.group_size=8", "runner.stages=4"])
+    with pytest.raises(ValueError, match="env.group_size: .* must sit in one env batch, but each has 4"):
+        _check(["env.group_size=8"], stages=4)  # a layout check: the env batches per rank
+    with pytest.raises(ValueError, match="env.group_size: .* each of the 4 actor ranks trains on 4 envs"):
         _check(["env.group_size=8"], actor_ranks=4)
-    with pytest.raises(ValueError, match="set algorithm.norm_adv=false"):
+    with pytest.raises(ValueError, match="algorithm.norm_adv: must be false for algorithm.name=grpo"):
         _check(["algorithm.norm_adv=true"])
     # PPO keeps accepting grouped seeds
     check_algorithm(load_config("embodied/ppo_cartpole", ["env.group_size=4"]))

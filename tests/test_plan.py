@@ -6,8 +6,8 @@ import pytest
 from m2flow.config import load_config
 from m2flow.flow import Plan, PlanError
 from m2flow.runners.base import plan_of
-from m2flow.runners.embodied import WORKFLOW as EMBODIED
-from m2flow.runners.reasoning import COMPONENTS, WORKFLOW as REASONING
+from m2flow.runners.embodied import WORKFLOW as EMBODIED, EmbodiedRunner
+from m2flow.runners.reasoning import COMPONENTS, WORKFLOW as REASONING, ReasoningRunner
 
 LM = "reasoning/grpo_arith_tiny"
 NO_CRITIC = COMPONENTS[:-1]
@@ -20,11 +20,12 @@ def ranges(plan):
 
 def embodied(mode, n, *extra):
     cfg = load_config("embodied/ppo_cartpole", [f"placement.mode={mode}", *extra])
-    return plan_of(cfg, EMBODIED, n, "cpu", EMBODIED.components)
+    return plan_of(cfg, EMBODIED, n, "cpu", EMBODIED.components, **EmbodiedRunner.plan_options(cfg))
 
 
 def reasoning(mode, n, kind, components=NO_CRITIC, *extra):
-    return plan_of(load_config(LM, [f"placement.mode={mode}", *extra]), REASONING, n, kind, components)
+    cfg = load_config(LM, [f"placement.mode={mode}", *extra])
+    return plan_of(cfg, REASONING, n, kind, components, **ReasoningRunner.plan_options(cfg))
 
 
 def test_embodied_modes():
@@ -40,8 +41,6 @@ def test_embodied_modes():
     assert disaggregated.mode(EMBODIED) == "disaggregated"
     spans = embodied("collocated", 4, "placement.actor_devices_per_proc=2")
     assert spans.components["actor"].devices_per_proc == 2 and spans.world_size("actor") == 2
-    with pytest.raises(ValueError, match=r"needs placement.components for \['env', 'rollout', 'actor'\]"):
-        embodied("custom", 2)
     assert embodied("collocated", 2, "runner.stages=2", "runner.collect_ahead=true").stages == 2
     assert embodied("collocated", 2, "runner.collect_ahead=true").run_ahead == 1
 
@@ -60,9 +59,10 @@ def test_reasoning_modes():
         reasoning("disaggregated", 1, "cpu")
     critic = reasoning("disaggregated", 4, "cuda", COMPONENTS)
     assert ranges(critic)["critic"] == ranges(critic)["inference"] == {"devices": "2-3", "devices_per_proc": 2}
-    custom = ["placement.mode=custom", *(f"placement.components.{c}=0-0" for c in NO_CRITIC)]
-    with pytest.raises(ValueError, match=r"needs placement.components for \['critic'\]"):
-        plan_of(load_config(LM, custom), REASONING, 1, "cpu", COMPONENTS)
+    custom = load_config(LM, ["placement.mode=custom", *(f"placement.components.{c}=0-0" for c in NO_CRITIC)])
+    assert ranges(plan_of(custom, REASONING, 1, "cpu", NO_CRITIC)) == dict.fromkeys(NO_CRITIC, "0-0")
+    with pytest.raises(PlanError, match=r"needs placement.components for \['critic'\]"):
+        plan_of(custom, REASONING, 1, "cpu", COMPONENTS)
     assert reasoning("collocated", 1, "cpu", NO_CRITIC, "placement.granularity=2").granularity["samples"] == 2
 
 
@@ -97,5 +97,23 @@ def test_plan_files_refuse_unknown_keys(tmp_path):
     (tmp_path / "p.yaml").write_text("components: {actor: '0'}\nahead: 1\n")
     with pytest.raises(PlanError, match=r"unknown key\(s\) \['ahead'\]"):
         Plan.load(tmp_path / "p.yaml")
-    with pytest.raises(PlanError, match="no such file"):
+    with pytest.raises(PlanError, match="no such plan file"):
         Plan.load(tmp_path / "missing.yaml")
+
+
+def test_a_plan_file_runs_as_written(cluster, tmp_path):
+    """``placement=@FILE``: the envs and the rollout on slots 0-1 (one process each, fused),
+    the actor on slots 2-3, two env stages; the run uses exactly that plan."""
+    plan = Plan.from_dict({"components": {"env": "0-1", "rollout": "0-1", "actor": "2-3"},
+                           "fuse": [["env", "rollout"]], "stages": 2})
+    cfg = load_config("embodied/ppo_cartpole", [f"placement=@{plan.save(tmp_path / 'plan.yaml')}",
+                                                 f"runner.out_dir={tmp_path}", "runner.progress=false",
+                                                 "runner.total_env_steps=512"])
+    runner = EmbodiedRunner(cfg, cluster)
+    try:
+        assert runner.plan == plan and runner.fused and runner.plan.mode(EMBODIED) == "disaggregated"
+        assert runner.layout.stages == 2 and runner.groups["actor"].world_size == 2
+        history = runner.train()
+    finally:
+        runner.close()
+    assert [row["env_steps"] for row in history] == [256, 512]

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from m2flow.config import load_config
-from m2flow.runners.checks import check_config
+from m2flow.config.validate import validate as check_config
 from m2flow.runners.reasoning import ReasoningRunner
 
 PRESET = "reasoning/grpo_arith_tiny"
@@ -15,16 +15,20 @@ PRESET = "reasoning/grpo_arith_tiny"
 
 def test_bad_configs_are_named():
     cases = [
-        ("algorithm.name=ppo2", "unknown algorithm.name 'ppo2'"),
-        ("rollout.n=1", "rollout.n must be >= 2"),
-        ("algorithm.old_logprobs=actor", "old_logprobs must be rollout | recompute"),
-        ("algorithm.kl_in_reward=true", "kl_in_reward=true needs algorithm.name=reinforce_pp"),
-        ("placement.granularity=0", "granularity must be >= 1"),
-        ("algorithm.data_parallel=zero3", "data_parallel must be replicate | fsdp"),
+        ("algorithm.name=ppo2", r"algorithm.name: must be one of grpo \| dr_grpo .*, got 'ppo2'"),
+        ("rollout.n=1", "rollout.n: algorithm.name=grpo compares the samples of a prompt: it must be >= 2"),
+        ("algorithm.old_logprobs=actor", r"algorithm.old_logprobs: must be one of rollout \| recompute, got 'actor'"),
+        ("algorithm.kl_in_reward=true", "algorithm.kl_in_reward: true needs algorithm.name=reinforce_pp"),
+        ("placement.granularity=0", "placement.granularity: must be >= 1, got 0"),
+        ("algorithm.data_parallel=zero3", r"algorithm.data_parallel: must be one of replicate \| fsdp, got 'zero3'"),
     ]
-    for override, message in cases:
+    for override, message in cases:  # rejected as the config loads
         with pytest.raises(ValueError, match=message):
-            check_config(load_config(PRESET, [override]))
+            load_config(PRESET, [override])
+    cfg = load_config(PRESET)
+    cfg.rollout.n = 1  # changed after loading: the runner's check catches it
+    with pytest.raises(ValueError, match="rollout.n: algorithm.name=grpo compares"):
+        check_config(cfg)
 
 
 

@@ -12,7 +12,7 @@ from m2flow.config import load_config
 from m2flow.engines.critic import CriticTrainer, ValueModel
 from m2flow.engines.batch import SequenceBatch, concat_batches
 from m2flow.models.lm import tiny_lm
-from m2flow.runners.checks import check_config
+from m2flow.config.validate import validate as check_config
 from m2flow.runners.reasoning import ReasoningRunner
 from m2flow.workers.lm_critic import add_gae, whiten_advantages
 
@@ -88,15 +88,22 @@ def test_ppo_configs_and_placement():
     cfg = load_config(PRESET)
     check_config(cfg)  # rollout.n = 1: no groups needed
     cases = [
-        ("algorithm.gae_lambda=1.5", "gae_lambda must be in \\[0, 1\\]"),
-        ("algorithm.critic_lr=0", "critic_lr must be > 0"),
-        ("algorithm.value_clip=0", "value_clip must be > 0 or null"),
-        ("algorithm.critic_epochs=0", "critic_epochs must be >= 1"),
+        ("algorithm.gae_lambda=1.5", "algorithm.gae_lambda: must be in \\[0, 1\\], got 1.5"),
+        ("algorithm.critic_lr=0", "algorithm.critic_lr: must be > 0, got 0"),
+        ("algorithm.value_clip=0", "algorithm.value_clip: must be > 0 or null, got 0"),
+        ("algorithm.critic_epochs=0", "algorithm.critic_epochs: must be >= 1, got 0"),
         ("algorithm.dynamic_sampling=true", "with rollout.n=1 that is every group"),
     ]
     for override, message in cases:
         with pytest.raises(ValueError, match=message):
-            check_config(load_config(PRESET, [override]))
+            load_config(PRESET, [override])
+    cfg.algorithm.critic_epochs = 0
+    with pytest.raises(ValueError, match="algorithm.critic_epochs: must be >= 1, got 0"):
+        check_config(cfg)
+    overrides = ["placement.mode=custom", *(f"placement.components.{c}=0-0" for c in
+                                            ("rollout", "reward", "inference", "actor"))]
+    with pytest.raises(ValueError, match="placement.components.critic: placement.mode=custom needs .* missing: critic"):
+        load_config(PRESET, overrides)
 
 
 def test_ppo_raises_the_reward_and_resumes_the_critic(cluster, tmp_path):

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from m2flow.config import load_config
+from m2flow.config import ConfigError, load_config
 from m2flow.runners.reasoning import ReasoningRunner
 
 PRESET = "reasoning/grpo_arith_tiny"
@@ -109,15 +109,24 @@ def test_prompt_file_trains_on_its_train_rows_and_evaluates_on_the_held_out_rows
 
 
 def test_bad_prompt_files_are_clear_errors(cluster, tmp_path):
+    def load(source, *overrides):
+        return load_config(PRESET, [f"runner.out_dir={tmp_path / 'out'}", f"data.source={source}", *COMMON, *overrides])
+
     def error(source, *overrides):
-        cfg = load_config(PRESET, [f"runner.out_dir={tmp_path / 'out'}", f"data.source={source}", *COMMON, *overrides])
         with pytest.raises((ValueError, FileNotFoundError, KeyError)) as info:
-            ReasoningRunner(cfg, cluster=cluster)
+            ReasoningRunner(load(source, *overrides), cluster=cluster)
         return str(info.value)
 
-    assert error(tmp_path / "missing.jsonl") == f"{tmp_path / 'missing.jsonl'}: no such file"
-    assert error(tmp_path / "missing.parquet") == f"{tmp_path / 'missing.parquet'}: no such file"
-    assert error(tmp_path / "problems.csv").endswith("problems.csv: expected a .jsonl or .parquet file")
+    def config_error(source, *overrides):  # found as the config loads, before any worker starts
+        with pytest.raises(ConfigError) as info:
+            load(source, *overrides)
+        return str(info.value)
+
+    for missing in (tmp_path / "missing.jsonl", tmp_path / "missing.parquet"):
+        assert config_error(missing) == (f"data.source: no such file '{missing}' (expected 'arithmetic' or a "
+                                         ".jsonl / .parquet file)")
+    assert config_error(tmp_path / "problems.csv") == (f"data.source: expected 'arithmetic' or a .jsonl / .parquet "
+                                                       f"file, got '{tmp_path / 'problems.csv'}'")
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(problem_rows()[0]) + "\n\n{'problem': 1}\n")
     assert error(broken) == f"{broken} line 3: not JSON (Expecting property name enclosed in double quotes)"
@@ -125,8 +134,11 @@ def test_bad_prompt_files_are_clear_errors(cluster, tmp_path):
     not_parquet.write_text("not parquet")
     assert error(not_parquet).startswith(f"{not_parquet}: not a Parquet file")
     small = write_prompts(tmp_path / "small.jsonl")
-    assert error(small, f"data.test_size={ROWS}") == (
-        f"data.source={small}: {ROWS} problems, not enough to hold out data.test_size={ROWS} and train on the rest")
+    assert config_error(small, f"data.test_size={ROWS}") == (
+        f"data.test_size: data.source={small} has {ROWS} problems, not enough to hold out {ROWS} and train on the rest")
+    assert config_error(small, f"data.prompts_per_step={ROWS - TEST_SIZE + 1}") == (
+        f"data.prompts_per_step: must be <= the {ROWS - TEST_SIZE} train prompts (data.source={small} less "
+        f"data.test_size), got {ROWS - TEST_SIZE + 1}")
     assert "no field 'question'" in error(small, "data.question_key=question")
 
 

@@ -35,7 +35,7 @@ from m2flow.engines import build_engine
 from m2flow.engines.weights import named_weights, weights_hash
 from m2flow.engines.vllm_engine import WORKER_EXTENSION, VLLMEngine, WorkerExtension, hf_named_weights
 from m2flow.models.lm import load_lm
-from m2flow.runners.checks import check_config
+from m2flow.config.validate import validate as check_config
 from m2flow.workers.lm_rollout import LMRolloutWorker, engine_options
 
 PRESET = "reasoning/grpo_arith_tiny"
@@ -381,8 +381,8 @@ def test_a_memory_fraction_outside_0_1_is_a_one_line_error(fake_vllm, value):
         VLLMEngine(model, tok, gpu_memory_utilization=value)
     assert "\n" not in str(e.value)
     if isinstance(value, float):
-        with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a number in \(0, 1\]"):
-            check_config(load_config(PRESET, [f"rollout.gpu_memory_utilization={value}"]))
+        with pytest.raises(ValueError, match=r"rollout.gpu_memory_utilization: must be in \(0, 1\], got"):
+            load_config(PRESET, [f"rollout.gpu_memory_utilization={value}"])
 
 
 def test_other_bad_options_are_named(fake_vllm):
@@ -391,8 +391,8 @@ def test_other_bad_options_are_named(fake_vllm):
         VLLMEngine(model, tok, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="sets vLLM's worker_extension_cls itself"):
         VLLMEngine(model, tok, worker_extension_cls="elsewhere.Extension")
-    with pytest.raises(ValueError, match=r"rollout.backend must be torch \| vllm, got 'tgi'"):
-        check_config(load_config(PRESET, ["rollout.backend=tgi"]))
+    with pytest.raises(ValueError, match=r"rollout.backend: must be one of torch \| vllm, got 'tgi'"):
+        load_config(PRESET, ["rollout.backend=tgi"])
     engine = VLLMEngine(model, tok)
     bucket = dict(named_weights(model))
     with pytest.raises(ValueError, match="no weight named 'model.nope.weight'"):

@@ -23,13 +23,17 @@ from typing import Any
 
 import yaml
 
+from m2flow.config.validate import ConfigError
 from m2flow.runtime.placement import Placement, PlacementError, parse_range
 
 MODES = ("collocated", "disaggregated", "hybrid")
 
 
-class PlanError(ValueError):
+class PlanError(ConfigError):
     """A plan that cannot run: unknown components, devices the cluster lacks, a bad shape."""
+
+    def __init__(self, problem: str, key: str = "placement"):
+        super().__init__(key, problem)
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class Plan:
         elif mode in workflow.splits:
             ranges = _split(workflow, mode, names, num_devices)
         else:
-            raise PlanError(f"placement.mode={mode!r}: expected {' | '.join(('collocated', *workflow.splits))}")
+            raise PlanError(f"expected {' | '.join(('collocated', *workflow.splits))}, got {mode!r}", "placement.mode")
         plans = {}
         for c, (lo, hi) in ranges.items():
             span = hi - lo + 1
@@ -103,7 +107,7 @@ class Plan:
         data = dict(data)
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise PlanError(f"plan: unknown key(s) {sorted(unknown)}; known: components, fuse, granularity, stages, "
+            raise PlanError(f"unknown key(s) {sorted(unknown)}; known: components, fuse, granularity, stages, "
                             "run_ahead")
         comps = {}
         for name, entry in dict(data.pop("components", {})).items():
@@ -111,7 +115,7 @@ class Plan:
             try:
                 comps[name] = ComponentPlan(**{k: (str(v) if k == "devices" else int(v)) for k, v in entry.items()})
             except TypeError:
-                raise PlanError(f"plan: component {name!r}: keys are devices, procs_per_device, devices_per_proc; "
+                raise PlanError(f"component {name!r}: keys are devices, procs_per_device, devices_per_proc; "
                                 f"got {sorted(entry)}") from None
         return cls(comps, **data)
 
@@ -119,7 +123,7 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
         if not path.is_file():
-            raise PlanError(f"placement=@{path}: no such file")
+            raise PlanError(f"no such plan file {str(path)!r}", "placement.plan")
         return cls.from_dict(yaml.safe_load(path.read_text()) or {})
 
     # -- writing --------------------------------------------------------------------
@@ -169,36 +173,36 @@ class Plan:
         names = components or workflow.components
         missing = [c for c in names if c not in self.components]
         if missing:
-            raise PlanError(f"plan: no devices for component(s) {missing} (placement.components.<name>)")
+            raise PlanError(f"no devices for component(s) {missing} (placement.components.<name>)")
         extra = sorted(set(self.components) - set(names))
         if extra:
-            raise PlanError(f"plan: unknown component(s) {extra}; this run has {list(names)}")
+            raise PlanError(f"unknown component(s) {extra}; this run has {list(names)}")
         for c, p in self.components.items():
             try:
                 group, devices = parse_range(p.devices, c)
             except PlacementError as e:
-                raise PlanError(f"plan: {e}") from None
+                raise PlanError(f"{e}") from None
             if group == "all" and max(devices) >= num_devices:  # a node group's size is known once Ray runs
-                raise PlanError(f"plan: component {c!r} needs device {max(devices)} ({p.devices}), the cluster has "
+                raise PlanError(f"component {c!r} needs device {max(devices)} ({p.devices}), the cluster has "
                                 f"{num_devices} device(s) (0-{num_devices - 1})")
             if p.procs_per_device < 1 or p.devices_per_proc < 1 or len(devices) % p.devices_per_proc:
-                raise PlanError(f"plan: component {c!r}: {len(devices)} device(s) cannot make processes of "
+                raise PlanError(f"component {c!r}: {len(devices)} device(s) cannot make processes of "
                                 f"{p.devices_per_proc} device(s), {p.procs_per_device} per device")
             if c in workflow.single_rank and len(devices) * p.procs_per_device // p.devices_per_proc != 1:
-                raise PlanError(f"plan: component {c!r} must be one process (the stream passes through it in order), "
+                raise PlanError(f"component {c!r} must be one process (the stream passes through it in order), "
                                 f"got devices {p.devices} with {p.devices_per_proc} device(s) per process")
         for group in self.fuse:
             if workflow.fusable is None or sorted(group) != sorted(workflow.fusable):
-                raise PlanError(f"plan: cannot fuse {group}" + (f"; only {list(workflow.fusable)}" if workflow.fusable else ""))
+                raise PlanError(f"cannot fuse {group}" + (f"; only {list(workflow.fusable)}" if workflow.fusable else ""))
         unknown = sorted(set(self.granularity) - set(workflow.channels))
         if unknown:
-            raise PlanError(f"plan: granularity for unknown channel(s) {unknown}; channels: {list(workflow.channels)}")
+            raise PlanError(f"granularity for unknown channel(s) {unknown}; channels: {list(workflow.channels)}")
         if any(g < 1 for g in self.granularity.values()):
-            raise PlanError(f"plan: granularity must be >= 1, got {self.granularity}")
+            raise PlanError(f"granularity must be >= 1, got {self.granularity}")
         if self.stages < 1:
-            raise PlanError(f"plan: stages must be >= 1, got {self.stages}")
+            raise PlanError(f"stages must be >= 1, got {self.stages}")
         if self.run_ahead not in (0, 1):
-            raise PlanError(f"plan: run_ahead must be 0 or 1 (collection at most one update ahead), got {self.run_ahead}")
+            raise PlanError(f"run_ahead must be 0 or 1 (collection at most one update ahead), got {self.run_ahead}")
 
     def placement(self, cluster) -> Placement:
         """The runtime placement of the plan's components on ``cluster``'s devices."""
@@ -220,8 +224,8 @@ def _split(workflow: Workflow, mode: str, names: tuple[str, ...], n: int) -> dic
     rest = n - sum(fixed.values())
     if rest < sum(share is None for _, share in groups) or len(groups) > n:
         parts = " | ".join("+".join(g) for g, _ in groups)
-        raise PlanError(f"placement.mode={mode} needs >= {len(groups)} devices ({parts} on devices of their own), "
-                        f"the cluster has {n} (set cluster.cpu_slots={len(groups)} to run it on fewer cores)")
+        raise PlanError(f"{mode} needs >= {len(groups)} devices ({parts} on devices of their own), the cluster has "
+                        f"{n} (set cluster.cpu_slots={len(groups)} to run it on fewer cores)", "placement.mode")
     out, lo = {}, 0
     for i, (group, _) in enumerate(groups):
         size = fixed.get(i, rest)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from m2flow.flow import Plan, Workflow
+from m2flow.flow import Plan, PlanError, Workflow
 from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.group import GroupHandle, start_together, wait
@@ -59,7 +59,7 @@ class Runner:
         self.ahead: tuple[int, dict[str, GroupHandle]] | None = None  # a stream launched ahead of its step
 
     def _plan(self, num_devices: int, kind: str) -> Plan:
-        plan = plan_of(self.cfg, self.workflow, num_devices, kind, self.components)
+        plan = plan_of(self.cfg, self.workflow, num_devices, kind, self.components, **self.plan_options(self.cfg))
         plan.check(self.workflow, num_devices, self.components)
         return plan
 
@@ -87,6 +87,11 @@ class Runner:
     # -- what a flow defines ------------------------------------------------------------
     def components_of(self, cfg: DictConfig) -> tuple[str, ...]:
         return self.workflow.components
+
+    @staticmethod
+    def plan_options(cfg: DictConfig) -> dict[str, Any]:
+        """The flow's own settings of a named plan (``Plan.for_mode``'s keywords)."""
+        return {}
 
     def channels_of(self) -> tuple[str, ...]:
         return self.workflow.channels
@@ -264,28 +269,28 @@ class Runner:
             self.cluster.shutdown()
 
 
-def plan_of(cfg: DictConfig, workflow: Workflow, num_devices: int, kind: str, components: tuple[str, ...]) -> Plan:
-    """The run's Plan: a plan file (``placement.plan``), the ranges of ``placement.mode=custom``,
-    or a named mode laid out on the cluster's devices."""
-    p, r = cfg.placement, cfg.runner
-    options = {"stages": r.stages if "stages" in r else 1, "run_ahead": int(bool(r.collect_ahead))}
-    if p.get("plan"):
+def plan_of(cfg: DictConfig, workflow: Workflow, num_devices: int, kind: str, components: tuple[str, ...],
+            **options: Any) -> Plan:
+    """The run's Plan: a plan file (``placement.plan``, or ``placement=@FILE`` on the command
+    line), the ranges of ``placement.mode=custom``, or a named mode laid out on the devices.
+    ``options``: the flow's own plan settings (``Plan.for_mode``'s keywords)."""
+    p = cfg.placement
+    if p.plan is not None:
         return Plan.load(p.plan)
-    granularity = p.granularity if "granularity" in p else 1
-    span = p.actor_devices_per_proc if "actor_devices_per_proc" in p else 1
-    fuse = p.fuse if "fuse" in p else True
-    if p.mode == "custom":
-        given = {c: v for c, v in OmegaConf.to_container(p.components, resolve=True).items() if v is not None}
-        missing = [c for c in components if c not in given]
-        if missing:
-            raise ValueError(f"placement.mode=custom needs placement.components for {missing}")
-        if span > 1 and isinstance(given.get(workflow.trainer), (str, int)):
-            given[workflow.trainer] = {"devices": given[workflow.trainer], "devices_per_proc": span}
-        return Plan.from_dict({"components": {c: given[c] for c in components},
-                               "fuse": [list(workflow.fusable)] if fuse and workflow.fusable else [],
-                               "granularity": {ch: granularity for ch in workflow.channels}, **options})
-    return Plan.for_mode(workflow, p.mode, num_devices, kind, components=components, fuse=fuse,
-                         granularity=granularity, trainer_devices_per_proc=span, **options)
+    options = {"run_ahead": int(cfg.runner.collect_ahead)} | options
+    if p.mode != "custom":
+        return Plan.for_mode(workflow, p.mode, num_devices, kind, components=components, **options)
+    given = {c: v for c, v in OmegaConf.to_container(p.components, resolve=True).items() if v is not None}
+    missing = [c for c in components if c not in given]
+    if missing:
+        raise PlanError(f"placement.mode=custom needs placement.components for {missing}", "placement.components")
+    span = options.pop("trainer_devices_per_proc", 1)
+    if span > 1 and isinstance(given[workflow.trainer], (str, int)):
+        given[workflow.trainer] = {"devices": given[workflow.trainer], "devices_per_proc": span}
+    fuse = options.pop("fuse", True) and workflow.fusable is not None
+    granularity = options.pop("granularity", 1)
+    return Plan.from_dict({"components": {c: given[c] for c in components}, "fuse": [list(workflow.fusable)] if fuse else [],
+                           "granularity": {ch: granularity for ch in workflow.channels}, **options})
 
 
 def local_devices(cluster: DictConfig) -> tuple[int, str] | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from m2flow.config.validate import ConfigError, check_grpo_layout, resolved, validate
 from m2flow.envs import make_env
 from m2flow.flow import Workflow
 from m2flow.runners.base import Runner
@@ -38,16 +39,24 @@ class EmbodiedRunner(Runner):
     workers = {"env": EnvWorker, "rollout": RolloutWorker, "actor": ActorWorker}
     stateful = ("env", "rollout", "actor")
 
+    @staticmethod
+    def plan_options(cfg: DictConfig) -> dict[str, Any]:
+        p = cfg.placement
+        return {"fuse": p.fuse, "trainer_devices_per_proc": p.actor_devices_per_proc, "stages": cfg.runner.stages}
+
     def prepare(self) -> None:
         cfg = self.cfg
-        check_algorithm(cfg)
+        validate(cfg)  # again: a config may change after it is loaded
         probe = make_env(cfg.env.id, **OmegaConf.to_container(cfg.env.kwargs))
         self.spaces = (probe.observation_space, probe.action_space)
         probe.close()
-        self.layout = Layout.build(cfg.env.num_envs, *(self.plan.world_size(c) for c in self.components),
-                                   self.plan.stages, cfg.policy.chunk)
+        try:
+            self.layout = Layout.build(cfg.env.num_envs, *(self.plan.world_size(c) for c in self.components),
+                                       self.plan.stages, cfg.policy.chunk)
+        except ValueError as e:  # the envs cannot be shared out among the plan's ranks and stages
+            raise ConfigError("env.num_envs", str(e)) from None
         if cfg.algorithm.name == "grpo":
-            self.layout.check_groups(cfg.env.group_size)
+            check_grpo_layout(resolved(cfg), self.layout)
         self.plain = OmegaConf.to_container(cfg, resolve=True)
         self.steps_per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
         self.total = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)
@@ -87,18 +96,3 @@ class EmbodiedRunner(Runner):
         return (f"stages={self.plan.stages}, updates {first}-{self.total - 1} of {self.steps_per_update} env steps"
                 + ("; the rollout runs in the env workers (same devices)" if self.fused else ""))
 
-
-def check_algorithm(cfg: DictConfig) -> None:
-    """Config errors of the embodied algorithms that need no placement."""
-    name = cfg.algorithm.name
-    if name not in ("ppo", "grpo"):
-        raise ValueError(f"unknown algorithm.name {name!r}: ppo | grpo")
-    if name == "grpo" and cfg.env.group_size < 2:
-        raise ValueError(f"algorithm.name=grpo needs env.group_size > 1 (envs compared from the same seed), "
-                         f"got {cfg.env.group_size}")
-    if name == "grpo" and cfg.env.num_envs % cfg.env.group_size:
-        raise ValueError(f"algorithm.name=grpo: env.num_envs={cfg.env.num_envs} is not a multiple of "
-                         f"env.group_size={cfg.env.group_size}")
-    if name == "grpo" and cfg.algorithm.norm_adv:
-        raise ValueError("algorithm.name=grpo: its advantages are already normalised within each group; "
-                         "set algorithm.norm_adv=false")

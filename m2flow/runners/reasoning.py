@@ -20,11 +20,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from m2flow.config.validate import validate
 from m2flow.data import PromptLoader
 from m2flow.data.prompts import load_prompts
 from m2flow.flow import Workflow
 from m2flow.runners.base import Runner
-from m2flow.runners.checks import check_config
 from m2flow.runners.metrics import ReasoningMetrics
 from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.inference import InferenceWorker
@@ -58,15 +58,17 @@ class ReasoningRunner(Runner):
         """A critic only for ppo."""
         return COMPONENTS if cfg.algorithm.name == "ppo" else COMPONENTS[:-1]
 
+    @staticmethod
+    def plan_options(cfg: DictConfig) -> dict[str, Any]:
+        return {"granularity": cfg.placement.granularity}
+
     def channels_of(self) -> tuple[str, ...]:
         return tuple(ch for ch in WORKFLOW.channels if ch != "logprobs" or "critic" in self.components)
 
     def prepare(self) -> None:
-        check_config(self.cfg)
+        validate(self.cfg)  # again: a config may change after it is loaded
         self.train_prompts, self.test_prompts = load_prompts(self.cfg)
         d = self.cfg.data
-        if d.prompts_per_step > len(self.train_prompts):
-            raise ValueError(f"data.prompts_per_step={d.prompts_per_step} > {len(self.train_prompts)} train prompts")
         self.loader = PromptLoader(self.train_prompts, d.prompts_per_step, seed=self.cfg.seed)
         self.plain = OmegaConf.to_container(self.cfg, resolve=True)
         self.total = self.cfg.runner.steps

@@ -26,18 +26,6 @@ class Layout:
             raise ValueError(f"env.num_envs={num_envs} is not divisible by the {env_ranks} env rank(s)")
         return cls(env_ranks, rollout_ranks, actor_ranks, num_envs // env_ranks, stages, chunk)
 
-    def check_groups(self, k: int) -> None:
-        """GRPO compares the episodes of a group of ``k`` envs started from the same seed: a
-        group must sit whole in one env batch (stage) and in one actor rank's share."""
-        if self.envs_per_stage % k:
-            raise ValueError(f"algorithm.name=grpo: a group of env.group_size={k} envs must sit in one env batch, but each "
-                             f"has {self.envs_per_stage} (env.num_envs / {self.env_ranks} env rank(s) / runner.stages="
-                             f"{self.stages})")
-        share = self.envs_per_rank // self.actor_ranks
-        if share % k:
-            raise ValueError(f"algorithm.name=grpo: each of the {self.actor_ranks} actor ranks trains on {share} envs of "
-                             f"every env rank, not a multiple of env.group_size={k}")
-
     @property
     def envs_per_stage(self) -> int:
         return self.envs_per_rank // self.stages

@@ -1,0 +1,303 @@
+"""The typed config: one dataclass per section, each key with its default, its one-line doc
+and, where it has one, the range or the choices it allows (checked by ``validate``).
+
+Two roots, chosen by a preset's ``flow``: ``EmbodiedConfig`` and ``ReasoningConfig``; both
+share ``name``, ``flow``, ``seed``, ``cluster`` and the common ``runner`` keys. A preset is a
+delta over these defaults. ``MISSING`` (``???``) marks a key without a default: every preset
+sets it (the presets disagree on it and the code reads it without a fallback).
+``m2flow config PRESET --docs`` prints the resolved config with each key's doc.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+# Names the code accepts, kept here so that a config is checked without importing torch;
+# tests/test_config.py asserts that each equals the code's own list.
+EMBODIED_ALGORITHMS = ("ppo", "grpo")  # m2flow.runners.embodied.check_algorithm
+ACTIVATIONS = ("tanh", "relu")  # m2flow.models.policies.ACTIVATIONS
+REASONING_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo")  # m2flow.workers.lm_actor.ALGORITHMS
+BACKENDS = ("torch", "vllm")  # m2flow.engines.BACKENDS
+DTYPES = ("float32", "bfloat16", "float16")  # m2flow.workers.lm_common.DTYPES
+BUILTIN_MODELS = ("smollm2", "tiny-gemma", "tiny-llama", "tiny-qwen2")  # m2flow.models.lm: SMOLLM2, TINY_CONFIGS
+BUILTIN_REWARDS = ("format", "last_number", "math")  # m2flow.rewards.scorer.BUILTIN
+ARITHMETIC_LEVELS = (1, 2, 3, 4, 5)  # m2flow.data.arithmetic.LEVELS
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3", "abs")
+
+
+@dataclass(frozen=True)
+class Range:
+    """Numbers allowed: ``lo``/``hi`` bounds, each closed unless ``*_open``."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, x: float) -> bool:
+        if isinstance(x, float) and math.isnan(x):
+            return False
+        if self.lo is not None and (x <= self.lo if self.lo_open else x < self.lo):
+            return False
+        return self.hi is None or (x < self.hi if self.hi_open else x <= self.hi)
+
+    def __str__(self) -> str:
+        def num(x: float) -> str:
+            return f"{x:g}"
+
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {num(self.lo)}"
+        if self.lo is None:
+            return f"{'<' if self.hi_open else '<='} {num(self.hi)}"
+        return f"in {'(' if self.lo_open else '['}{num(self.lo)}, {num(self.hi)}{')' if self.hi_open else ']'}"
+
+
+POSITIVE = Range(0, lo_open=True)
+NON_NEGATIVE = Range(0)
+AT_LEAST_1 = Range(1)
+UNIT = Range(0, 1)  # [0, 1]
+FRACTION = Range(0, 1, lo_open=True)  # (0, 1]
+
+
+def opt(default: Any, doc: str, *, within: Range | None = None, choices: tuple | None = None) -> Any:
+    """A key: its default, its doc, and what values it allows (for a list, each item)."""
+    meta = {"doc": doc, "within": within, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type, doc: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+# -------------------------------------------------------------------- shared
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = opt(None, 'null: embedded local Ray; "auto" or host:port: an existing cluster')
+    num_cpus: Optional[int] = opt(None, "embedded Ray's CPUs (null: all cores)", within=AT_LEAST_1)
+    cpu_slots: Optional[int] = opt(None, "devices per GPU-less node (null: one per core)", within=AT_LEAST_1)
+
+
+@dataclass
+class RunnerConfig:
+    """The runner keys both flows have."""
+
+    collect_ahead: bool = opt(False, "true: the next update's data is collected while the actor trains "
+                                     "(its data then one policy version old)")
+    log_every: int = opt(1, "kept for older presets: every update is logged")
+    checkpoint_every: int = opt(0, "updates between checkpoints; 0: only at the end", within=NON_NEGATIVE)
+    resume: Optional[str] = opt(None, "a checkpoint file to continue from")
+    out_dir: str = opt("runs/${name}", "where metrics, logs and checkpoints go")
+    progress: bool = opt(True, "show a progress bar")
+
+
+@dataclass
+class BaseConfig:
+    name: str = opt(MISSING, "the run's name (runner.out_dir defaults to runs/<name>)")
+    flow: str = opt(MISSING, "which macro flow runs it: embodied | reasoning")
+    seed: int = opt(0, "seeds every component (each derives its own stream from it)", within=NON_NEGATIVE)
+    cluster: ClusterConfig = section(ClusterConfig, "where it runs")
+
+
+# -------------------------------------------------------------------- embodied
+
+
+@dataclass
+class EnvConfig:
+    id: str = opt(MISSING, "a gymnasium id (e.g. CartPole-v1), maniskill:<id>, metaworld:<id> or module:EnvId")
+    num_envs: int = opt(MISSING, "envs in total, split over the env ranks", within=AT_LEAST_1)
+    kwargs: Dict[str, Any] = opt({}, "keyword arguments to the env's make (any keys)")
+    obs_norm: bool = opt(False, "normalise observations with running statistics")
+    reward_scale: bool = opt(False, "scale rewards by a running estimate of the return's spread")
+    group_size: int = opt(1, "envs per GRPO group (same seed every episode); 1: no groups", within=AT_LEAST_1)
+
+
+@dataclass
+class PolicyConfig:
+    hidden: List[int] = opt([64, 64], "widths of the MLP's hidden layers", within=AT_LEAST_1)
+    activation: str = opt("tanh", "the MLP's activation", choices=ACTIVATIONS)
+    log_std_init: float = opt(0.0, "initial log standard deviation of continuous actions")
+    ortho_init: bool = opt(True, "orthogonal init (SB3 default); false: PyTorch's default init")
+    chunk: int = opt(1, "actions per inference (action chunks)", within=AT_LEAST_1)
+
+
+@dataclass
+class EmbodiedAlgorithmConfig:
+    name: str = opt("ppo", "ppo | grpo (no critic: episode returns normalised within env groups)",
+                    choices=EMBODIED_ALGORITHMS)
+    gamma: float = opt(MISSING, "discount per env step", within=UNIT)
+    gae_lambda: float = opt(MISSING, "GAE's lambda", within=UNIT)
+    clip: float = opt(0.2, "PPO's ratio clip", within=POSITIVE)
+    clip_high: Optional[float] = opt(None, "asymmetric clip (clip-higher); null: same as clip", within=POSITIVE)
+    value_clip: Optional[float] = opt(None, "how far a value may move from the one the advantages used; null: no clip",
+                                      within=POSITIVE)
+    ent_coef: float = opt(0.0, "entropy bonus coefficient")
+    vf_coef: float = opt(0.5, "value loss coefficient (unused without a critic)", within=NON_NEGATIVE)
+    max_grad_norm: float = opt(0.5, "gradients are clipped to this global norm", within=POSITIVE)
+    lr: float = opt(MISSING, "Adam's learning rate", within=POSITIVE)
+    anneal_lr: bool = opt(False, "decay the learning rate linearly to 0 over the run; false: constant")
+    epochs: int = opt(MISSING, "passes over each update's data", within=AT_LEAST_1)
+    minibatch_size: int = opt(MISSING, "env steps per minibatch, in total, split over the actor ranks",
+                              within=AT_LEAST_1)
+    norm_adv: bool = opt(True, "normalise advantages per minibatch (must be false for grpo: its advantages "
+                               "are normalised within groups)")
+    target_kl: Optional[float] = opt(None, "stop an update's epochs once the mean KL exceeds it; null: never",
+                                     within=POSITIVE)
+    compile: bool = opt(False, "torch.compile the minibatch loss: faster updates after a one-off compile")
+
+
+@dataclass
+class EmbodiedRunnerConfig(RunnerConfig):
+    rollout_steps: int = opt(MISSING, "env steps per env per update", within=AT_LEAST_1)
+    total_env_steps: int = opt(MISSING, "env steps in all; updates = total_env_steps / (rollout_steps x num_envs)",
+                               within=AT_LEAST_1)
+    target_return: Optional[float] = opt(None, "stop early once an update's mean episode return reaches it")
+    stages: int = opt(1, "elastic pipelining: env batches per env rank (1: no pipelining)", within=AT_LEAST_1)
+
+
+MODES = ("collocated", "disaggregated", "hybrid", "custom")
+PLAN_DOC = "a plan file (YAML: components, fuse, granularity, stages, run_ahead) run as it is, instead of mode"
+
+
+@dataclass
+class EmbodiedPlacementConfig:
+    mode: str = opt("collocated", " | ".join(MODES), choices=MODES)
+    plan: Optional[str] = opt(None, PLAN_DOC)
+    actor_devices_per_proc: int = opt(1, "> 1: each actor rank spans that many devices (fewer ranks, fewer "
+                                         "all-reduces)", within=AT_LEAST_1)
+    fuse: bool = opt(True, "env and rollout on the same devices: run the rollout inside the env workers")
+    components: Dict[str, Any] = opt({"env": None, "rollout": None, "actor": None},
+                                     "mode custom: device ranges per component, e.g. placement.components.actor=0-1")
+
+
+@dataclass
+class EmbodiedConfig(BaseConfig):
+    flow: str = opt("embodied", "which macro flow runs it: embodied | reasoning")
+    seed: int = opt(1, "seeds every component (each derives its own stream from it)", within=NON_NEGATIVE)
+    env: EnvConfig = section(EnvConfig, "the simulator")
+    policy: PolicyConfig = section(PolicyConfig, "the actor-critic network")
+    algorithm: EmbodiedAlgorithmConfig = section(EmbodiedAlgorithmConfig, "the RL algorithm and its optimiser")
+    runner: EmbodiedRunnerConfig = section(EmbodiedRunnerConfig, "the training loop")
+    placement: EmbodiedPlacementConfig = section(EmbodiedPlacementConfig, "which devices each component runs on")
+
+
+# -------------------------------------------------------------------- reasoning
+
+
+@dataclass
+class ModelConfig:
+    path: str = opt(MISSING, f"a checkpoint directory or a built-in model: {' | '.join(BUILTIN_MODELS)}")
+    dtype: str = opt("float32", "the weights' dtype", choices=DTYPES)
+    autocast: Optional[str] = opt(None, "training under autocast, e.g. bfloat16 (GPU); null: off", choices=DTYPES)
+
+
+@dataclass
+class DataConfig:
+    source: str = opt("arithmetic", "the built-in arithmetic word problems, or a .jsonl / .parquet file")
+    question_key: str = opt("question", "a file row's question field")
+    answer_key: str = opt("answer", "a file row's reference answer field")
+    levels: List[int] = opt([1], "arithmetic difficulty levels (1-5)", choices=ARITHMETIC_LEVELS)
+    train_size: int = opt(MISSING, "arithmetic problems generated for training", within=AT_LEAST_1)
+    test_size: int = opt(MISSING, "held-out problems: generated (arithmetic) or a file's last rows",
+                         within=NON_NEGATIVE)
+    instruction: str = opt("Put the final answer in \\boxed{}.", "appended to every question")
+    prompts_per_step: int = opt(MISSING, "prompts per policy update", within=AT_LEAST_1)
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = opt("torch", "the generation engine: torch | vllm (GPU)", choices=BACKENDS)
+    gpu_memory_utilization: float = opt(0.5, "vllm: its share of the GPU (weights, activations, KV cache)",
+                                        within=FRACTION)
+    n: int = opt(MISSING, "samples per prompt: the group size", within=AT_LEAST_1)
+    temperature: float = opt(1.0, "sampling temperature; 0: greedy", within=NON_NEGATIVE)
+    top_p: float = opt(1.0, "nucleus sampling's probability mass", within=FRACTION)
+    top_k: int = opt(0, "sample among the k likeliest tokens; 0: all", within=NON_NEGATIVE)
+    max_new_tokens: int = opt(MISSING, "tokens per completion at most", within=AT_LEAST_1)
+    stop: List[str] = opt([], "strings that end a completion")
+    max_batch_size: int = opt(32, "sequences generated at once (continuous batching refills slots)", within=AT_LEAST_1)
+
+
+@dataclass
+class RewardConfig:
+    functions: Dict[str, float] = opt({}, f"reward -> weight; a reward is {' | '.join(BUILTIN_REWARDS)} or "
+                                          "package.module:function")
+    timeout_s: float = opt(10.0, "seconds a completion's scoring may take", within=POSITIVE)
+    overlong_buffer: int = opt(0, "DAPO soft overlong penalty over the last N tokens (0: off)", within=NON_NEGATIVE)
+    overlong_factor: float = opt(1.0, "the overlong penalty at rollout.max_new_tokens", within=NON_NEGATIVE)
+
+
+@dataclass
+class ReasoningAlgorithmConfig:
+    name: str = opt(MISSING, " | ".join(REASONING_ALGORITHMS), choices=REASONING_ALGORITHMS)
+    clip: float = opt(0.2, "PPO's ratio clip", within=POSITIVE)
+    clip_high: Optional[float] = opt(None, "DAPO clip-higher; null: same as clip", within=POSITIVE)
+    dual_clip: Optional[float] = opt(None, "c > 1 bounds the loss of negative advantages; null: off",
+                                     within=Range(1, lo_open=True))
+    loss_agg: str = opt("token-mean", " | ".join(LOSS_AGGS), choices=LOSS_AGGS)
+    kl_coef: float = opt(0.0, "KL coefficient; 0: no reference model", within=NON_NEGATIVE)
+    kl_kind: str = opt("k3", "the KL estimator: " + " | ".join(KL_KINDS), choices=KL_KINDS)
+    kl_in_reward: bool = opt(False, "false: KL term in the loss (GRPO); true: in the reward (REINFORCE++, PPO)")
+    entropy_coef: float = opt(0.0, "entropy bonus coefficient")
+    dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal")
+    old_logprobs: str = opt("rollout", "rollout (the sampling log-probs) | recompute (inference worker)",
+                            choices=("rollout", "recompute"))
+    lr: float = opt(MISSING, "the actor's AdamW learning rate", within=POSITIVE)
+    weight_decay: float = opt(0.0, "AdamW's weight decay", within=NON_NEGATIVE)
+    max_grad_norm: Optional[float] = opt(1.0, "gradients are clipped to this global norm; 0 or null: no clipping",
+                                         within=NON_NEGATIVE)
+    epochs: int = opt(1, "passes over each step's data", within=AT_LEAST_1)
+    mini_batches: int = opt(1, "optimizer steps per epoch", within=AT_LEAST_1)
+    max_tokens_per_micro_batch: int = opt(MISSING, "tokens per forward/backward pass (bounds activation memory)",
+                                          within=AT_LEAST_1)
+    share_prompts: bool = opt(True, "forward each distinct prompt once per micro-batch (docs/reasoning.md)")
+    skip_inert_rows: bool = opt(True, "do not forward rows whose gradient is exactly zero (docs/reasoning.md)")
+    data_parallel: str = opt("replicate", "actor ranks: replicate (all-reduced gradients) | fsdp (weights, "
+                                          "gradients, optimizer state sharded)", choices=("replicate", "fsdp"))
+    gae_gamma: float = opt(1.0, "ppo: discount per token", within=UNIT)
+    gae_lambda: float = opt(0.95, "ppo: GAE's lambda", within=UNIT)
+    critic_lr: float = opt(MISSING, "ppo: the critic's AdamW learning rate", within=POSITIVE)
+    value_clip: Optional[float] = opt(0.2, "ppo: how far a value may move from the one the advantages used "
+                                           "(null: no clip)", within=POSITIVE)
+    critic_epochs: int = opt(1, "ppo: critic passes over the step, each in mini_batches", within=AT_LEAST_1)
+
+
+@dataclass
+class ReasoningRunnerConfig(RunnerConfig):
+    steps: int = opt(MISSING, "policy updates", within=AT_LEAST_1)
+    eval_every: int = opt(0, "steps between held-out evaluations (0: only at the start and the end)",
+                          within=NON_NEGATIVE)
+
+
+@dataclass
+class ReasoningPlacementConfig:
+    mode: str = opt("collocated", " | ".join(MODES), choices=MODES)
+    plan: Optional[str] = opt(None, PLAN_DOC)
+    granularity: int = opt(1, "prompt groups per streamed micro-batch", within=AT_LEAST_1)
+    components: Dict[str, Any] = opt({"rollout": None, "reward": None, "inference": None, "actor": None,
+                                      "critic": None},
+                                     "mode custom: device ranges per component (critic: ppo only)")
+
+
+@dataclass
+class ReasoningConfig(BaseConfig):
+    flow: str = opt("reasoning", "which macro flow runs it: embodied | reasoning")
+    model: ModelConfig = section(ModelConfig, "the language model (policy, reference, critic backbone)")
+    data: DataConfig = section(DataConfig, "the prompts")
+    rollout: RolloutConfig = section(RolloutConfig, "generation")
+    reward: RewardConfig = section(RewardConfig, "scoring the completions")
+    algorithm: ReasoningAlgorithmConfig = section(ReasoningAlgorithmConfig, "the RL algorithm and its optimiser")
+    runner: ReasoningRunnerConfig = section(ReasoningRunnerConfig, "the training loop")
+    placement: ReasoningPlacementConfig = section(ReasoningPlacementConfig, "which devices each component runs on")
+
+
+ROOTS: dict[str, type] = {"embodied": EmbodiedConfig, "reasoning": ReasoningConfig}

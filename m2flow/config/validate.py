@@ -1,0 +1,242 @@
+"""Config checks that need no cluster: each key's range and choices (declared in ``schema``),
+files that must exist, and the rules between keys. Each failure is a ``ConfigError``: one
+line, ``key.path: what is wrong and what is allowed``.
+
+The checks read the resolved config as plain containers (what the workers receive), so
+they work on a ``DictConfig`` and on ``OmegaConf.to_container``'s dict alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from m2flow.config.schema import BUILTIN_MODELS, BUILTIN_REWARDS, ROOTS, Range
+
+GROUP_FREE = ("reinforce_pp", "ppo")  # reasoning algorithms that need no group of samples per prompt
+
+
+class ConfigError(ValueError):
+    """A config mistake: ``key`` (the full key path) and what is wrong with it, on one line."""
+
+    def __init__(self, key: str, problem: str):
+        self.key, self.problem = key, problem
+        super().__init__(f"{key}: {problem}")
+
+
+def validate(cfg: DictConfig | Mapping) -> None:
+    """Raises the first ``ConfigError`` of ``cfg`` (a loaded config, DictConfig or dict)."""
+    d = resolved(cfg)
+    flow = d.get("flow")
+    if flow not in ROOTS:
+        raise ConfigError("flow", f"must be {' | '.join(ROOTS)}, got {flow!r}")
+    check_values(d, ROOTS[flow])
+    check_runner_files(d)
+    if flow == "embodied":
+        check_embodied(d)
+    else:
+        check_reasoning(d)
+
+
+def resolved(cfg: DictConfig | Mapping) -> dict:
+    """``cfg`` as plain containers with its interpolations resolved."""
+    if not isinstance(cfg, DictConfig):
+        return dict(cfg)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(e.full_key or "config", str(e.msg).splitlines()[0]) from None
+
+
+# -------------------------------------------------------------------- per key
+
+
+def check_values(d: Mapping, cls: type, prefix: str = "") -> None:
+    """Every key of section class ``cls`` in ``d`` against its declared range and choices."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, value = f"{prefix}{f.name}", d[f.name]
+        if dataclasses.is_dataclass(hints[f.name]):
+            check_values(value, hints[f.name], key + ".")
+        else:
+            check_value(key, value, f.metadata.get("within"), f.metadata.get("choices"), _optional(hints[f.name]))
+
+
+def check_value(key: str, value: Any, within: Range | None, choices: tuple | None, optional: bool) -> None:
+    if value is None:
+        return
+    items = value if isinstance(value, list) else [value]
+    each = "each item " if isinstance(value, list) else ""
+    null = " or null" if optional else ""
+    if choices is not None and any(v not in choices for v in items):
+        raise ConfigError(key, f"{each}must be one of {' | '.join(map(str, choices))}{null}, got {value!r}")
+    if within is not None and any(v not in within for v in items):
+        raise ConfigError(key, f"{each}must be {within}{null}, got {value!r}")
+
+
+def _optional(hint: Any) -> bool:
+    return type(None) in typing.get_args(hint)
+
+
+def check_runner_files(d: Mapping) -> None:
+    resume = d["runner"]["resume"]
+    if resume is not None and not Path(resume).is_file():
+        raise ConfigError("runner.resume", f"no such checkpoint file {resume!r}")
+    plan = d["placement"]["plan"]
+    if plan is not None and not Path(plan).is_file():
+        raise ConfigError("placement.plan", f"no such plan file {plan!r} (placement=@FILE names a plan file)")
+
+
+def check_custom_placement(placement: Mapping, components: tuple[str, ...]) -> None:
+    """``placement.mode=custom`` names the devices of every component itself."""
+    if placement["mode"] != "custom":
+        return
+    given = placement["components"]
+    missing = [c for c in components if given.get(c) is None]
+    if missing:
+        raise ConfigError(f"placement.components.{missing[0]}",
+                          f"placement.mode=custom needs device ranges for {', '.join(components)}; "
+                          f"missing: {', '.join(missing)}")
+
+
+# -------------------------------------------------------------------- embodied
+
+
+def check_embodied(d: Mapping) -> None:
+    env, runner = d["env"], d["runner"]
+    check_custom_placement(d["placement"], ("env", "rollout", "actor"))
+    if env["num_envs"] % runner["stages"]:
+        raise ConfigError("runner.stages", f"env.num_envs={env['num_envs']} cannot be split into "
+                                           f"{runner['stages']} env batches (stages)")
+    if d["algorithm"]["name"] == "grpo":
+        check_grpo(d)
+
+
+def check_grpo(d: Mapping) -> None:
+    """GRPO compares the episodes of a group of ``env.group_size`` envs that start from the same
+    seed, one episode per env and rollout window: a group must sit whole in one env batch."""
+    env, k = d["env"], d["env"]["group_size"]
+    if k < 2:
+        raise ConfigError("env.group_size", f"algorithm.name=grpo compares envs started from the same seed: "
+                                            f"it must be > 1, got {k}")
+    if env["num_envs"] % k:
+        raise ConfigError("env.num_envs", f"algorithm.name=grpo: {env['num_envs']} is not a multiple of "
+                                          f"env.group_size={k}")
+    per_batch = env["num_envs"] // d["runner"]["stages"]
+    if per_batch % k:
+        raise ConfigError("runner.stages", f"algorithm.name=grpo: a group of env.group_size={k} envs must sit in one "
+                                           f"env batch, but {d['runner']['stages']} stages leave {per_batch} envs "
+                                           "per batch")
+    if d["algorithm"]["norm_adv"]:
+        raise ConfigError("algorithm.norm_adv", "must be false for algorithm.name=grpo: its advantages are already "
+                                                "normalised within each group")
+
+
+def check_grpo_layout(d: Mapping, layout: Any) -> None:
+    """The GRPO rules that depend on the ranks (``m2flow.workers.layout.Layout``): known once
+    the cluster's devices are."""
+    k = d["env"]["group_size"]
+    if layout.envs_per_stage % k:
+        raise ConfigError("env.group_size", f"algorithm.name=grpo: a group of env.group_size={k} envs must sit in one "
+                                            f"env batch, but each has {layout.envs_per_stage} (env.num_envs / "
+                                            f"{layout.env_ranks} env rank(s) / runner.stages={layout.stages})")
+    share = layout.envs_per_rank // layout.actor_ranks
+    if share % k:
+        raise ConfigError("env.group_size", f"algorithm.name=grpo: each of the {layout.actor_ranks} actor ranks "
+                                            f"trains on {share} envs of every env rank, not a multiple of {k}")
+
+
+# -------------------------------------------------------------------- reasoning
+
+
+def check_reasoning(d: Mapping) -> None:
+    a, r = d["algorithm"], d["rollout"]
+    check_model(d["model"]["path"])
+    check_rewards(d["reward"]["functions"])
+    check_data(d["data"])
+    if r["n"] < 2 and a["name"] not in GROUP_FREE:
+        raise ConfigError("rollout.n", f"algorithm.name={a['name']} compares the samples of a prompt: it must be >= 2, "
+                                       f"got {r['n']}")
+    if r["n"] < 2 and a["dynamic_sampling"]:
+        raise ConfigError("algorithm.dynamic_sampling", "true drops groups whose rewards are all equal: with "
+                                                        f"rollout.n={r['n']} that is every group")
+    if a["kl_in_reward"] and a["name"] not in GROUP_FREE:
+        raise ConfigError("algorithm.kl_in_reward", f"true needs algorithm.name={' | '.join(GROUP_FREE)}, not "
+                                                    f"{a['name']} (group-relative advantages take the KL term in the "
+                                                    "loss)")
+    buffer = d["reward"]["overlong_buffer"]
+    if buffer > r["max_new_tokens"]:
+        raise ConfigError("reward.overlong_buffer", f"must be <= rollout.max_new_tokens={r['max_new_tokens']}, "
+                                                    f"got {buffer}")
+    components = ("rollout", "reward", "inference", "actor") + (("critic",) if a["name"] == "ppo" else ())
+    check_custom_placement(d["placement"], components)
+
+
+def check_model(path: str) -> None:
+    """``model.path``: what ``m2flow.models.lm.load_lm`` takes."""
+    if path not in BUILTIN_MODELS and not Path(path).is_dir():
+        raise ConfigError("model.path", f"{path!r} is neither a built-in model ({' | '.join(BUILTIN_MODELS)}) nor "
+                                        "an existing directory")
+
+
+def check_rewards(functions: Mapping[str, float]) -> None:
+    """``reward.functions``: what ``m2flow.rewards.scorer.resolve_reward`` takes."""
+    if not functions:
+        raise ConfigError("reward.functions", "empty: name at least one reward, e.g. reward.functions.math=1.0")
+    for name in functions:
+        module, sep, fn = name.partition(":")
+        if name not in BUILTIN_REWARDS and not (sep and module and fn):
+            raise ConfigError(f"reward.functions.{name}", f"expected a built-in reward ({' | '.join(BUILTIN_REWARDS)})"
+                                                          " or package.module:function")
+
+
+def check_data(data: Mapping) -> None:
+    """The prompt source exists and holds enough problems for a step and the held-out set."""
+    source, test = data["source"], data["test_size"]
+    if source == "arithmetic":
+        if not data["levels"]:
+            raise ConfigError("data.levels", "empty: the arithmetic problems need at least one level (1-5)")
+        train = data["train_size"]
+        where = "data.train_size"
+    else:
+        path = Path(source)
+        if path.suffix not in (".jsonl", ".json", ".parquet"):
+            raise ConfigError("data.source", f"expected 'arithmetic' or a .jsonl / .parquet file, got {source!r}")
+        if not path.is_file():
+            raise ConfigError("data.source", f"no such file {source!r} (expected 'arithmetic' or a .jsonl / .parquet "
+                                             "file)")
+        rows = count_rows(path)
+        if rows is None:
+            return  # unreadable here: loading the problems names the problem
+        if rows <= test:
+            raise ConfigError("data.test_size", f"data.source={source} has {rows} problems, not enough to hold out "
+                                                f"{test} and train on the rest")
+        train, where = rows - test, f"data.source={source} less data.test_size"
+    if data["prompts_per_step"] > train:
+        raise ConfigError("data.prompts_per_step", f"must be <= the {train} train prompts ({where}), "
+                                                   f"got {data['prompts_per_step']}")
+
+
+def count_rows(path: Path) -> int | None:
+    """Rows in a .jsonl (non-empty lines, each JSON) or .parquet file (from its metadata); None
+    if the file is malformed: loading the problems names the line or the cause."""
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+        rows = 0
+        with path.open() as f:
+            for line in f:
+                if line.strip():
+                    json.loads(line)
+                    rows += 1
+        return rows
+    except Exception:  # noqa: BLE001
+        return None
