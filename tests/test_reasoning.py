@@ -111,6 +111,9 @@ def test_training_raises_the_reward(cluster, tmp_path, case):
     # generated past the final evaluation).
     ahead = "runner.collect_ahead=true" in overrides
     assert [row["policy_lag"] for row in steps] == [0] + [1 if ahead else 0] * 29
+    # Weights go out only when they changed: not before step 1 (the first evaluation sent
+    # them), nor in the last step generated ahead (its stream was launched by step 29).
+    assert [row["weight_mb"] > 0 for row in steps] == [False] + [True] * (28 if ahead else 29) + ([False] if ahead else [])
     # The inference worker recomputed the sampling log-probs with the weights that sampled them.
     if "algorithm.old_logprobs=recompute" in overrides:
         assert max(row["logprob_diff_max"] for row in steps) <= 1e-3

@@ -23,7 +23,7 @@ from m2flow.workers.layout import Layout
 class ActorWorker(Worker):
     def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
         self.cfg, self.algo, self.layout = cfg, cfg["algorithm"], layout
-        self.grpo = self.algo.get("name", "ppo") == "grpo"
+        self.grpo = self.algo["name"] == "grpo"
         self.turns = self.device_turns(take_turns, all_ranks=True)  # training all-reduces across the ranks
         torch.manual_seed(cfg["seed"])  # identical initial weights on every rank
         self.policy = build_policy(observation_space, action_space, cfg["policy"])
@@ -37,10 +37,10 @@ class ActorWorker(Worker):
         # instead of ~100 small ops, whose dispatch is much of a small policy's training time
         # (a quarter less actor time on HalfCheetah, after a one-off compile: docs/benchmarks.md).
         a = self.algo
-        loss = partial(ppo_minibatch_loss, self.policy, clip=a["clip"], clip_high=a.get("clip_high"),
-                       ent_coef=a["ent_coef"], vf_coef=a["vf_coef"], value_clip=a.get("value_clip"),
-                       norm_adv=a.get("norm_adv", True))
-        self._loss = torch.compile(loss) if a.get("compile") else loss
+        loss = partial(ppo_minibatch_loss, self.policy, clip=a["clip"], clip_high=a["clip_high"],
+                       ent_coef=a["ent_coef"], vf_coef=a["vf_coef"], value_clip=a["value_clip"],
+                       norm_adv=a["norm_adv"])
+        self._loss = torch.compile(loss) if a["compile"] else loss
         self.version = 0
         if self.world_size > 1:
             self.init_process_group("gloo")  # the policy and its gradients live on the CPU
@@ -79,7 +79,7 @@ class ActorWorker(Worker):
             parts = [trajectories_in.get(key=self.rank) for _ in range(self.layout.env_ranks)]
             parts.sort(key=lambda p: p["env_rank"])  # arrival order varies; the batch must not
         # Collected ahead (runner.collect_ahead), the data is one version behind the weights.
-        allowed = {self.version - 1, self.version} if self.cfg["runner"].get("collect_ahead") else {self.version}
+        allowed = {self.version - 1, self.version} if self.cfg["runner"]["collect_ahead"] else {self.version}
         stale = {p["policy_version"] for p in parts} - allowed
         if stale:
             raise RuntimeError(f"actor rank {self.rank} at policy version {self.version} got trajectories of version(s) "
@@ -87,7 +87,7 @@ class ActorWorker(Worker):
         lag = self.version - min(p["policy_version"] for p in parts)
         data = {k: torch.as_tensor(np.concatenate([p[k] for p in parts], axis=1 if k != "last_obs" else 0))
                 for k in parts[0] if k not in ("policy_version", "env_rank")}
-        if self.algo.get("anneal_lr"):
+        if self.algo["anneal_lr"]:
             for g in self.optimizer.param_groups:
                 g["lr"] = self.algo["lr"] * (1.0 - update / total_updates)
         with clock.turn(self.turns):
@@ -181,7 +181,7 @@ class ActorWorker(Worker):
                 self.optimizer.step()
                 rows.append(stats)
                 norms.append(grad_norm)
-            if a.get("target_kl") is not None:
+            if a["target_kl"] is not None:
                 epoch_kl = float(torch.stack(rows[first:])[:, kl].mean())
                 if self._mean_across_ranks(epoch_kl) > a["target_kl"]:
                     break  # every rank sees the same mean, so all stop together

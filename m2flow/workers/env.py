@@ -37,15 +37,15 @@ class EnvWorker(PolicyHost):
         self.inference = {"busy_s": 0.0, "idle_s": 0.0, "lock_wait_s": 0.0}  # the fused rollout's last report
         self.stages = layout.stages
         n = layout.envs_per_stage
-        group = env.get("group_size", 1)
-        self.grpo = cfg["algorithm"].get("name", "ppo") == "grpo"
+        group = env["group_size"]
+        self.grpo = cfg["algorithm"]["name"] == "grpo"
         self.batches = []
         for s in range(self.stages):
             first = (self.rank * self.stages + s) * n  # global index of this batch's first env
             self.batches.append(EnvBatch(
                 env["id"], n, cfg["seed"] + first // group, group_size=group,
-                obs_norm=env.get("obs_norm", False), reward_scale=env.get("reward_scale", False),
-                gamma=cfg["algorithm"]["gamma"], env_kwargs=dict(env.get("kwargs") or {}),
+                obs_norm=env["obs_norm"], reward_scale=env["reward_scale"],
+                gamma=cfg["algorithm"]["gamma"], env_kwargs=dict(env["kwargs"]),
                 auto_reset=not self.grpo,
             ))
         self.obs = [b.reset() for b in self.batches]

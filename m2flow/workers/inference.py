@@ -20,7 +20,7 @@ class InferenceWorker(WeightReceiver):
         a = cfg["algorithm"]
         self.temperature = cfg["rollout"]["temperature"] or 1.0  # greedy sampling reports T=1 log-probs
         self.max_tokens = a["max_tokens_per_micro_batch"]
-        self.share_prompts = a.get("share_prompts", True)
+        self.share_prompts = a["share_prompts"]
         self.ref = load_model(cfg, self.device)[0].requires_grad_(False) if a["kl_coef"] > 0 else None
         self.policy = load_model(cfg, self.device)[0].requires_grad_(False) if a["old_logprobs"] == "recompute" else None
         self.turns = self.device_turns(take_turns and (self.ref is not None or self.policy is not None))

@@ -64,8 +64,8 @@ class LMActorWorker(Worker):
                                  weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"],
                                  autocast_dtype=dtype_of(cfg["model"]["autocast"]), device=self.device,
                                  temperature=cfg["rollout"]["temperature"] or 1.0,
-                                 share_prompts=a.get("share_prompts", True),
-                                 shard=a.get("data_parallel", "replicate") == "fsdp")
+                                 share_prompts=a["share_prompts"],
+                                 shard=a["data_parallel"] == "fsdp")
         # Sharded, every forward takes all ranks: they train together once the step's batches
         # are in, not each on a batch as it arrives.
         self.streaming = (a["name"] in GROUP_LOCAL and a["epochs"] == 1 and a["mini_batches"] == 1
@@ -76,7 +76,7 @@ class LMActorWorker(Worker):
         self.together = self.device_turns(take_turns, all_ranks=True)  # all ranks': their all-reduces
         self.version = 0
         # Generated ahead (runner.collect_ahead), a batch may be one version behind the weights.
-        self.lags = (0, 1) if cfg["runner"].get("collect_ahead") else (0,)
+        self.lags = (0, 1) if cfg["runner"]["collect_ahead"] else (0,)
         self.trainer.offload_optimizer()  # until its first turn
 
     # -- weights ----------------------------------------------------------------------
@@ -204,7 +204,7 @@ class LMActorWorker(Worker):
         """bool [B]: the rows the trainer need not forward (``inert_rows``) under this algorithm."""
         a = self.algo
         return inert_rows(batch.advantages, batch.completion_mask, kl_coef=a["kl_coef"], kl_in_reward=a["kl_in_reward"],
-                          entropy_coef=a["entropy_coef"], enabled=a.get("skip_inert_rows", True))
+                          entropy_coef=a["entropy_coef"], enabled=a["skip_inert_rows"])
 
     def _advantages(self, batch: SequenceBatch) -> None:
         a, mask = self.algo, batch.completion_mask
