@@ -167,8 +167,12 @@ def test_wait_and_hold_are_traced_and_reported():
 
 
 def test_interrupted_acquire_leaves_no_request_behind():
+    def interrupt_once_queued():  # not earlier: an interrupt while the lock's actor starts would be another test
+        wait_until_waiting(2, ["rollout:0"], timeout=60)
+        _thread.interrupt_main()
+
     with DeviceLock([2], "actor:0"):
-        threading.Timer(0.5, _thread.interrupt_main).start()
+        threading.Thread(target=interrupt_once_queued, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             DeviceLock([2], "rollout:0").acquire()
         wait_until_waiting(2, [])
