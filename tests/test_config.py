@@ -53,6 +53,8 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "mine.yaml").write_text("flow: embodied\nname: mine\nenv:\n  id: CartPole-v1\n")  # keys left unset
     plan = {c: "0" for c in ("rollout", "reward", "inference", "actor")}
     (tmp / "far.yaml").write_text(yaml.safe_dump({"components": plan | {"actor": "0-5"}}))  # 6 devices
+    (tmp / "four_actors.yaml").write_text(yaml.safe_dump({"components": {
+        "env": "0", "rollout": "0", "actor": {"devices": "0", "procs_per_device": 4}}}))
     (tmp / "wide.yaml").write_text(yaml.safe_dump({"components": plan | {"reward": "0-1"}}))  # reward as 2 ranks
     return {"tmp": str(tmp)}
 
@@ -136,7 +138,7 @@ MALFORMED = [
     (R, ["placement=@{tmp}/far.yaml", "cluster.cpu_slots=4"], "placement"),
     (R, ["placement=@{tmp}/wide.yaml", "cluster.cpu_slots=4"], "placement"),
     (R, ["placement=@{tmp}/nope.yaml"], "placement.plan"),
-    (E, ["env.num_envs=6", "cluster.cpu_slots=4"], "env.num_envs"),
+    (E, ["env.num_envs=6", "placement=@{tmp}/four_actors.yaml"], "env.num_envs"),  # 6 envs, 4 actor ranks
 ]
 
 
@@ -278,7 +280,11 @@ def test_a_plain_install_ships_the_presets_and_trains(tmp_path):
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
     shutil.rmtree(src)  # nothing of the tree is left to import from
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
+    # T first; other PYTHONPATH entries (an environment whose packages come that way) after it,
+    # the source tree left out.
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not Path(p).resolve().is_relative_to(ROOT)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": os.pathsep.join([str(target), *kept])}
 
     def m2flow(*args, timeout=60):
         done = subprocess.run([str(target / "bin" / "m2flow"), *args], cwd=work, env=env, capture_output=True,
@@ -288,6 +294,7 @@ def test_a_plain_install_ships_the_presets_and_trains(tmp_path):
 
     where = subprocess.run([sys.executable, "-c", "import m2flow.config as c; print(c.__file__, c.PRESET_DIR)"],
                            cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert where.returncode == 0, where.stderr[-3000:]
     module, preset_dir = where.stdout.split()
     assert Path(module).is_relative_to(target) and Path(preset_dir).is_relative_to(target), where.stdout + where.stderr
     assert m2flow("presets").split() == presets()

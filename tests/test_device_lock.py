@@ -171,11 +171,17 @@ def test_interrupted_acquire_leaves_no_request_behind():
         wait_until_waiting(2, ["rollout:0"], timeout=60)
         _thread.interrupt_main()
 
-    with DeviceLock([2], "actor:0"):
-        threading.Thread(target=interrupt_once_queued, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            DeviceLock([2], "rollout:0").acquire()
-        wait_until_waiting(2, [])
+    # A process started in the background by a non-interactive shell inherits SIGINT ignored,
+    # and Python then raises no KeyboardInterrupt for it: the default handler, for this test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with DeviceLock([2], "actor:0"):
+            threading.Thread(target=interrupt_once_queued, daemon=True).start()
+            with pytest.raises(KeyboardInterrupt):
+                DeviceLock([2], "rollout:0").acquire()
+            wait_until_waiting(2, [])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert_free(2)
 
 

@@ -109,6 +109,8 @@ def test_a_plan_file_runs_as_written(cluster, tmp_path):
     cfg = load_config("embodied/ppo_cartpole", [f"placement=@{plan.save(tmp_path / 'plan.yaml')}",
                                                  f"runner.out_dir={tmp_path}", "runner.progress=false",
                                                  "runner.total_env_steps=512"])
+    if cluster.device_kind != "cpu":
+        pytest.skip("the plan names 4 CPU slots")
     runner = EmbodiedRunner(cfg, cluster)
     try:
         assert runner.plan == plan and runner.fused and runner.plan.mode(EMBODIED) == "disaggregated"
