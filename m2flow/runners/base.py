@@ -171,11 +171,10 @@ class Runner:
         return self.streams, self.launch(self.streams)
 
     def wait_ahead(self) -> None:
-        """Blocks until the stream launched ahead (if any) has run its course: a stream cut
-        short by a stop or a checkpoint is made, then dropped."""
+        """Blocks until the stream launched ahead (if any) is made: what ``step(i, ahead=True)``
+        leaves running when it returns. The next step trains on it."""
         if self.ahead is not None:
             wait(*self.ahead[1].values())
-            self.ahead = None
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> list[dict[str, float]]:
@@ -202,8 +201,9 @@ class Runner:
                     row |= self.evaluate()
                 log.record(row, self.metrics.summary(row))
                 stop = last or self.stop_early(row, log)
-                if stop:
+                if stop:  # stopped early: the stream launched ahead is made, then dropped untrained
                     self.wait_ahead()
+                    self.ahead = None
                 if stop or saving:
                     self.checkpoint(i + 1, log)
                 if stop:
