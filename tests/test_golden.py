@@ -8,12 +8,11 @@ recorded with torch 2.13.0+cpu on x86-64.
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
 from m2flow.config import load_config
+from m2flow.engines.weights import weights_hash
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.reasoning import ReasoningRunner
 
@@ -21,14 +20,6 @@ EMBODIED = "f25b181c72b6bcd8eeeedb57ba00400604bfc6a4d2968d68609adf9914e515af"
 REASONING = "cb47aea00eb545a39f694b5ec03803124b4ba22713b4992b4f302daf9ed162c2"
 
 pytestmark = pytest.mark.skipif(not torch.__version__.endswith("+cpu"), reason="digests recorded with CPU kernels")
-
-
-def digest(state: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(state.items()):
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def test_embodied_cartpole_weights(cluster, tmp_path):
@@ -41,7 +32,7 @@ def test_embodied_cartpole_weights(cluster, tmp_path):
     finally:
         runner.close()
     assert len(history) == 2
-    digests = {digest(s["policy"]) for s in states}
+    digests = {weights_hash(s["policy"].items()) for s in states}
     assert len(digests) == 1  # every actor rank holds the same weights
     assert digests.pop() == EMBODIED
 
