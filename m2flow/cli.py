@@ -1,5 +1,6 @@
 """Command line: ``m2flow train PRESET [key=value ...]``, ``m2flow config PRESET [key=value ...]``,
-``m2flow presets``, ``m2flow demo``.
+``m2flow profile PRESET [key=value ...]``, ``m2flow plan (PRESET | --profile FILE) [--devices N]
+[--nodes M]``, ``m2flow presets``, ``m2flow demo``.
 
 A config mistake is one line on stderr, ``m2flow: error: key.path: ...``, and exit status 2,
 before anything starts; ``m2flow --debug ...`` shows its traceback instead.
@@ -21,6 +22,18 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("preset", help="a preset name (m2flow presets lists them) or a YAML file")
         p.add_argument("overrides", nargs="*", help="key.path=value overrides")
     config.add_argument("--docs", action="store_true", help="add each key's doc as a comment")
+    prof = sub.add_parser("profile", help="measure each component of a preset's flow on this hardware (a JSON file)")
+    prof.add_argument("preset", help="a preset name or a YAML file")
+    prof.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    plan = sub.add_parser("plan", help="the best plan for a profiled flow, on this cluster or a larger one")
+    plan.add_argument("preset", nargs="?", help="a preset (its stored profile, or a new one); or give --profile")
+    plan.add_argument("overrides", nargs="*", help="key.path=value overrides (e.g. a larger batch)")
+    plan.add_argument("--profile", help="a profile file (m2flow profile writes one)")
+    plan.add_argument("--devices", type=int, help="devices to plan for (default: the profile's)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
+    plan.add_argument("--internode", type=float, default=4.0,
+                      help="how much slower a data-parallel exchange is across nodes than within one")
+    plan.add_argument("--out", help="write the best plan here (YAML; run it with placement=@FILE)")
     sub.add_parser("presets", help="list the presets")
     demo = sub.add_parser("demo", help="place a few workers on an embedded Ray and stream data between them")
     demo.add_argument("--out", default="runs/demo", help="where the trace is written")
@@ -47,6 +60,18 @@ def command(args: argparse.Namespace) -> None:
         from m2flow.config import load_config, to_yaml
 
         print(to_yaml(load_config(args.preset, args.overrides), docs=args.docs), end="")
+    elif args.command == "profile":
+        from m2flow.config import load_config
+        from m2flow.runners.auto import load_or_profile
+
+        load_or_profile(load_config(args.preset, args.overrides))
+    elif args.command == "plan":
+        from m2flow.runners.auto import plan_command
+
+        preset, overrides = args.preset, args.overrides
+        if preset is not None and "=" in preset:  # m2flow plan --profile FILE key=value ...: no preset
+            preset, overrides = None, [preset, *overrides]
+        plan_command(preset, overrides, args.profile, args.devices, args.nodes, args.internode, args.out)
     elif args.command == "presets":
         from m2flow.config import presets
 

@@ -112,7 +112,7 @@ def run_demo(out_dir: str | Path = "runs/demo") -> dict:
         for g in groups.values():
             g.shutdown()
 
-    table = Table(title=f"m2flow runtime demo ({placement.mode} placement, {elapsed:.2f} s)")
+    table = Table(title=f"m2flow runtime demo (devices {placement.sharing}, {elapsed:.2f} s)")
     for col in ("component", "what it did"):
         table.add_column(col)
     table.add_row("producer", f"put {produced['batches']} batches, {produced['rows']} rows, on channel 'demo-trajectories'")

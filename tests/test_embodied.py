@@ -71,7 +71,7 @@ def test_ppo_cartpole_learns_in_every_mode(cluster, tmp_path, mode, stages, env,
     cfg = load_config("embodied/ppo_cartpole", overrides)
     runner = EmbodiedRunner(cfg, cluster)
     try:
-        assert runner.placement.mode == mode
+        assert runner.plan.mode(runner.workflow) == mode
         fused = runner.fused
         history = runner.train()
     finally:

@@ -31,10 +31,10 @@ def test_bad_ranges_name_component_and_range(cluster, spec, message):
     assert "'rollout'" in str(err.value)
 
 
-def test_modes(cluster):
-    assert Placement.from_config({"env": "0-1", "actor": "0-1"}, cluster).mode == "collocated"
-    assert Placement.from_config({"env": "0", "rollout": "1", "actor": "2-3"}, cluster).mode == "disaggregated"
-    assert Placement.from_config({"env": "0", "rollout": "1", "actor": "0-1"}, cluster).mode == "hybrid"
+def test_device_sharing(cluster):
+    assert Placement.from_config({"env": "0-1", "actor": "0-1"}, cluster).sharing == "shared"
+    assert Placement.from_config({"env": "0", "rollout": "1", "actor": "2-3"}, cluster).sharing == "disjoint"
+    assert Placement.from_config({"env": "0", "rollout": "1", "actor": "0-1"}, cluster).sharing == "overlapping"
 
 
 def test_processes_per_device_and_devices_per_process(cluster):

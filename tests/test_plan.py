@@ -3,7 +3,7 @@ derived mode, and plans that cannot run, refused before any worker starts."""
 
 import pytest
 
-from m2flow.config import load_config
+from m2flow.config import ConfigError, load_config
 from m2flow.flow import Plan, PlanError
 from m2flow.runners.base import plan_of
 from m2flow.runners.embodied import WORKFLOW as EMBODIED, EmbodiedRunner
@@ -61,8 +61,9 @@ def test_reasoning_modes():
     assert ranges(critic)["critic"] == ranges(critic)["inference"] == {"devices": "2-3", "devices_per_proc": 2}
     custom = load_config(LM, ["placement.mode=custom", *(f"placement.components.{c}=0-0" for c in NO_CRITIC)])
     assert ranges(plan_of(custom, REASONING, 1, "cpu", NO_CRITIC)) == dict.fromkeys(NO_CRITIC, "0-0")
-    with pytest.raises(PlanError, match=r"needs placement.components for \['critic'\]"):
-        plan_of(custom, REASONING, 1, "cpu", COMPONENTS)
+    with pytest.raises(ConfigError, match=r"placement.components.critic: .*missing: critic"):  # checked on load
+        load_config(LM, ["placement.mode=custom", "algorithm.name=ppo", *(f"placement.components.{c}=0-0"
+                                                                          for c in NO_CRITIC)])
     assert reasoning("collocated", 1, "cpu", NO_CRITIC, "placement.granularity=2").granularity["samples"] == 2
 
 
@@ -79,7 +80,7 @@ def test_plan_round_trips_through_yaml(tmp_path):
     ({"components": {"reward": "0-1"}}, "component 'reward' must be one process"),
     ({"components": {"critic": "0"}}, r"unknown component\(s\) \['critic'\]"),
     ({"components": {"actor": "1-0"}}, "empty device range"),
-    ({"components": {"actor": {"devices": "0-2", "devices_per_proc": 2}}}, "3 device.* cannot make processes of 2"),
+    ({"components": {"actor": {"devices": "0-2", "devices_per_proc": 2}}}, "3 device.* cannot be split into processes of 2"),
     ({"fuse": [["rollout", "actor"]]}, "cannot fuse"),
     ({"granularity": {"sample": 2}}, r"unknown channel\(s\) \['sample'\]"),
     ({"run_ahead": 2}, "run_ahead must be 0 or 1"),

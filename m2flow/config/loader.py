@@ -85,6 +85,9 @@ def apply_override(cfg: DictConfig, root: type, item: str) -> None:
     if key == "placement" and value.startswith("@"):  # placement=@plan.yaml: run a plan file as it is
         key, value = "placement.plan", value[1:]
         item = f"{key}={value}"
+    elif key == "placement":  # placement=auto (or another mode)
+        key = "placement.mode"
+        item = f"{key}={value}"
     try:
         cfg.merge_with_dotlist([item])
     except ValidationError as e:

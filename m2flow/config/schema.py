@@ -164,14 +164,19 @@ class EmbodiedRunnerConfig(RunnerConfig):
     stages: int = opt(1, "elastic pipelining: env batches per env rank (1: no pipelining)", within=AT_LEAST_1)
 
 
-MODES = ("collocated", "disaggregated", "hybrid", "custom")
+MODES = ("collocated", "disaggregated", "hybrid", "custom", "auto")
 PLAN_DOC = "a plan file (YAML: components, fuse, granularity, stages, run_ahead) run as it is, instead of mode"
+STALENESS_DOC = ("mode auto: how many versions old the data may be (0: on-policy; 1: plans may collect or "
+                 "generate one update ahead)")
+PROFILE_DOC = "mode auto: the profile file to reuse or write (null: runs/profiles/<preset>-<config hash>.json)"
 
 
 @dataclass
 class EmbodiedPlacementConfig:
-    mode: str = opt("collocated", " | ".join(MODES), choices=MODES)
+    mode: str = opt("collocated", " | ".join(MODES) + " (auto: profiled, planned, run)", choices=MODES)
     plan: Optional[str] = opt(None, PLAN_DOC)
+    staleness: int = opt(0, STALENESS_DOC, within=NON_NEGATIVE)
+    profile: Optional[str] = opt(None, PROFILE_DOC)
     actor_devices_per_proc: int = opt(1, "> 1: each actor rank spans that many devices (fewer ranks, fewer "
                                          "all-reduces)", within=AT_LEAST_1)
     fuse: bool = opt(True, "env and rollout on the same devices: run the rollout inside the env workers")
@@ -280,8 +285,10 @@ class ReasoningRunnerConfig(RunnerConfig):
 
 @dataclass
 class ReasoningPlacementConfig:
-    mode: str = opt("collocated", " | ".join(MODES), choices=MODES)
+    mode: str = opt("collocated", " | ".join(MODES) + " (auto: profiled, planned, run)", choices=MODES)
     plan: Optional[str] = opt(None, PLAN_DOC)
+    staleness: int = opt(0, STALENESS_DOC, within=NON_NEGATIVE)
+    profile: Optional[str] = opt(None, PROFILE_DOC)
     granularity: int = opt(1, "prompt groups per streamed micro-batch", within=AT_LEAST_1)
     components: Dict[str, Any] = opt({"rollout": None, "reward": None, "inference": None, "actor": None,
                                       "critic": None},

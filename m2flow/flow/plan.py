@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from m2flow.config.validate import ConfigError
-from m2flow.runtime.placement import Placement, PlacementError, parse_range
+from m2flow.runtime.placement import Placement, PlacementError, parse_range, processes
 
 MODES = ("collocated", "disaggregated", "hybrid")
 
@@ -47,7 +47,8 @@ class Workflow:
     one process whatever their devices (a stream passes through them in order);
     ``whole_on_cpu`` components make one process of all their CPU slots (its threads span
     them), unless they span every device in a hybrid plan. ``fusable`` names a pair that may
-    share one process when placed rank for rank on the same devices.
+    share one process when placed rank for rank on the same devices. ``light`` components
+    hold no model: they never take device turns.
     """
 
     name: str
@@ -59,6 +60,7 @@ class Workflow:
     single_rank: tuple[str, ...] = ()
     whole_on_cpu: tuple[str, ...] = ()
     fusable: tuple[str, str] | None = None
+    light: tuple[str, ...] = ()
 
 
 @dataclass
@@ -152,7 +154,7 @@ class Plan:
     def world_size(self, component: str) -> int:
         """The component's processes (ranks)."""
         p = self.components[component]
-        return len(parse_range(p.devices, component)[1]) * p.procs_per_device // p.devices_per_proc
+        return processes(component, len(parse_range(p.devices, component)[1]), p.procs_per_device, p.devices_per_proc)
 
     def table(self, workflow: Workflow) -> str:
         """The plan as a table, one row per component."""
@@ -185,10 +187,11 @@ class Plan:
             if group == "all" and max(devices) >= num_devices:  # a node group's size is known once Ray runs
                 raise PlanError(f"component {c!r} needs device {max(devices)} ({p.devices}), the cluster has "
                                 f"{num_devices} device(s) (0-{num_devices - 1})")
-            if p.procs_per_device < 1 or p.devices_per_proc < 1 or len(devices) % p.devices_per_proc:
-                raise PlanError(f"component {c!r}: {len(devices)} device(s) cannot make processes of "
-                                f"{p.devices_per_proc} device(s), {p.procs_per_device} per device")
-            if c in workflow.single_rank and len(devices) * p.procs_per_device // p.devices_per_proc != 1:
+            try:
+                ranks = processes(c, len(devices), p.procs_per_device, p.devices_per_proc)
+            except PlacementError as e:
+                raise PlanError(str(e)) from None
+            if c in workflow.single_rank and ranks != 1:
                 raise PlanError(f"component {c!r} must be one process (the stream passes through it in order), "
                                 f"got devices {p.devices} with {p.devices_per_proc} device(s) per process")
         for group in self.fuse:

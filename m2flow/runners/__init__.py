@@ -6,7 +6,12 @@ from omegaconf import DictConfig
 
 
 def run(cfg: DictConfig) -> list[dict[str, float]]:
-    """Runs the flow a config names and returns its per-update metrics."""
+    """Runs the flow a config names and returns its per-update metrics. With
+    ``placement.mode=auto`` the plan is chosen first (``runners.auto``)."""
+    if cfg.placement.mode == "auto":
+        from m2flow.runners.auto import auto_plan
+
+        cfg = auto_plan(cfg)
     if cfg.flow == "embodied":
         from m2flow.runners.embodied import EmbodiedRunner
 

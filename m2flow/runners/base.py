@@ -8,6 +8,7 @@ its metrics, and ``launch`` (start one step's data stream) and ``step`` (one upd
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import uuid
@@ -17,9 +18,11 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from m2flow.flow import Plan, PlanError, Workflow
+from m2flow.config.validate import validate
+from m2flow.flow import Plan, Workflow
 from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
+from m2flow.runtime.cluster import cpu_slot_count
 from m2flow.runtime.group import GroupHandle, start_together, wait
 
 NO_SYNC = {"weight_sync_s": 0.0}
@@ -28,12 +31,12 @@ NO_SYNC = {"weight_sync_s": 0.0}
 class Runner:
     workflow: ClassVar[Workflow]
     workers: ClassVar[dict[str, type]]  # component -> worker class
-    light: ClassVar[tuple[str, ...]] = ()  # components that hold no model: they never take device turns
     stateful: ClassVar[tuple[str, ...]] = ()  # components whose state a checkpoint holds
     prefetch: ClassVar[dict[str, int]] = {}  # channel -> items a reader takes ahead (default: the channel's)
 
     def __init__(self, cfg: DictConfig, cluster: Cluster | None = None):
-        self.cfg = cfg
+        self.cfg = copy.deepcopy(cfg)  # the run's own: the plan settles some of its keys
+        validate(self.cfg)  # again: a config may change after it is loaded
         self.components = self.components_of(cfg)
         self._own_cluster = cluster is None
         # On an embedded Ray the devices are known before it starts: a plan or config that
@@ -61,6 +64,8 @@ class Runner:
     def _plan(self, num_devices: int, kind: str) -> Plan:
         plan = plan_of(self.cfg, self.workflow, num_devices, kind, self.components, **self.plan_options(self.cfg))
         plan.check(self.workflow, num_devices, self.components)
+        # The workers take data as old as the plan makes it (a plan file may run ahead).
+        self.cfg.runner.collect_ahead = bool(plan.run_ahead)
         return plan
 
     def _start(self) -> None:
@@ -70,7 +75,7 @@ class Runner:
         host = {self.workflow.fusable[1]: self.workflow.fusable[0]} if self.fused else {}
         processes = [c for c in self.components if c not in host]
         devices = {c: self.placement[c].device_indices for c in processes}
-        heavy = [c for c in processes if c not in self.light]
+        heavy = [c for c in processes if c not in self.workflow.light]
         turns = {c: c in heavy and any(devices[c] & devices[m] for m in heavy if m != c) for c in processes}
         # Lock actors live as long as the process that made them: the driver.
         locks = DeviceLock(sorted(set().union(*devices.values())), holder="driver") if any(turns.values()) else None
@@ -177,22 +182,25 @@ class Runner:
             wait(*self.ahead[1].values())
 
     # -- the loop ---------------------------------------------------------------------------
-    def train(self) -> list[dict[str, float]]:
+    def train(self, evaluate: bool = True, checkpoint: bool = True) -> list[dict[str, float]]:
+        """The run: every update, with evaluations and checkpoints (unless told not to: a
+        profiling run only times updates)."""
         r = self.cfg.runner
         log = RunLog(r.out_dir, self.metrics.progress_total, x=self.metrics.x, y=self.metrics.y, progress=r.progress)
         try:
             first = self.resume(r.resume, log) if r.resume else 0
             log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}\n{self.describe(first)}")
-            if first == 0 and self.evaluates(-1, False):
+            if evaluate and first == 0 and self.evaluates(-1, False):
                 log.record({self.metrics.x: 0, "time_s": 0.0, **self.evaluate()}, "evaluated")
             start = time.perf_counter()
             for i in range(first, self.total):
                 t0 = time.perf_counter()
                 last = i + 1 == self.total
-                saving = last or (bool(r.checkpoint_every) and (i + 1) % r.checkpoint_every == 0)
-                evaluating = self.evaluates(i, last)
-                # Nothing runs ahead past an evaluation or a checkpoint (which holds no stream in flight).
-                report = self.step(i, ahead=bool(self.plan.run_ahead) and not (saving or evaluating))
+                saving = checkpoint and (last or (bool(r.checkpoint_every) and (i + 1) % r.checkpoint_every == 0))
+                evaluating = evaluate and self.evaluates(i, last)
+                # Nothing runs ahead past the last update, an evaluation or a checkpoint (which holds
+                # no stream in flight).
+                report = self.step(i, ahead=bool(self.plan.run_ahead) and not (last or saving or evaluating))
                 if i == first and "weight_mb" in report["sync"]:
                     s = report["sync"]
                     log.note(f"weights: {s['weight_mb']:.0f} MB in {s['weight_buckets']} bucket(s) by {s['weight_transport']}")
@@ -204,7 +212,7 @@ class Runner:
                 if stop:  # stopped early: the stream launched ahead is made, then dropped untrained
                     self.wait_ahead()
                     self.ahead = None
-                if stop or saving:
+                if (stop and checkpoint) or saving:
                     self.checkpoint(i + 1, log)
                 if stop:
                     break
@@ -280,10 +288,7 @@ def plan_of(cfg: DictConfig, workflow: Workflow, num_devices: int, kind: str, co
     options = {"run_ahead": int(cfg.runner.collect_ahead)} | options
     if p.mode != "custom":
         return Plan.for_mode(workflow, p.mode, num_devices, kind, components=components, **options)
-    given = {c: v for c, v in OmegaConf.to_container(p.components, resolve=True).items() if v is not None}
-    missing = [c for c in components if c not in given]
-    if missing:
-        raise PlanError(f"placement.mode=custom needs placement.components for {missing}", "placement.components")
+    given = OmegaConf.to_container(p.components, resolve=True)  # every component's: validate checked
     span = options.pop("trainer_devices_per_proc", 1)
     if span > 1 and isinstance(given[workflow.trainer], (str, int)):
         given[workflow.trainer] = {"devices": given[workflow.trainer], "devices_per_proc": span}
@@ -300,4 +305,4 @@ def local_devices(cluster: DictConfig) -> tuple[int, str] | None:
         return None
     if torch.cuda.is_available():
         return torch.cuda.device_count(), "cuda"
-    return cluster.cpu_slots or cluster.num_cpus or os.cpu_count() or 1, "cpu"
+    return cpu_slot_count(cluster.num_cpus or os.cpu_count() or 1, cluster.cpu_slots), "cpu"

@@ -14,9 +14,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from m2flow.config.validate import ConfigError, check_grpo_layout, resolved, validate
+from m2flow.config.validate import ConfigError, check_grpo_layout, resolved
 from m2flow.envs import make_env
-from m2flow.flow import Workflow
+from m2flow.flow import Plan, Workflow
 from m2flow.runners.base import Runner
 from m2flow.runners.metrics import EmbodiedMetrics, RunLog
 from m2flow.runtime.group import GroupHandle, wait
@@ -34,6 +34,18 @@ WORKFLOW = Workflow(
             "hybrid": ((("env",), 0.5), (("rollout",), None))})
 
 
+def env_layout(cfg: DictConfig, plan: Plan, components: tuple[str, ...]) -> Layout:
+    """Which envs each env rank steps in which stage, and which rollout rank acts for them."""
+    try:
+        ranks = (plan.world_size(c) for c in components)
+        layout = Layout.build(cfg.env.num_envs, *ranks, plan.stages, cfg.policy.chunk)
+    except ValueError as e:  # the envs cannot be shared out among the plan's ranks and stages
+        raise ConfigError("env.num_envs", str(e)) from None
+    if cfg.algorithm.name == "grpo":
+        check_grpo_layout(resolved(cfg), layout)
+    return layout
+
+
 class EmbodiedRunner(Runner):
     workflow = WORKFLOW
     workers = {"env": EnvWorker, "rollout": RolloutWorker, "actor": ActorWorker}
@@ -46,17 +58,10 @@ class EmbodiedRunner(Runner):
 
     def prepare(self) -> None:
         cfg = self.cfg
-        validate(cfg)  # again: a config may change after it is loaded
         probe = make_env(cfg.env.id, **OmegaConf.to_container(cfg.env.kwargs))
         self.spaces = (probe.observation_space, probe.action_space)
         probe.close()
-        try:
-            self.layout = Layout.build(cfg.env.num_envs, *(self.plan.world_size(c) for c in self.components),
-                                       self.plan.stages, cfg.policy.chunk)
-        except ValueError as e:  # the envs cannot be shared out among the plan's ranks and stages
-            raise ConfigError("env.num_envs", str(e)) from None
-        if cfg.algorithm.name == "grpo":
-            check_grpo_layout(resolved(cfg), self.layout)
+        self.layout = env_layout(cfg, self.plan, self.components)
         self.plain = OmegaConf.to_container(cfg, resolve=True)
         self.steps_per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
         self.total = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)

@@ -20,7 +20,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from m2flow.config.validate import validate
 from m2flow.data import PromptLoader
 from m2flow.data.prompts import load_prompts
 from m2flow.flow import Workflow
@@ -43,14 +42,14 @@ WORKFLOW = Workflow(
     splits={"disaggregated": ((("rollout",), 0.5), (("reward", "inference", "critic", "actor"), None)),
             "hybrid": ((("rollout",), 0.5), (("reward", "inference", "critic"), None))},
     single_rank=("reward", "inference", "critic"),  # the stream passes through each in order
-    whole_on_cpu=COMPONENTS)  # on CPU slots one rank spans its slots (its threads do)
+    whole_on_cpu=COMPONENTS,  # on CPU slots one rank spans its slots (its threads do)
+    light=("reward",))  # holds no model: it never takes device turns
 
 
 class ReasoningRunner(Runner):
     workflow = WORKFLOW
     workers = {"rollout": LMRolloutWorker, "reward": RewardWorker, "inference": InferenceWorker,
                "actor": LMActorWorker, "critic": LMCriticWorker}
-    light = ("reward",)  # holds no model: it never takes device turns
     stateful = ("rollout", "actor", "critic")
     prefetch = {"batches": 1}  # actor ranks take batches one at a time: a rank that is free takes the next
 
@@ -66,7 +65,6 @@ class ReasoningRunner(Runner):
         return tuple(ch for ch in WORKFLOW.channels if ch != "logprobs" or "critic" in self.components)
 
     def prepare(self) -> None:
-        validate(self.cfg)  # again: a config may change after it is loaded
         self.train_prompts, self.test_prompts = load_prompts(self.cfg)
         d = self.cfg.data
         self.loader = PromptLoader(self.train_prompts, d.prompts_per_step, seed=self.cfg.seed)

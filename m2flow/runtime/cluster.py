@@ -43,6 +43,11 @@ class Node:
     devices: tuple[Device, ...] = field(default=())
 
 
+def cpu_slot_count(num_cpus: float, cpu_slots: int | None, cores_per_slot: int = 1) -> int:
+    """A GPU-less node's devices: ``cpu_slots`` if set, else one per ``cores_per_slot`` of its CPUs."""
+    return cpu_slots or max(1, int(num_cpus) // cores_per_slot)
+
+
 class Cluster:
     """Starts an embedded local Ray, or attaches to a running one, and lists devices.
 
@@ -116,7 +121,7 @@ class Cluster:
                     devices.append(Device(index, "cuda", n["NodeID"], rank, g))
                     index += 1
             else:
-                slots = self._cpu_slots or max(1, int(num_cpus) // self._cores_per_slot)
+                slots = cpu_slot_count(num_cpus, self._cpu_slots, self._cores_per_slot)
                 for s in range(slots):
                     cores = tuple(range(s * self._cores_per_slot, (s + 1) * self._cores_per_slot))
                     devices.append(Device(index, "cpu", n["NodeID"], rank, s, cores))

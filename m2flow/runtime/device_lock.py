@@ -10,9 +10,11 @@ Create them from the driver (``lock_actor(device)`` or any ``DeviceLock(...)`` t
 starting workers, so that a worker dying does not take the locks down with it.
 
 A holder that dies must not block its devices forever: every acquire registers the calling
-process (pid and node) and, inside a Ray actor, that actor's handle. While others wait, the
-lock actor checks about once a second whether the holder is still alive and, if not, passes
-the lock on with a warning.
+process (pid and node) and, inside a Ray actor, that actor's handle, pickled: unpickling a
+handle loads its actor class (a worker's module, torch and all), which the lock actor does
+only once it has to probe that holder, off its event loop. While others wait, the lock actor
+checks about once a second whether the holder is still alive and, if not, passes the lock
+on with a warning.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import pickle
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,7 +54,7 @@ class _Request:
     holder: str
     pid: int
     node_id: str
-    actor: ActorHandle | None
+    actor: bytes | None  # the holder actor's pickled handle
     granted: asyncio.Future[None]
     arrived: float = field(default_factory=time.monotonic)
     # At most one outstanding ``__ray_ready__`` call to the holder actor: it fails with
@@ -75,7 +78,7 @@ class _DeviceLockActor:
         self._free_waiters = 0
 
     async def acquire(
-        self, holder: str, timeout: float | None, pid: int, node_id: str, actor: ActorHandle | None
+        self, holder: str, timeout: float | None, pid: int, node_id: str, actor: bytes | None
     ) -> tuple[str, str | None]:
         """Returns (status, holder in the way): status is "granted", "timeout", "reentrant" or
         "withdrawn" (the request was dropped, see ``withdraw``)."""
@@ -193,8 +196,15 @@ class _DeviceLockActor:
                     return "is a dead actor"
                 probe = None
             if probe is None:
-                owner.probe = asyncio.wrap_future(owner.actor.__ray_ready__.remote().future())
+                owner.probe = asyncio.ensure_future(_probe(owner.actor))
         return None
+
+
+async def _probe(actor: bytes) -> Any:
+    """Calls the holder actor (raises ActorDiedError once it is dead); its handle is unpickled
+    in a thread, as that may import the actor's module."""
+    handle: ActorHandle = await asyncio.get_running_loop().run_in_executor(None, pickle.loads, actor)
+    return await asyncio.wrap_future(handle.__ray_ready__.remote().future())
 
 
 _LockActor = ray.remote(num_cpus=0)(_DeviceLockActor)
@@ -234,7 +244,7 @@ class DeviceLock:
         self.holder = holder
         self._actors = {d: lock_actor(d, namespace) for d in self.devices}
         ctx = ray.get_runtime_context()
-        actor = ctx.current_actor if ctx.get_actor_id() is not None else None
+        actor = pickle.dumps(ctx.current_actor) if ctx.get_actor_id() is not None else None
         self._liveness = (os.getpid(), ctx.get_node_id(), actor)
         self._held_since: float | None = None
         self.last_wait_s = 0.0

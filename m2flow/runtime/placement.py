@@ -43,7 +43,7 @@ class ComponentPlacement:
 
     @property
     def world_size(self) -> int:
-        return len(self.devices) * self.procs_per_device // self.devices_per_proc
+        return processes(self.component, len(self.devices), self.procs_per_device, self.devices_per_proc)
 
     @property
     def device_indices(self) -> frozenset[int]:
@@ -58,6 +58,19 @@ class ComponentPlacement:
                 devs = (self.devices[r // self.procs_per_device],)
             out.append(RankPlacement(r, devs))
         return out
+
+
+def processes(component: str, devices: int, procs_per_device: int = 1, devices_per_proc: int = 1) -> int:
+    """A component's processes (ranks) on ``devices`` devices; a shape that cannot be made
+    fails naming the component."""
+    if procs_per_device < 1 or devices_per_proc < 1:
+        raise PlacementError(f"component {component!r}: procs_per_device and devices_per_proc must be >= 1")
+    if procs_per_device > 1 and devices_per_proc > 1:
+        raise PlacementError(f"component {component!r}: set procs_per_device or devices_per_proc, not both")
+    if devices % devices_per_proc:
+        raise PlacementError(f"component {component!r}: {devices} device(s) cannot be split into processes of "
+                             f"{devices_per_proc} devices")
+    return devices * procs_per_device // devices_per_proc
 
 
 def parse_range(spec: str | int, component: str = "?") -> tuple[str, list[int]]:
@@ -116,12 +129,7 @@ class Placement:
                 raise PlacementError(f"component {name!r}: placement needs 'devices'")
             devices = parse_devices(entry["devices"], cluster, name)
             ppd, dpp = int(entry.get("procs_per_device", 1)), int(entry.get("devices_per_proc", 1))
-            if ppd < 1 or dpp < 1:
-                raise PlacementError(f"component {name!r}: procs_per_device and devices_per_proc must be >= 1")
-            if ppd > 1 and dpp > 1:
-                raise PlacementError(f"component {name!r}: set procs_per_device or devices_per_proc, not both")
-            if len(devices) % dpp:
-                raise PlacementError(f"component {name!r}: {len(devices)} device(s) cannot be split into processes of {dpp} devices")
+            processes(name, len(devices), ppd, dpp)
             if dpp > 1 and len({d.node_id for d in devices}) > 1:
                 for i in range(0, len(devices), dpp):
                     if len({d.node_id for d in devices[i : i + dpp]}) > 1:
@@ -146,16 +154,19 @@ class Placement:
         return self.components[name]
 
     @property
-    def mode(self) -> str:
+    def sharing(self) -> str:
+        """How the components' devices relate: ``shared`` (all on the same devices),
+        ``disjoint`` (no two share a device) or ``overlapping``. (A flow's *mode* also says
+        which components make the data and which trains: ``flow.Plan.mode``.)"""
         sets = [c.device_indices for c in self.components.values()]
         if all(s == sets[0] for s in sets):
-            return "collocated"
+            return "shared"
         if all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1 :]):
-            return "disaggregated"
-        return "hybrid"
+            return "disjoint"
+        return "overlapping"
 
     def describe(self) -> str:
-        lines = [f"placement ({self.mode}):"]
+        lines = [f"placement (devices {self.sharing}):"]
         for c in self.components.values():
             devs = ",".join(str(d.index) for d in c.devices)
             per = f"{c.procs_per_device} proc/device" if c.devices_per_proc == 1 else f"{c.devices_per_proc} devices/proc"

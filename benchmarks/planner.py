@@ -1,0 +1,163 @@
+"""The scheduler against measurement: for each workload, profile it, predict every feasible
+plan on this machine, run each for the same work, and compare; then ``placement=auto``
+against the best measured plan.
+
+Workloads (``--workloads``):
+  halfcheetah  embodied/ppo_halfcheetah (2048 env steps per update)
+  ant          embodied/ppo_ant
+  smollm2      reasoning/grpo_arith_smollm2 with 16 prompts x 8 samples per step
+
+Per workload, one run:
+  1. ``m2flow profile`` in a fresh process, timed (a new profile: ``--profile-dir`` is emptied);
+  2. the planner's ranked list of feasible plans (``runners.auto.choose``), within the
+     staleness allowance (``--staleness``: 0, on-policy only; 1, plans one update ahead too);
+  3. every plan (or ``--max-plans`` of them, the planner's order, then every mode's best)
+     run for ``--updates`` updates in a fresh process (``m2flow train ... placement=@plan``),
+     its step time the median after the first (warm-up) update;
+  4. ``placement=auto`` (the stored profile: no profiling) and the best measured plan, run
+     alternately ``--repeats`` times each.
+
+Reported: predicted vs measured step time per plan and the error; the median error; the
+pick's measured step over the best measured; profiling time against a 1M-env-step run
+(embodied) or a one-hour run (reasoning) at the best measured speed; auto's throughput over
+the best plan's. Prints JSON on stdout (progress on stderr).
+
+    python benchmarks/planner.py --workloads halfcheetah ant smollm2 [--staleness 0 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Run, json_safe, load1, log, side_order, spread  # noqa: E402
+
+WORKLOADS = {
+    "halfcheetah": ("embodied/ppo_halfcheetah", []),
+    "ant": ("embodied/ppo_ant", []),
+    "smollm2": ("reasoning/grpo_arith_smollm2", ["data.prompts_per_step=16", "rollout.n=8",
+                                                  "algorithm.max_tokens_per_micro_batch=1152"]),
+    "tiny": ("reasoning/grpo_arith_tiny", []),  # smoke runs
+    "cartpole": ("embodied/ppo_cartpole", []),
+}
+M2FLOW = [sys.executable, "-m", "m2flow.cli"]
+
+
+def length(preset: str, updates: int) -> list[str]:
+    from m2flow.config import load_config
+
+    cfg = load_config(preset)
+    if cfg.flow == "embodied":
+        return [f"runner.total_env_steps={updates * cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk}",
+                "runner.target_return=null"]
+    return [f"runner.steps={updates}", "runner.eval_every=0"]
+
+
+def measure(preset: str, overrides: list[str], out: Path) -> dict:
+    """Runs the preset in a fresh process; the median step time after the first update."""
+    start, before = time.perf_counter(), load1()
+    subprocess.run([*M2FLOW, "train", preset, *overrides, f"runner.out_dir={out}", "runner.progress=false",
+                    "runner.checkpoint_every=0"], check=True, stdout=sys.stderr, stderr=sys.stderr)
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    col = "update_s" if "update_s" in rows[0] else "step_s"
+    steps = [float(r[col]) for r in rows if r.get(col) not in (None, "")]
+    timed = steps[1:] or steps
+    return {"step_s": statistics.median(timed), "steps": steps, "run_s": round(time.perf_counter() - start, 1),
+            "load_before": before, "load_after": load1()}
+
+
+def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
+    from m2flow.config import load_config
+    from m2flow.flow.cost import CostModel, Profile
+    from m2flow.runners.auto import choose
+
+    preset, extra = WORKLOADS[name]
+    staleness = [f"placement.staleness={args.staleness}"]
+    base = [*extra, *args.override, *staleness, f"placement.profile={tmp / (name + '-profile.json')}"]
+    cfg = load_config(preset, base)
+    log(f"== {name}: profiling")
+    t0 = time.perf_counter()
+    subprocess.run([*M2FLOW, "profile", preset, *base], check=True, stdout=sys.stderr, stderr=sys.stderr)
+    profile_wall = time.perf_counter() - t0
+    prof = Profile.load(cfg.placement.profile)
+    choice = choose(cfg, prof)
+    model = CostModel(prof)
+    ranked = choice.ranked
+    chosen = ranked[:args.max_plans] if args.max_plans else list(ranked)
+    for c in ranked:  # every mode's best too
+        if all(c.mode != x.mode for x in chosen):
+            chosen.append(c)
+    rows = []
+    for i, c in enumerate(chosen):
+        path = c.plan.save(tmp / f"{name}-plan{i}.yaml")
+        log(f"== {name}: plan {i + 1}/{len(chosen)}: {c.describe()} (predicted {c.step_s:.3f} s)")
+        m = measure(preset, [*extra, *args.override, *length(preset, args.updates), f"placement=@{path}"],
+                    tmp / f"{name}-run{i}")
+        rows.append({"plan": c.describe(), "rank": ranked.index(c) + 1, "predicted_s": round(c.step_s, 4),
+                     "measured_s": round(m["step_s"], 4), "error": round(c.step_s / m["step_s"] - 1, 3), **m,
+                     "plan_file": c.plan.to_dict()})
+    best = min(rows, key=lambda r: r["measured_s"])
+    pick = rows[0]
+    # placement=auto (reusing the stored profile) against the best measured plan, alternately
+    auto_vs = []
+    best_path = tmp / f"{name}-best.yaml"
+    best_path.write_text((tmp / f"{name}-plan{rows.index(best)}.yaml").read_text())
+    for r in range(args.repeats):
+        got = {}
+        for side in side_order(["auto", "best"], r):
+            over = ["placement=auto", *staleness, f"placement.profile={cfg.placement.profile}"] if side == "auto" \
+                else [f"placement=@{best_path}"]
+            got[side] = measure(preset, [*extra, *args.override, *length(preset, args.updates), *over],
+                                tmp / f"{name}-{side}{r}")
+        auto_vs.append({"auto_s": got["auto"]["step_s"], "best_s": got["best"]["step_s"],
+                        "throughput_ratio": round(got["best"]["step_s"] / got["auto"]["step_s"], 3)})
+    if cfg.flow == "embodied":
+        per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
+        reference_s, reference = 1_000_000 / per_update * best["measured_s"], "a 1M-env-step run"
+    else:
+        reference_s, reference = 3600.0, "a one-hour run"
+    errors = [abs(r["error"]) for r in rows]
+    return {
+        "preset": preset, "overrides": base, "plans_feasible": len(ranked), "plans_rejected": len(choice.rejected),
+        "plans_measured": len(rows), "rows": rows,
+        "pick": pick["plan"], "best_measured": best["plan"],
+        "pick_over_best": round(pick["measured_s"] / best["measured_s"], 3),
+        "median_abs_error": round(statistics.median(errors), 3),
+        "profiling_s": round(prof.profiling_s, 1), "profiling_wall_s": round(profile_wall, 1),
+        "profiling_share": round(profile_wall / reference_s, 3), "reference": reference,
+        "reference_s": round(reference_s, 1), "model_held_out_error": model.held_out_error(),
+        "planning_s": round(choice.planning_s, 3),
+        "auto_vs_best": auto_vs, "auto_throughput_over_best": spread([a["throughput_ratio"] for a in auto_vs], 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", nargs="+", default=["halfcheetah", "ant", "smollm2"], choices=sorted(WORKLOADS))
+    p.add_argument("--staleness", type=int, default=0, help="0: on-policy plans only; 1: one update ahead too")
+    p.add_argument("--updates", type=int, default=12, help="updates per measured run (the first is warm-up)")
+    p.add_argument("--max-plans", type=int, default=0, help="measure only the planner's first N (0: all)")
+    p.add_argument("--repeats", type=int, default=2, help="auto vs best, each this many times, alternately")
+    p.add_argument("--override", nargs="*", default=[], help="key=value overrides for every run")
+    args = p.parse_args()
+    run = Run()
+    tmp = Path(tempfile.mkdtemp(prefix="m2flow-planner-"))
+    try:
+        out = {"benchmark": "planner", "args": vars(args),
+               "workloads": {w: workload(w, args, tmp) for w in args.workloads}}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(json_safe(out | run.finish()), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""A profile (measured costs, as a JSON file) and the cost and memory model fitted from it.
+
+A profile holds points: a component's phase (``work``: a link of the makers' chain on one
+chunk; ``train``/``update``: the trainer; ``sync``: the weight broadcast) took ``seconds`` on
+``items`` items over ``devices`` devices. It also holds each component's switch cost (taking
+the devices from another component), its peak memory, and the hardware it came from.
+
+The model, per component and phase, is the best non-negative fit of
+
+    seconds = a + b * items / devices + c * log2(devices)
+
+(a fixed cost per call, work shared out over the devices, and a data-parallel cost that
+grows with the ranks, such as an all-reduce), over the subsets of those terms, so that a
+component measured at one device count is not given a device effect it was never seen to
+have. Across nodes the ``c`` term is multiplied by ``internode`` (the ratio of intra- to
+inter-node bandwidth).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PHASES = ("work", "hop", "train", "update", "sync")
+
+
+@dataclass(frozen=True)
+class Point:
+    component: str
+    phase: str
+    items: float
+    devices: int
+    seconds: float
+
+
+@dataclass
+class Profile:
+    key: str  # what the profile is of: the preset and the config values that change costs
+    hardware: dict[str, Any]
+    points: list[Point] = field(default_factory=list)
+    switch_s: dict[str, float] = field(default_factory=dict)
+    hop_s: float = 0.0  # a message between two processes of the chain
+    memory_mb: dict[str, float] = field(default_factory=dict)  # peak per device, per component
+    device_memory_mb: float | None = None
+    profiling_s: float = 0.0
+    runs: list[dict[str, Any]] = field(default_factory=list)  # what was run to measure it
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved config it was measured with
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = asdict(self)
+        path.write_text(json.dumps(data, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        data = json.loads(Path(path).read_text())
+        data["points"] = [Point(**p) for p in data["points"]]
+        return cls(**data)
+
+    def matches(self, key: str, hardware: dict[str, Any]) -> bool:
+        return self.key == key and self.hardware == hardware
+
+
+def hardware() -> dict[str, Any]:
+    """What a profile's numbers depend on: the processor, its cores, the GPUs and torch."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "gpus": gpus, "torch": torch.__version__.split("+")[0]}
+
+
+def profile_key(preset: str, values: dict[str, Any]) -> str:
+    """A short key for a preset and the config values its costs depend on."""
+    blob = json.dumps(values, sort_keys=True, default=str)
+    return f"{preset}:{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+# -- the model ------------------------------------------------------------------------------
+
+def _features(items: float, devices: int) -> list[float]:
+    return [1.0, items / devices, math.log2(devices)]
+
+
+@dataclass
+class Fit:
+    coef: tuple[float, float, float]  # a, b, c
+    points: int
+    loo_error: float | None  # median relative leave-one-out error (None: too few points)
+
+    def __call__(self, items: float, devices: int, internode: float = 1.0) -> float:
+        a, b, c = self.coef
+        return a + b * items / devices + c * math.log2(max(devices, 1)) * internode
+
+
+def _nnls(rows: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The least-squares fit with non-negative coefficients, over the subsets of the terms
+    (fewest terms first, so a term the points cannot tell apart stays zero)."""
+    best, best_err = np.zeros(rows.shape[1]), math.inf
+    n = rows.shape[1]
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub = rows[:, cols]
+            if np.linalg.matrix_rank(sub) < k:
+                continue
+            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if (coef < 0).any():
+                continue
+            err = float(np.sum((sub @ coef - y) ** 2))
+            if err < best_err * (1 - 1e-9):
+                best_err, best = err, np.zeros(n)
+                best[list(cols)] = coef
+    return best
+
+
+def fit(points: list[Point]) -> Fit:
+    rows = np.array([_features(p.items, p.devices) for p in points])
+    y = np.array([p.seconds for p in points])
+    # Relative error matters (a 10 ms call and a 10 s one alike): weight each point by 1/y.
+    w = 1.0 / np.maximum(y, 1e-6)
+    coef = _nnls(rows * w[:, None], y * w)
+    loo = None
+    if len(points) >= 3:
+        errs = []
+        for i in range(len(points)):
+            keep = [j for j in range(len(points)) if j != i]
+            c = _nnls(rows[keep] * w[keep, None], y[keep] * w[keep])
+            errs.append(abs(float(rows[i] @ c) - y[i]) / max(y[i], 1e-9))
+        loo = float(np.median(errs))
+    return Fit(tuple(float(x) for x in coef), len(points), loo)
+
+
+class CostModel:
+    """Seconds per (component, phase, items, devices), switch costs and memory, from a profile."""
+
+    def __init__(self, profile: Profile, internode: float = 1.0, devices_per_node: int | None = None):
+        self.profile = profile
+        self.internode = internode
+        self.devices_per_node = devices_per_node
+        groups: dict[tuple[str, str], list[Point]] = {}
+        for p in profile.points:
+            groups.setdefault((p.component, p.phase), []).append(p)
+        self.fits = {k: fit(v) for k, v in groups.items()}
+        self.switch_s = dict(profile.switch_s)
+
+    def __call__(self, component: str, phase: str, items: float, devices: int) -> float:
+        if phase == "hop":
+            return self.profile.hop_s
+        f = self.fits.get((component, phase))
+        if f is None:
+            return 0.0  # a phase the profile never saw take time (none measured)
+        across = self.devices_per_node is not None and devices > self.devices_per_node
+        return f(items, devices, self.internode if across else 1.0)
+
+    def memory_mb(self, component: str) -> float:
+        return self.profile.memory_mb.get(component, 0.0)
+
+    def report(self) -> str:
+        """Each fit, its points and its held-out error."""
+        lines = [f"  {'component.phase':<18} {'a (s)':>9} {'b (s/item/dev)':>15} {'c (s/log2 dev)':>15} "
+                 f"{'points':>6} {'held-out err':>12}"]
+        for (c, ph), f in sorted(self.fits.items()):
+            err = "-" if f.loo_error is None else f"{f.loo_error:.1%}"
+            lines.append(f"  {c + '.' + ph:<18} {f.coef[0]:9.4f} {f.coef[1]:15.6f} {f.coef[2]:15.4f} {f.points:>6} "
+                         f"{err:>12}")
+        return "\n".join(lines)
+
+    def held_out_error(self) -> float | None:
+        errs = [f.loo_error for f in self.fits.values() if f.loo_error is not None]
+        return float(np.median(errs)) if errs else None
+
+
+# -- from measured steps to points ----------------------------------------------------------
+
+def points_from_rows(shape, layout, rows: list[dict[str, Any]]) -> list[Point]:
+    """A probe run's points: each component's busy time per step (the metrics' ``<c>_busy_s``,
+    a rank's mean) cut into the tasks the simulator makes of that step (``simulate.step_tasks``)."""
+    out = []
+    sizes = shape.items / max(1, min(shape.chunks, shape.items))
+    chunks = max(1, min(shape.chunks, shape.items))
+    for row in rows:
+        for comp in shape.chain:
+            devices = len(layout.devices[comp])
+            if comp in shape.batched:
+                out.append(Point(comp, "work", shape.items, devices, row[f"{comp}_busy_s"] / shape.repeats))
+            else:
+                out.append(Point(comp, "work", sizes, devices, row[f"{comp}_busy_s"] / (shape.repeats * chunks)))
+        t, devices = shape.trainer, len(layout.devices[shape.trainer])
+        if shape.trainer_streams:  # the optimizer step is folded into the chunks' train time
+            out.append(Point(t, "train", shape.batch / chunks, devices, row[f"{t}_busy_s"] / chunks))
+        else:
+            out.append(Point(t, "train", shape.batch, devices, row[f"{t}_busy_s"]))
+        if row["weight_sync_s"] > 0:
+            out.append(Point(t, "sync", shape.batch, devices, row["weight_sync_s"]))
+    return out
+
+
+def calibrate(step_s: float, predict_with) -> float:
+    """The value ``x >= 0`` for which ``predict_with(x)`` (a step time that does not fall as
+    ``x`` grows) comes closest to the measured ``step_s``: a cost the busy times cannot show
+    (a device hand-over, a message between processes), read off a whole step's time."""
+    lo, hi = 0.0, max(step_s, 1e-6)
+    if predict_with(lo) >= step_s:
+        return 0.0
+    while predict_with(hi) < step_s and hi < 1e6:
+        hi *= 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predict_with(mid) < step_s else (lo, mid)
+    return (lo + hi) / 2

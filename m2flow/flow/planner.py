@@ -1,0 +1,208 @@
+"""The planner: every plan a workflow can take on a cluster, each simulated on the cost
+model, the fastest first.
+
+A candidate is a named mode with one way of splitting the devices among the mode's groups,
+a granularity, a number of env stages, fused or not, and run-ahead (only where the
+algorithm may take data one version old). Plans over device memory, or that the flow
+cannot lay out (``check``), are left out; when none is left the error names the component
+and what is short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from m2flow.flow.cost import CostModel
+from m2flow.flow.plan import Plan, PlanError, Workflow
+from m2flow.flow.simulate import Layout, Prediction, Shape, predict
+
+ShapeOf = Callable[[Plan, bool], Shape]  # (plan, fused) -> the step's shape under that plan
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    mode: str
+    split: tuple[int, ...]  # devices per group of the mode (collocated: all of them)
+    fused: bool
+    prediction: Prediction | None = None
+    rejected: str | None = None
+
+    @property
+    def step_s(self) -> float:
+        return self.prediction.step_s if self.prediction else float("inf")
+
+    def describe(self) -> str:
+        p = self.plan
+        knobs = [self.mode, "split " + "+".join(map(str, self.split))]
+        ranks = {c: p.world_size(c) for c in p.components}
+        knobs.append("ranks " + " ".join(f"{c}={n}" for c, n in ranks.items() if n > 1) if max(ranks.values()) > 1
+                     else "one rank each")
+        if p.granularity and max(p.granularity.values()) > 1:
+            knobs.append(f"granularity {max(p.granularity.values())}")
+        knobs += [f"stages {p.stages}"] if p.stages > 1 else []
+        knobs += ["fused"] if self.fused else []
+        knobs += [f"ahead {p.run_ahead}"] if p.run_ahead else []
+        return ", ".join(knobs)
+
+
+def layout_of(plan: Plan, workflow: Workflow) -> tuple[Layout, bool]:
+    """Processes, devices and turns as the runner makes them (``Runner._start``)."""
+    fused = False
+    if plan.fuse and workflow.fusable and all(c in plan.components for c in workflow.fusable):
+        a, b = workflow.fusable
+        fused = plan.devices(a) == plan.devices(b) and plan.world_size(a) == plan.world_size(b)
+    process = {c: c for c in plan.components}
+    if fused:
+        process[workflow.fusable[1]] = workflow.fusable[0]
+    devices = {c: frozenset(plan.devices(c)) for c in plan.components}
+    heavy = {c for c in plan.components if c not in workflow.light}
+    turns = {c: c in heavy and any(devices[c] & devices[o] for o in heavy if process[o] != process[c])
+             for c in plan.components}
+    return Layout(process, devices, turns), fused
+
+
+def splits(groups: int, n: int) -> list[tuple[int, ...]]:
+    """Ways to give ``groups`` groups at least one of ``n`` devices each: every one on up to
+    16 devices, else in eighths of the cluster."""
+    if groups > n:
+        return []
+    if n <= 16:
+        return [c for c in _compositions(n, groups)]
+    out = []
+    for c in _compositions(8, groups):
+        sizes = [max(1, n * k // 8) for k in c[:-1]]
+        out.append((*sizes, n - sum(sizes)))
+    return sorted(set(s for s in out if s[-1] >= 1))
+
+
+def _fewer(n: int) -> list[int]:
+    """``n`` and its halvings down to one device."""
+    out = [n]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def _compositions(n: int, k: int) -> list[tuple[int, ...]]:
+    return [tuple(b - a for a, b in zip((0, *cuts), (*cuts, n))) for cuts in itertools.combinations(range(1, n), k - 1)]
+
+
+def candidates(workflow: Workflow, num_devices: int, kind: str, components: tuple[str, ...], *,
+               granularities: Sequence[int] = (1,), stages: Sequence[int] = (1,), staleness: int = 0,
+               trainer_devices_per_proc: int = 1) -> list[Candidate]:
+    """Every plan of the workflow's modes on ``num_devices`` devices (not yet checked)."""
+    out = []
+    aheads = [0, 1] if staleness >= 1 else [0]
+    fuses = [True, False] if workflow.fusable else [False]
+    # collocated on all the devices, or on fewer (a small model may run best on one)
+    layouts: list[tuple[str, tuple[int, ...], Workflow]] = [("collocated", (k,), workflow) for k in _fewer(num_devices)]
+    for mode, groups in workflow.splits.items():
+        groups = tuple((tuple(c for c in g if c in components), s) for g, s in groups)
+        groups = tuple((g, s) for g, s in groups if g)
+        for split in splits(len(groups), num_devices):
+            wf = dataclasses.replace(workflow, splits={mode: tuple((g, n) for (g, _), n in zip(groups, split))})
+            layouts.append((mode, split, wf))
+    for (mode, split, wf), g, st, fuse, ahead in itertools.product(layouts, granularities, stages, fuses, aheads):
+        def make(span: int) -> Plan:
+            n = split[0] if mode == "collocated" else num_devices
+            return Plan.for_mode(wf, mode, n, kind, components=components, fuse=fuse, granularity=g,
+                                 stages=st, run_ahead=ahead, trainer_devices_per_proc=span)
+        try:
+            plan = make(trainer_devices_per_proc)
+            trainer_devices = len(plan.devices(workflow.trainer))
+            if trainer_devices % trainer_devices_per_proc:
+                plan = make(1)  # the trainer's devices do not make ranks of that many: one per device
+            # and one trainer rank over all its devices (fewer all-reduces; data the flow can share out)
+            plans = [plan] + ([make(trainer_devices)] if trainer_devices > 1 and plan.world_size(workflow.trainer) > 1
+                              else [])
+        except PlanError:
+            continue
+        for plan in plans:
+            layout, fused = layout_of(plan, workflow)
+            if fuse and not fused:
+                continue  # the same plan as unfused
+            out.append(Candidate(plan, mode, split, fused))
+    return out
+
+
+def memory_shortfall(plan: Plan, workflow: Workflow, model: CostModel, kind: str) -> str | None:
+    """What is over device memory under ``plan``, or None. A component that takes device
+    turns on a GPU leaves its devices' memory while another has them (offload)."""
+    limit = model.profile.device_memory_mb
+    if not limit:
+        return None
+    layout, _ = layout_of(plan, workflow)
+    on: dict = {}
+    for c, devs in layout.devices.items():
+        for d in devs:
+            on.setdefault(d, []).append(c)
+    for d, comps in sorted(on.items()):
+        resident = [c for c in comps if not (kind == "cuda" and layout.turns[c])]
+        swapped = [c for c in comps if c not in resident]
+        need = sum(model.memory_mb(c) for c in resident) + max((model.memory_mb(c) for c in swapped), default=0.0)
+        if need > limit:
+            worst = max(comps, key=model.memory_mb)
+            return (f"device {d[1] if isinstance(d, tuple) else d}: {'+'.join(comps)} need {need:,.0f} MB, it has "
+                    f"{limit:,.0f} MB ({worst} alone {model.memory_mb(worst):,.0f} MB; short by {need - limit:,.0f} MB)")
+    return None
+
+
+@dataclass
+class Choice:
+    best: Candidate
+    ranked: list[Candidate]  # feasible, fastest first
+    rejected: list[Candidate]
+    planning_s: float
+
+    def report(self, top: int = 5) -> str:
+        b = self.best
+        lines = [f"planned {len(self.ranked) + len(self.rejected)} plans in {self.planning_s:.2f} s "
+                 f"({len(self.rejected)} rejected); predicted step times:"]
+        for i, c in enumerate(self.ranked[:top]):
+            lines.append(f"  {'*' if i == 0 else ' '} {c.step_s:9.3f} s  {c.describe()}")
+        best_per_mode = {}
+        for c in self.ranked:
+            best_per_mode.setdefault(c.mode, c)
+        why = [f"{m} at best {c.step_s / b.step_s:.2f}x the time" for m, c in best_per_mode.items() if c is not b
+               and c.mode != b.mode]
+        busy = b.prediction.busy_s
+        bottleneck = max(busy, key=busy.get)
+        lines.append(f"why: {b.describe()} is the fastest predicted; " + "; ".join(why))
+        lines.append(f"  its busiest process: {bottleneck} ({busy[bottleneck] / b.step_s:.0%} of the step)")
+        lines.append("predicted step (one steady-state step; # work, T train, s switch, w weight sync):")
+        lines.append(b.prediction.timeline())
+        return "\n".join(lines)
+
+
+def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: int, kind: str,
+         components: tuple[str, ...], check: Callable[[Plan], None] | None = None, **options) -> Choice:
+    """Simulates every candidate plan; the fastest that fits first."""
+    start = time.perf_counter()
+    ranked, rejected = [], []
+    for c in candidates(workflow, num_devices, kind, components, **options):
+        reason = memory_shortfall(c.plan, workflow, model, kind)
+        if reason is None and check is not None:
+            try:
+                check(c.plan)
+            except (PlanError, ValueError) as e:
+                reason = str(e)
+        if reason is not None:
+            c.rejected = reason
+            rejected.append(c)
+            continue
+        layout, fused = layout_of(c.plan, workflow)
+        c.prediction = predict(shape_of(c.plan, fused), layout, model, model.switch_s, c.plan.run_ahead)
+        ranked.append(c)
+    if not ranked:
+        reasons = sorted({c.rejected for c in rejected if c.rejected}) or [f"no plan of {workflow.name} fits "
+                                                                            f"{num_devices} device(s)"]
+        raise PlanError(f"no plan fits: {reasons[0]}" + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""))
+    # the fastest first; on a tie, the simpler plan (fewer stages, no run-ahead, one message per item)
+    ranked.sort(key=lambda c: (round(c.step_s, 9), c.plan.stages, c.plan.run_ahead,
+                               max(c.plan.granularity.values(), default=1)))
+    return Choice(ranked[0], ranked, rejected, time.perf_counter() - start)

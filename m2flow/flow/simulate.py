@@ -1,0 +1,307 @@
+"""A discrete-event simulation of training steps under a plan.
+
+The runtime's rules, on known costs: each process runs its calls in the order they were
+made; a task starts once the tasks it needs are done; a task of a component that shares its
+devices with another (collocated, hybrid) first takes its devices' lock, granted first come,
+first served (a request waits behind an earlier one on the same devices), and pays the
+component's switch cost when another process held the devices last (offload/onload and the
+lock's hand-over). ``step_tasks`` lays a flow's steps out as tasks: the makers' chain per
+chunk (the plan's granularity or env stages) repeated per rollout step, the trainer on the
+chunks, and the weight sync that lets the next step's stream start (one update late when
+the plan runs ahead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    process: str  # the process that runs it (a fused pair shares one)
+    component: str  # whose switch cost it pays
+    seconds: float
+    deps: tuple[int, ...] = ()  # indices of the tasks it needs
+    devices: frozenset = frozenset()  # the devices whose lock it holds while it runs (none: no turns)
+    step: int = 0
+    kind: str = "work"  # work | train | sync
+
+
+@dataclass(frozen=True)
+class Span:
+    task: int
+    name: str
+    process: str
+    step: int
+    kind: str
+    start: float
+    end: float
+    switch_s: float
+
+
+class SimulationError(ValueError):
+    pass
+
+
+def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None) -> list[Span]:
+    """Runs ``tasks`` on the runtime's rules; returns when each ran, in task order."""
+    switch_s = switch_s or {}
+    queues: dict[str, deque[int]] = {}
+    for i, t in enumerate(tasks):
+        if any(d >= i for d in t.deps):
+            raise SimulationError(f"task {t.name!r} needs a task made after it")
+        queues.setdefault(t.process, deque()).append(i)
+    finish: list[float | None] = [None] * len(tasks)
+    spans: list[Span | None] = [None] * len(tasks)
+    busy: set[str] = set()
+    held: set = set()
+    holder: dict = {}  # device -> the process that held it last
+    requests: list[tuple[float, int]] = []  # (requested at, task), waiting for devices
+    requested: set[int] = set()
+    running: list[tuple[float, int]] = []
+    now, left = 0.0, len(tasks)
+    while left:
+        for p, q in queues.items():
+            if p not in busy and q and q[0] not in requested:
+                i = q[0]
+                if all(finish[d] is not None for d in tasks[i].deps):
+                    requests.append((now, i))
+                    requested.add(i)
+        requests.sort()
+        blocked: set = set()
+        for r in list(requests):
+            i = r[1]
+            t = tasks[i]
+            if t.devices & (held | blocked):
+                blocked |= t.devices  # first come, first served: a later request does not overtake
+                continue
+            requests.remove(r)
+            switch = switch_s.get(t.component, 0.0) if any(holder.get(d, t.process) != t.process
+                                                           for d in t.devices) else 0.0
+            end = now + switch + t.seconds
+            spans[i] = Span(i, t.name, t.process, t.step, t.kind, now, end, switch)
+            held |= t.devices
+            holder |= {d: t.process for d in t.devices}
+            busy.add(t.process)
+            queues[t.process].popleft()
+            heapq.heappush(running, (end, i))
+        if not running:
+            stuck = [tasks[q[0]].name for q in queues.values() if q]
+            raise SimulationError(f"no task can start: {stuck} wait on each other")
+        now = running[0][0]
+        while running and running[0][0] == now:
+            _, i = heapq.heappop(running)
+            finish[i] = now
+            busy.discard(tasks[i].process)
+            held -= tasks[i].devices
+            left -= 1
+    return spans  # type: ignore[return-value]
+
+
+# -- a flow's steps as tasks ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    """One step of a flow, as far as timing goes.
+
+    Every step, ``items`` items (envs, or samples) are cut into ``chunks``; each chunk passes
+    through ``chain`` (component names in order), the whole chain ``repeats`` times (the
+    rollout steps of an env loop). The trainer then trains on the chunks: chunk by chunk as
+    they arrive when ``trainer_streams`` (plus a final ``update`` task), else on the whole
+    batch at once. A ``batched`` link (a generator) works on all the chunks at once and
+    finishes them one after another; taking device turns, it holds the devices for all of
+    them. ``receivers`` take the trainer's weights before a step's stream starts."""
+
+    chain: tuple[str, ...]
+    trainer: str
+    items: int
+    chunks: int
+    repeats: int = 1
+    trainer_streams: bool = False
+    receivers: tuple[str, ...] = ("rollout",)
+    batched: tuple[str, ...] = ()  # links that work on the whole batch at once, its chunks done in turn
+    samples: int | None = None  # what the trainer trains on per step (default: items)
+
+    @property
+    def batch(self) -> int:
+        return self.items if self.samples is None else self.samples
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a plan puts each component: its process (a fused pair shares one), its devices,
+    and whether it takes device turns (it shares a device with another component)."""
+
+    process: Mapping[str, str]
+    devices: Mapping[str, frozenset]
+    turns: Mapping[str, bool]
+
+    def held(self, component: str) -> frozenset:
+        return self.devices[component] if self.turns[component] else frozenset()
+
+
+# cost(component, phase, items, devices) -> seconds; the phases: "work" (a link of the chain on
+# a chunk), "hop" (its message to the next link's process), "train" (the trainer on a chunk or
+# batch), "update" (its optimizer step), "sync" (the weight broadcast).
+Cost = Callable[[str, str, float, int], float]
+
+
+def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: int = 0) -> list[Task]:
+    """``steps`` steps of ``shape`` under ``layout`` as tasks, in the order the runner makes
+    its calls. With ``run_ahead`` the stream of step k+1 starts once the receivers are done
+    with step k's and have the weights of update k-1 (the runner's ``stream``)."""
+    tasks: list[Task] = []
+    trained: list[int] = []  # the last trainer task of each step
+    last_made: list[int] = []  # the last task of each stream on a receiver (its sync waits for it)
+
+    def add(task: Task) -> int:
+        tasks.append(task)
+        return len(tasks) - 1
+
+    if any(c in shape.batched for c in shape.chain[1:]):
+        raise SimulationError(f"a batched link must come first in the chain, got {shape.chain}")
+    sizes = _chunk_sizes(shape.items, shape.chunks)
+    trainer_dev = len(layout.devices[shape.trainer])
+
+    def sync(k: int, deps: tuple[int, ...], changed: bool) -> int:
+        t = shape.trainer
+        s = cost(t, "sync", shape.batch, trainer_dev) if changed else 0.0
+        return add(Task(f"sync[{k}]", layout.process[t], t, s, deps, frozenset(), k, "sync"))
+
+    def stream(k: int, synced: int) -> list[int]:
+        ends: list[int] = []
+        prev = [synced] * len(sizes)
+        for r in range(shape.repeats):
+            for c, size in enumerate(sizes):
+                for j, comp in enumerate(shape.chain):
+                    devices, name = len(layout.devices[comp]), f"{comp}[{k}.{r}.{c}]"
+                    last = j + 1 == len(shape.chain)
+                    nxt = shape.trainer if last and r + 1 == shape.repeats else shape.chain[0 if last else j + 1]
+                    # a message to another process costs a hop (none within a fused process)
+                    hop = cost(comp, "hop", size, devices) if layout.process[nxt] != layout.process[comp] else 0.0
+                    if comp not in shape.batched:
+                        prev[c] = add(Task(name, layout.process[comp], comp, cost(comp, "work", size, devices) + hop,
+                                           (prev[c],), layout.held(comp), k))
+                    elif c == 0:  # the whole batch: its chunks end in turn (at once under a device turn)
+                        whole = cost(comp, "work", shape.items, devices)
+                        if layout.turns[comp]:
+                            prev = [add(Task(name, layout.process[comp], comp, whole + hop * len(sizes), tuple(prev),
+                                             layout.held(comp), k))] * len(sizes)
+                        else:
+                            deps = tuple(prev)
+                            for i, part in enumerate(sizes):
+                                prev[i] = add(Task(f"{comp}[{k}.{r}.{i}]", layout.process[comp], comp,
+                                                   whole * part / shape.items + hop, deps if i == 0 else (),
+                                                   frozenset(), k))
+        ends = prev
+        on_receiver = [i for i, t in enumerate(tasks) if t.step == k and t.kind == "work"
+                       and t.component in shape.receivers]
+        last_made.append(on_receiver[-1] if on_receiver else ends[-1])
+        return ends
+
+    def train(k: int, ends: list[int]) -> None:
+        t, proc, held = shape.trainer, layout.process[shape.trainer], layout.held(shape.trainer)
+        if shape.trainer_streams:
+            last = None
+            for c, (end, size) in enumerate(zip(ends, sizes)):
+                deps = (end,) + ((last,) if last is not None else ())
+                part = size * shape.batch / shape.items
+                last = add(Task(f"{t}[{k}.{c}]", proc, t, cost(t, "train", part, trainer_dev), deps, held, k, "train"))
+            trained.append(add(Task(f"{t}.update[{k}]", proc, t, cost(t, "update", shape.batch, trainer_dev),
+                                    (last,), held, k, "train")))
+        else:
+            trained.append(add(Task(f"{t}[{k}]", proc, t, cost(t, "train", shape.batch, trainer_dev),
+                                    tuple(ends), held, k, "train")))
+
+    if not run_ahead:
+        for k in range(steps):
+            ends = stream(k, sync(k, (trained[-1],) if trained else (), changed=True))
+            train(k, ends)
+        return tasks
+    # Ahead: step 0 launches streams 0 and 1 on the first weights; step k >= 1 waits for the
+    # receivers to finish stream k, syncs update k-1's weights and launches stream k+1.
+    streams = [stream(0, sync(0, (), changed=True))]
+    streams.append(stream(1, sync(1, (last_made[0],), changed=False)))
+    for k in range(steps):
+        if k >= 1 and k + 1 < steps:
+            deps = (trained[k - 1], last_made[k])
+            streams.append(stream(k + 1, sync(k + 1, deps, changed=True)))
+        train(k, streams[k])
+    return tasks
+
+
+def _chunk_sizes(items: int, chunks: int) -> list[int]:
+    chunks = max(1, min(chunks, items))
+    base, extra = divmod(items, chunks)
+    return [base + (c < extra) for c in range(chunks)]
+
+
+@dataclass
+class Prediction:
+    step_s: float  # steady-state seconds per step
+    spans: list[Span] = field(repr=False)
+    busy_s: dict[str, float] = field(default_factory=dict)  # per process, per step
+    shown: str = ""  # what the spans are of, when not the whole step
+
+    def timeline(self, width: int = 60, step: int | None = None) -> str:
+        """A text picture of the spans, one row per process (the last simulated step by default)."""
+        step = max(s.step for s in self.spans) if step is None else step
+        spans = [s for s in self.spans if s.step == step and s.end > s.start]
+        t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+        scale = width / max(t1 - t0, 1e-12)
+        rows = {}
+        for s in spans:
+            row = rows.setdefault(s.process, [" "] * width)
+            a, b = int((s.start - t0) * scale), max(int((s.start - t0) * scale) + 1, int(math.ceil((s.end - t0) * scale)))
+            mark = {"train": "T", "sync": "w"}.get(s.kind, "#")
+            for x in range(a, min(b, width)):
+                row[x] = "s" if x < a + int(s.switch_s * scale) else mark
+        name = max(len(p) for p in rows)
+        lines = [f"  {p:<{name}} |{''.join(r)}|" for p, r in rows.items()]
+        lines.append(f"  {'':<{name}}  0{'':>{width - 8}}{t1 - t0:6.2f}s")
+        return "\n".join(lines + ([f"  ({self.shown})"] if self.shown else []))
+
+
+def predict(shape: Shape, layout: Layout, cost: Cost, switch_s: Mapping[str, float] | None = None,
+            run_ahead: int = 0, steps: int = 6) -> Prediction:
+    """The steady-state step time of ``shape`` under ``layout``: the trainer's finishing times
+    over ``steps`` simulated steps, the first (pipeline fill) left out.
+
+    A long env loop (``repeats`` over 16) is simulated at 8 and 16 repeats with the trainer's
+    per-step costs scaled alike (so the same component is the bottleneck), and the step time
+    is extrapolated along that line to the full loop: exact for the loop's steady state, the
+    per-step constants (device hand-overs, pipeline fill and drain) counted once."""
+    if shape.repeats <= 16:
+        return _predict(shape, layout, cost, switch_s, run_ahead, steps)
+    r = shape.repeats
+    small, big = (_predict(dataclasses.replace(shape, repeats=k), layout, _scaled(cost, k / r), switch_s, run_ahead,
+                           steps) for k in (8, 16))
+    grow = (r - 16) / 8
+    busy = {p: big.busy_s[p] + grow * (big.busy_s[p] - small.busy_s.get(p, 0.0)) for p in big.busy_s}
+    return Prediction(big.step_s + grow * (big.step_s - small.step_s), big.spans, busy,
+                      f"16 of the {r} rollout steps, the trainer's time scaled to match")
+
+
+def _scaled(cost: Cost, factor: float) -> Cost:
+    def scaled(comp: str, phase: str, items: float, devices: int) -> float:
+        s = cost(comp, phase, items, devices)
+        return s * factor if phase in ("train", "update", "sync") else s
+    return scaled
+
+
+def _predict(shape: Shape, layout: Layout, cost: Cost, switch_s: Mapping[str, float] | None, run_ahead: int,
+             steps: int) -> Prediction:
+    spans = simulate(step_tasks(shape, layout, cost, steps, run_ahead), switch_s)
+    ends = [max(s.end for s in spans if s.step == k and s.kind == "train") for k in range(steps)]
+    step_s = (ends[-1] - ends[0]) / (steps - 1) if steps > 1 else ends[0]
+    busy: dict[str, float] = {}
+    for s in spans:
+        if 0 < s.step:
+            busy[s.process] = busy.get(s.process, 0.0) + (s.end - s.start) / (steps - 1)
+    return Prediction(step_s, spans, busy)

@@ -1,0 +1,260 @@
+"""Profiling a flow on the hardware it runs on, and ``placement.mode=auto``: profile (or reuse
+a profile), plan, print the plan and why, run it.
+
+A profile runs the flow itself for a few updates under a handful of probe plans (every
+component on all the devices; on one device; with smaller chunks; one split mode), on one
+embedded cluster, and reads each component's busy time per update from the metrics. The
+switch cost and the cost of a message between processes, which busy times cannot show, are
+read off the probes' whole step times through the simulator.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from m2flow.flow import Plan, PlanError
+from m2flow.flow.cost import CostModel, Profile, calibrate, hardware, points_from_rows, profile_key
+from m2flow.flow.planner import Choice, layout_of, plan
+from m2flow.flow.simulate import Layout, Shape, predict
+from m2flow.runners.base import local_devices
+from m2flow.runners.schedule import Schedule, schedule_of
+from m2flow.runtime import Cluster
+
+PROBE_UPDATES = 3  # per probe; the first is left out (warm-up)
+# Keys whose value does not change what a step costs: a profile is reused across them.
+RUN_KEYS = ("total_env_steps", "steps", "out_dir", "resume", "progress", "checkpoint_every", "target_return",
+            "eval_every", "log_every", "collect_ahead", "stages")
+
+
+def key_of(cfg: DictConfig) -> str:
+    d = OmegaConf.to_container(cfg, resolve=True)
+    d.pop("placement")
+    d["runner"] = {k: v for k, v in d["runner"].items() if k not in RUN_KEYS}
+    return profile_key(d["name"], d)
+
+
+def profile_path(cfg: DictConfig) -> Path:
+    p = cfg.placement
+    if p.profile is not None:
+        return Path(p.profile)
+    return Path("runs/profiles") / (key_of(cfg).replace(":", "-").replace("/", "_") + ".json")
+
+
+def probes(s: Schedule, n: int, kind: str, updates: int) -> list[tuple[str, Plan]]:
+    """The probe plans on ``n`` devices: all on every device, all on one, smaller chunks, and
+    the first split mode that fits (to time messages between processes)."""
+    wf, opts = s.workflow, s.plan_options() | {"stages": 1, "run_ahead": 0}
+    _, variant = s.probe(updates)
+
+    def of(mode: str, devices: int, **changes: Any) -> Plan:
+        return Plan.for_mode(wf, mode, devices, kind, components=s.components, **opts | changes)
+
+    def fits(p: Plan) -> bool:
+        try:
+            p.check(wf, n, s.components)
+            s.check(p)
+            return True
+        except ValueError:  # PlanError and ConfigError among them
+            return False
+
+    out = [("collocated", of("collocated", n))]
+    if n > 1:
+        out.append(("collocated on device 0", of("collocated", 1, trainer_devices_per_proc=1)))
+    out.append(("collocated, " + ", ".join(f"{k} {v}" for k, v in variant.items()), of("collocated", n, **variant)))
+    for mode in wf.splits:
+        try:
+            p = of(mode, n, fuse=False)
+        except PlanError:
+            continue
+        if fits(p):
+            out.append((mode, p))
+            break
+    return [(name, p) for name, p in out if fits(p)]
+
+
+def run_probe(s: Schedule, name: str, p: Plan, cluster: Cluster, tmp: Path, updates: int) -> list[dict[str, Any]]:
+    overrides, _ = s.probe(updates)
+    cfg = copy.deepcopy(s.cfg)
+    slug = name.replace(" ", "-").replace(",", "").replace("=", "")
+    for k, v in overrides.items() | {"runner.out_dir": str(tmp / slug), "runner.progress": False,
+                                      "runner.resume": None, "runner.collect_ahead": False,
+                                      "placement.plan": str(p.save(tmp / f"{slug}.yaml"))}.items():
+        OmegaConf.update(cfg, k, v, merge=False)
+    runner = s.runner(cfg, cluster=cluster)
+    try:
+        return runner.train(evaluate=False, checkpoint=False)
+    finally:
+        runner.close()
+
+
+def profile(cfg: DictConfig, cluster: Cluster | None = None, updates: int = PROBE_UPDATES,
+            log=print) -> Profile:
+    """Measures the flow of ``cfg`` on this hardware (see the module's docstring)."""
+    s = schedule_of(cfg)
+    start = time.perf_counter()
+    own = cluster is None
+    cluster = cluster or Cluster(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, cpu_slots=cfg.cluster.cpu_slots)
+    n, kind = len(cluster.devices), cluster.device_kind
+    prof = Profile(key_of(cfg), hardware() | {"devices": n, "kind": kind})
+    measured = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="m2flow-profile-") as tmp:
+            for name, p in probes(s, n, kind, updates):
+                t0 = time.perf_counter()
+                rows = run_probe(s, name, p, cluster, Path(tmp), updates)[1:]
+                layout, fused = layout_of(p, s.workflow)
+                shape = s.shape(p, fused)
+                prof.points += points_from_rows(shape, layout, rows)
+                step = statistics.median(r[s.duration] for r in rows)
+                for c in s.components:
+                    mem = [r[f"{c}_peak_memory_mb"] for r in rows if f"{c}_peak_memory_mb" in r]
+                    if mem:
+                        prof.memory_mb[c] = max(prof.memory_mb.get(c, 0.0), max(mem))
+                measured.append(Probe(name, shape, layout, step))
+                prof.runs.append({"probe": name, "plan": p.to_dict(), "step_s": step, "run_s": time.perf_counter() - t0})
+                log(f"profile: {name}: {step:.3f} s a step ({time.perf_counter() - t0:.1f} s)")
+    finally:
+        if own:
+            cluster.shutdown()
+    fit_hidden_costs(prof, measured, [c for c in s.components if c not in s.workflow.light])
+    for m in measured:  # in-sample: the hidden costs were read off these
+        log(f"profile: {m.name}: measured {m.step_s:.3f} s, the model says {m.predicted(prof):.3f} s")
+    log(f"profile: switch {max(prof.switch_s.values(), default=0.0) * 1e3:.1f} ms, "
+        f"message between processes {prof.hop_s * 1e3:.2f} ms")
+    prof.profiling_s = time.perf_counter() - start
+    if kind == "cuda":
+        import torch
+
+        prof.device_memory_mb = torch.cuda.get_device_properties(0).total_memory / 2**20
+    return prof
+
+
+@dataclass
+class Probe:
+    name: str
+    shape: Shape
+    layout: Layout
+    step_s: float  # measured: the median over its updates
+
+    def predicted(self, prof: Profile) -> float:
+        return predict(self.shape, self.layout, CostModel(prof), prof.switch_s).step_s
+
+
+def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str]) -> None:
+    """The switch cost (from the first probe, its components taking turns) and the cost of a
+    message between processes (from the last, a split mode), each read off a whole step's
+    time with the other held; twice, as each changes what the other probe predicts."""
+    first, split = measured[0], (measured[-1] if len(measured) > 1 else None)
+
+    def switch(x: float) -> float:
+        prof.switch_s = dict.fromkeys(heavy, x)
+        return first.predicted(prof)
+
+    def hop(x: float) -> float:
+        prof.hop_s = x
+        return split.predicted(prof)
+
+    for _ in range(2):
+        if any(first.layout.turns.values()):
+            switch(calibrate(first.step_s, switch))
+        if split is not None:
+            hop(calibrate(split.step_s, hop))
+
+
+def load_or_profile(cfg: DictConfig, log=print) -> tuple[Profile, Path]:
+    """The profile of ``cfg`` on this hardware: the stored one when its preset, config and
+    hardware match, else a new one (stored)."""
+    path = profile_path(cfg)
+    known = local_devices(cfg.cluster)
+    if path.is_file() and known:
+        prof = Profile.load(path)
+        if prof.matches(key_of(cfg), hardware() | {"devices": known[0], "kind": known[1]}):
+            log(f"profile: reusing {path} (measured in {prof.profiling_s:.1f} s)")
+            return prof, path
+    prof = profile(cfg, log=log)
+    prof.config = OmegaConf.to_container(cfg, resolve=True)
+    prof.save(path)
+    log(f"profile: {path}, measured in {prof.profiling_s:.1f} s")
+    return prof, path
+
+
+def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes: int = 1,
+           internode: float = 1.0) -> Choice:
+    """The best plan for ``cfg`` on ``num_devices`` devices (default: the profile's), as the
+    cost model fitted from ``prof`` predicts it."""
+    s = schedule_of(cfg)
+    n = num_devices or prof.hardware["devices"]
+    kind = prof.hardware["kind"]
+    model = CostModel(prof, internode=internode, devices_per_node=max(1, n // nodes) if nodes > 1 else None)
+    opts = s.plan_options()
+
+    def check(p: Plan) -> None:
+        p.check(s.workflow, n, s.components)
+        s.check(p)
+
+    staleness = max(cfg.placement.staleness, int(cfg.runner.collect_ahead))
+    return plan(s.workflow, s.shape, model, n, kind, s.components, check=check, staleness=staleness,
+                trainer_devices_per_proc=opts.get("trainer_devices_per_proc", 1), **s.knobs())
+
+
+def auto_plan(cfg: DictConfig, log=print) -> DictConfig:
+    """``placement.mode=auto``: a copy of ``cfg`` that runs the plan chosen for it."""
+    prof, _ = load_or_profile(cfg, log)
+    model = CostModel(prof)
+    err = model.held_out_error()
+    log("cost model (held-out error per fit: leave one point out):\n" + model.report()
+        + (f"\n  median held-out error {err:.1%}" if err is not None else ""))
+    choice = choose(cfg, prof)
+    log(choice.report())
+    out = Path(cfg.runner.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = choice.best.plan.save(out / "plan.yaml")
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.update(cfg, "placement.plan", str(path), merge=False)
+    return cfg
+
+
+def plan_command(preset: str | None, overrides: list[str], profile_file: str | None, devices: int | None,
+                 nodes: int, internode: float, out: str | None, log=print) -> Choice:
+    """``m2flow plan``: the best plan from a profile (given, stored, or measured now)."""
+    from m2flow.config import ConfigError, load_config
+    from m2flow.config.loader import apply_override
+    from m2flow.config.schema import ROOTS
+
+    if profile_file:
+        path = Path(profile_file)
+        if not path.is_file():
+            raise ConfigError("--profile", f"no such profile file {profile_file!r} (m2flow profile writes one)")
+        prof = Profile.load(path)
+        if preset:
+            cfg = load_config(preset, overrides)
+        else:  # the config the profile was measured with
+            root = ROOTS[prof.config["flow"]]
+            cfg = OmegaConf.merge(OmegaConf.structured(root), prof.config)
+            for item in overrides:
+                apply_override(cfg, root, item)
+    elif preset:
+        cfg = load_config(preset, overrides)
+        prof, _ = load_or_profile(cfg, log)
+    else:
+        raise ConfigError("plan", "give a preset or --profile FILE")
+    if devices is not None and devices < 1 or nodes < 1 or (devices or prof.hardware["devices"]) % nodes:
+        raise ConfigError("--nodes", f"{devices} device(s) do not spread evenly over {nodes} node(s)")
+    start = time.perf_counter()
+    choice = choose(cfg, prof, devices, nodes, internode)
+    log(f"{devices or prof.hardware['devices']} {prof.hardware['kind']} device(s) on {nodes} node(s), "
+        f"profile {prof.key} ({prof.hardware['cpu']}; {prof.hardware['gpus'] or 'no GPU'})")
+    log(choice.report())
+    log(choice.best.plan.table(schedule_of(cfg).workflow))
+    log(f"planning time {time.perf_counter() - start:.2f} s")
+    if out:
+        log(f"plan written to {choice.best.plan.save(out)}")
+    return choice

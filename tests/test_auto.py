@@ -1,0 +1,69 @@
+"""``placement=auto`` end to end on an embedded cluster: profile, plan, run; a second run
+reuses the profile; a plan file that runs ahead is run as written."""
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from m2flow.config import load_config
+from m2flow.flow import Plan
+from m2flow.runners import run
+
+
+def lines_of(capsys):
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("embodied/ppo_cartpole", ["runner.total_env_steps=4096", "env.num_envs=4", "runner.rollout_steps=128",
+                               "algorithm.minibatch_size=128", "runner.target_return=null"]),
+    ("reasoning/grpo_arith_tiny", ["runner.steps=2", "runner.eval_every=0"]),
+])
+def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
+    profile = tmp_path / "profile.json"
+    common = [*overrides, "cluster.cpu_slots=2", "placement=auto", f"placement.profile={profile}",
+              "runner.progress=false"]
+    cfg = load_config(preset, [*common, f"runner.out_dir={tmp_path / 'a'}"])
+    rows = run(cfg)
+    out = lines_of(capsys)
+    assert rows and (tmp_path / "a" / "metrics.csv").is_file()
+    prof = json.loads(profile.read_text())
+    probes = [r["probe"] for r in prof["runs"]]
+    assert probes[0] == "collocated" and "collocated on device 0" in probes and len(probes) >= 3
+    phases = {(p["component"], p["phase"]) for p in prof["points"]}
+    trainer = "actor"
+    assert (trainer, "train") in phases and all(p["seconds"] >= 0 for p in prof["points"])
+    assert {p["devices"] for p in prof["points"]} == {1, 2}  # seen on one device and on two
+    assert prof["hardware"]["devices"] == 2 and prof["profiling_s"] > 0
+    assert prof["hop_s"] >= 0 and all(v >= 0 for v in prof["switch_s"].values())
+    assert "cost model (held-out error" in out and "predicted step times" in out and "why:" in out
+    chosen = Plan.load(tmp_path / "a" / "plan.yaml")
+    assert f"plan ({chosen.mode(run_workflow(cfg))})" in out  # the run printed the plan it ran
+    # A second run of the same preset on the same hardware reuses the profile.
+    run(load_config(preset, [*common, f"runner.out_dir={tmp_path / 'b'}"]))
+    assert "profile: reusing" in lines_of(capsys)
+    assert json.loads(profile.read_text())["profiling_s"] == prof["profiling_s"]
+
+
+def run_workflow(cfg):
+    from m2flow.runners.schedule import schedule_of
+
+    return schedule_of(cfg).workflow
+
+
+def test_a_plan_file_that_runs_ahead_runs_as_written(tmp_path):
+    plan = {"components": {"env": "0", "rollout": "0", "actor": "1"}, "fuse": [["env", "rollout"]], "stages": 1,
+            "run_ahead": 1}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    cfg = load_config("embodied/ppo_cartpole", [f"placement=@{path}", "cluster.cpu_slots=2", "env.num_envs=4",
+                                                "runner.rollout_steps=64", "runner.total_env_steps=1024",
+                                                "algorithm.minibatch_size=64", "runner.target_return=null",
+                                                f"runner.out_dir={tmp_path}", "runner.progress=false"])
+    assert cfg.runner.collect_ahead is False
+    rows = run(cfg)
+    assert len(rows) == 4
+    lags = [float(r["policy_lag"]) for r in csv.DictReader(open(tmp_path / "metrics.csv"))]
+    assert max(lags) == 1  # data one version old was taken, as the plan allows

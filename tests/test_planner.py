@@ -1,0 +1,178 @@
+"""The cost model's fit, the planner's search and its errors, and ``m2flow plan``, on
+profiles whose costs are known (no cluster)."""
+
+import json
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from m2flow.cli import main
+from m2flow.config import load_config
+from m2flow.flow import PlanError
+from m2flow.flow.cost import CostModel, Point, Profile, calibrate, fit, points_from_rows
+from m2flow.flow.planner import candidates, layout_of, splits
+from m2flow.flow.simulate import Shape
+from m2flow.runners.auto import choose, plan_command
+from m2flow.runners.embodied import WORKFLOW as EMBODIED
+from m2flow.runners.reasoning import WORKFLOW as REASONING
+from m2flow.runners.schedule import schedule_of
+
+
+def test_fit_recovers_known_costs_and_reports_held_out_error():
+    truth = lambda items, d: 0.05 + 0.002 * items / d + 0.01 * math.log2(d)  # noqa: E731
+    pts = [Point("actor", "train", i, d, truth(i, d)) for i in (64, 256, 1024) for d in (1, 2, 4)]
+    f = fit(pts)
+    assert f.coef == pytest.approx((0.05, 0.002, 0.01), rel=1e-6)
+    assert f.loo_error == pytest.approx(0.0, abs=1e-6)
+    assert f(512, 8) == pytest.approx(truth(512, 8))
+
+
+def test_fit_at_one_device_count_gives_no_device_term():
+    pts = [Point("env", "work", i, 2, 0.001 + 0.0005 * i) for i in (4, 8)]
+    f = fit(pts)
+    assert f.coef[2] == 0.0
+    assert f(8, 2) == pytest.approx(0.005)
+    assert f.loo_error is None  # two points: nothing to hold out
+
+
+def test_points_from_rows_cut_busy_time_into_the_simulators_tasks():
+    shape = Shape(("env", "rollout"), "actor", items=8, chunks=2, repeats=4, samples=32)
+    layout = layout_of(_plan(EMBODIED, "collocated", 2, stages=2), EMBODIED)[0]
+    row = {"env_busy_s": 0.8, "rollout_busy_s": 0.4, "actor_busy_s": 2.0, "weight_sync_s": 0.01}
+    pts = {(p.component, p.phase): p for p in points_from_rows(shape, layout, [row])}
+    assert pts["env", "work"] == Point("env", "work", 4.0, 2, 0.1)  # 4 repeats x 2 chunks
+    assert pts["rollout", "work"].seconds == pytest.approx(0.05)
+    assert pts["actor", "train"] == Point("actor", "train", 32, 2, 2.0)  # the samples of the step
+    assert pts["actor", "sync"].seconds == 0.01
+
+
+def test_calibrate_finds_the_hidden_cost():
+    assert calibrate(10.0, lambda x: 4.0 + 3 * x) == pytest.approx(2.0, abs=1e-6)
+    assert calibrate(3.0, lambda x: 4.0 + 3 * x) == 0.0  # already over: nothing hidden
+
+
+def test_splits_cover_the_devices():
+    assert splits(2, 4) == [(1, 3), (2, 2), (3, 1)]
+    assert len(splits(3, 6)) == 10  # C(5, 2)
+    big = splits(3, 1024)
+    assert big and all(sum(s) == 1024 and min(s) >= 1 for s in big)
+    assert splits(3, 2) == []
+
+
+def _plan(workflow, mode, n, **kw):
+    from m2flow.flow import Plan
+
+    return Plan.for_mode(workflow, mode, n, "cpu", **kw)
+
+
+def _embodied_profile(env_s_per_env=0.001, actor_s=0.5, devices=4, **extra) -> tuple:
+    cfg = load_config("embodied/ppo_halfcheetah", [f"cluster.cpu_slots={devices}", "placement.actor_devices_per_proc=1"])
+    pts = []
+    for d in (1, 2):
+        for items in (4, 8):
+            pts.append(Point("env", "work", items, d, 0.0002 + env_s_per_env * items / d))
+            pts.append(Point("rollout", "work", items, d, 0.0003 + 0.00001 * items / d))
+        pts.append(Point("actor", "train", 2048, d, actor_s / d))
+        pts.append(Point("actor", "sync", 2048, d, 0.002))
+    prof = Profile("test", {"devices": devices, "kind": "cpu", "cpu": "test", "gpus": []}, pts,
+                   switch_s={"env": 0.01, "rollout": 0.01, "actor": 0.01}, hop_s=0.0002,
+                   config=OmegaConf.to_container(cfg, resolve=True), **extra)
+    return cfg, prof
+
+
+def test_planner_picks_the_fastest_simulated_plan_and_explains_it():
+    cfg, prof = _embodied_profile()
+    choice = choose(cfg, prof)
+    times = [c.step_s for c in choice.ranked]
+    assert times == sorted(times) and choice.best is choice.ranked[0]
+    assert len(choice.ranked) >= 6
+    modes = {c.mode for c in choice.ranked}
+    assert {"collocated", "disaggregated", "hybrid"} <= modes
+    report = choice.report()
+    assert "why:" in report and "busiest process" in report and choice.best.describe() in report
+    assert all(c.plan.run_ahead == 0 for c in choice.ranked)  # on-policy unless staleness allows
+
+
+def test_run_ahead_only_within_the_staleness_allowed():
+    cfg, prof = _embodied_profile(env_s_per_env=0.0008, actor_s=0.4)
+    on_policy = choose(cfg, prof)
+    cfg.placement.staleness = 1
+    ahead = choose(cfg, prof)
+    assert any(c.plan.run_ahead for c in ahead.ranked)
+    # one version ahead, makers and trainer on devices of their own overlap: strictly faster here
+    assert ahead.best.plan.run_ahead == 1 and ahead.best.step_s < on_policy.best.step_s
+
+
+def test_what_does_not_scale_decides_the_plan():
+    # Envs that do not get faster with devices (a fixed cost per call) beside an actor that
+    # does: one version ahead, the best plan gives the actor devices of its own and overlaps
+    # it with collection. Envs that scale and an actor that does not: everything collocated.
+    def profile(env_fixed, env_per_env, actor_fixed, actor_per_sample):
+        cfg, prof = _embodied_profile()
+        cfg.placement.staleness = 1
+        prof.points = [p for p in prof.points if p.component == "rollout"]
+        for d in (1, 2, 4):
+            for items in (4, 8):
+                prof.points.append(Point("env", "work", items, d, env_fixed + env_per_env * items / d))
+            prof.points.append(Point("actor", "train", 2048, d, actor_fixed + actor_per_sample * 2048 / d))
+        return cfg, prof
+
+    best = choose(*profile(0.004, 0.0, 0.0, 0.001)).best
+    assert best.mode == "disaggregated" and best.plan.run_ahead == 1
+    assert len(best.plan.devices("actor")) >= 2 and best.plan.devices("actor").isdisjoint(best.plan.devices("env"))
+    best = choose(*profile(0.0, 0.002, 0.5, 0.0)).best
+    assert best.mode == "collocated"
+
+
+def test_a_plan_over_device_memory_names_the_component_and_the_shortfall():
+    cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.cpu_slots=2"])
+    pts = [Point(c, ph, i, d, 0.01 * i / d) for c, ph in (("rollout", "work"), ("reward", "work"),
+                                                         ("inference", "work"), ("actor", "train"))
+           for i in (2, 4) for d in (1, 2)]
+    prof = Profile("t", {"devices": 2, "kind": "cpu", "cpu": "t", "gpus": []}, pts,
+                   memory_mb={"rollout": 900, "inference": 900, "actor": 3000, "reward": 10},
+                   device_memory_mb=2000, config=OmegaConf.to_container(cfg, resolve=True))
+    with pytest.raises(PlanError, match=r"actor alone 3,000 MB; short by [\d,]+ MB"):
+        choose(cfg, prof)
+    prof.memory_mb["actor"] = 1000  # collocated on CPU: 900 + 900 + 1000 > 2000, split: fits
+    choice = choose(cfg, prof)
+    assert choice.best.mode != "collocated" and choice.rejected
+
+
+def test_reasoning_candidates_vary_granularity_and_split():
+    cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.cpu_slots=4"])
+    s = schedule_of(cfg)
+    cands = candidates(REASONING, 4, "cpu", s.components, **s.knobs())
+    assert {max(c.plan.granularity.values()) for c in cands} == set(s.knobs()["granularities"])
+    assert len({c.split for c in cands if c.mode == "disaggregated"}) == 3
+
+
+def test_plan_for_1024_devices_from_a_profile(tmp_path, capsys):
+    cfg, prof = _embodied_profile()
+    path = prof.save(tmp_path / "p.json")
+    out = tmp_path / "plan.yaml"
+    main(["plan", "--profile", str(path), "--devices", "1024", "--nodes", "128", "--out", str(out),
+          "env.num_envs=4096"])
+    text = capsys.readouterr().out
+    assert "1024 cpu device(s) on 128 node(s)" in text and "planning time" in text
+    from m2flow.flow import Plan
+
+    best = Plan.load(out)
+    used = set().union(*(best.devices(c) for c in best.components))
+    assert max(i for _, i in used) <= 1023
+
+
+def test_plan_command_errors_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--profile", str(tmp_path / "missing.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("m2flow: error: --profile: no such profile file") and "\n" not in err
+    cfg, prof = _embodied_profile()
+    path = prof.save(tmp_path / "p.json")
+    with pytest.raises(SystemExit):
+        main(["plan", "--profile", str(path), "--devices", "10", "--nodes", "3"])
+    assert "do not spread evenly" in capsys.readouterr().err
+    assert json.loads(path.read_text())["hop_s"] == 0.0002
+    assert plan_command(None, [], str(path), None, 1, 1.0, None, log=lambda *_: None).best is not None

@@ -1,0 +1,143 @@
+"""The step simulator against timelines worked out by hand."""
+
+import pytest
+
+from m2flow.flow.simulate import Layout, Shape, SimulationError, Task, predict, simulate, step_tasks
+
+
+def spans_of(spans, process):
+    return [(s.start, s.end) for s in spans if s.process == process]
+
+
+def table_cost(table):
+    """cost(component, phase, items, devices) from {(component, phase): seconds per item}."""
+    return lambda comp, phase, items, devices: table.get((comp, phase), 0.0) * items
+
+
+def test_two_stage_pipeline():
+    # Three chunks through a (2 s) then b (3 s) on processes of their own: b is the bottleneck.
+    tasks = []
+    for c in range(3):
+        tasks.append(Task(f"a{c}", "a", "a", 2.0))
+        tasks.append(Task(f"b{c}", "b", "b", 3.0, deps=(len(tasks) - 1,)))
+    spans = simulate(tasks)
+    assert spans_of(spans, "a") == [(0, 2), (2, 4), (4, 6)]
+    assert spans_of(spans, "b") == [(2, 5), (5, 8), (8, 11)]
+
+
+def test_two_stage_pipeline_step_with_sync_and_trainer():
+    # Per step: sync 0.5, three chunks of a (2 s) then b (1 s), the trainer (4 s) on the batch.
+    # a: 0.5-2.5, 2.5-4.5, 4.5-6.5; b: 2.5-3.5, 4.5-5.5, 6.5-7.5; train 7.5-11.5: 11.5 s a step.
+    shape = Shape(chain=("a", "b"), trainer="t", items=3, chunks=3, receivers=("a",))
+    layout = Layout({c: c for c in "abt"}, {c: frozenset([i]) for i, c in enumerate("abt")}, dict.fromkeys("abt", False))
+    cost = table_cost({("a", "work"): 2.0, ("b", "work"): 1.0, ("t", "train"): 4 / 3, ("t", "sync"): 0.5 / 3})
+    p = predict(shape, layout, cost, steps=4)
+    first = [s for s in p.spans if s.step == 0]
+    assert [(s.name, s.start, s.end) for s in first if s.process == "b"] == [
+        ("b[0.0.0]", 2.5, 3.5), ("b[0.0.1]", 4.5, 5.5), ("b[0.0.2]", 6.5, 7.5)]
+    assert [(s.start, s.end) for s in first if s.kind == "train"] == [(7.5, 11.5)]
+    assert p.step_s == pytest.approx(11.5)
+
+
+def test_collocated_chain_pays_the_switch_cost():
+    # a (2 s) and the trainer (3 s) share device 0; each pays 0.5 s when it takes the device
+    # from the other. Step 0: a 0-2 (nobody held it), t 2-5.5; step 1: a 5.5-8, t 8-11.5.
+    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1, receivers=("a",))
+    dev = frozenset([0])
+    layout = Layout({"a": "a", "t": "t"}, {"a": dev, "t": dev}, {"a": True, "t": True})
+    cost = table_cost({("a", "work"): 2.0, ("t", "train"): 3.0})
+    p = predict(shape, layout, cost, switch_s={"a": 0.5, "t": 0.5}, steps=3)
+    assert spans_of(p.spans, "a") == [(0, 2), (5.5, 8), (11.5, 14)]
+    assert [(s.start, s.end) for s in p.spans if s.kind == "train"] == [(2, 5.5), (8, 11.5), (14, 17.5)]
+    assert [s.switch_s for s in p.spans if s.kind == "train"] == [0.5, 0.5, 0.5]
+    assert p.step_s == pytest.approx(6.0)
+
+
+def test_device_lock_is_first_come_first_served():
+    # x holds device 0 until 4; y asks for devices {0, 1} at 1, z for device 1 at 2: z waits
+    # behind y although device 1 is free, as the lock grants requests in order.
+    tasks = [Task("x", "x", "x", 4.0, devices=frozenset([0])),
+             Task("wy", "y", "y", 1.0), Task("y", "y", "y", 1.0, deps=(1,), devices=frozenset([0, 1])),
+             Task("wz", "z", "z", 2.0), Task("z", "z", "z", 1.0, deps=(3,), devices=frozenset([1]))]
+    spans = simulate(tasks)
+    assert (spans[2].start, spans[2].end) == (4, 5)
+    assert (spans[4].start, spans[4].end) == (5, 6)
+
+
+@pytest.mark.parametrize("make, train, expected", [(3.0, 2.0, 3.0), (2.0, 3.0, 3.0)])
+def test_run_ahead_by_one_version(make, train, expected):
+    # Makers and trainer on devices of their own. On-policy a step is make + train; one
+    # version ahead the next stream is made while the trainer trains: max(make, train).
+    # By hand (make 3, train 2): a0 0-3, a1 3-6 (same weights), train0 3-5; a2 starts when
+    # a1 is done and update 0 is in (6): 6-9, train1 6-8; train ends 5, 8, 11, ...
+    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1, receivers=("a",))
+    layout = Layout({"a": "a", "t": "t"}, {"a": frozenset([0]), "t": frozenset([1])}, {"a": False, "t": False})
+    cost = table_cost({("a", "work"): make, ("t", "train"): train})
+    assert predict(shape, layout, cost, steps=5).step_s == pytest.approx(make + train)
+    ahead = predict(shape, layout, cost, run_ahead=1, steps=5)
+    assert ahead.step_s == pytest.approx(expected)
+    if make == 3.0:
+        assert [(s.start, s.end) for s in ahead.spans if s.kind == "train"][:3] == [(3, 5), (6, 8), (9, 11)]
+        # stream k+1 uses the weights of update k-1: its sync waits for that update
+        syncs = {s.name: s.start for s in ahead.spans if s.kind == "sync"}
+        assert syncs["sync[2]"] == 6.0 and syncs["sync[3]"] == 9.0
+
+
+def test_env_stages_pipeline_the_rollout():
+    # Two env stages: while the rollout acts on one half of the envs, the other half steps.
+    # env 1 s and rollout 1 s per half, 2 rollout steps: one stage takes 2 * (2 + 2) = 8 s,
+    # two stages overlap them: env 0-1, 1-2, 2-3, 3-4; rollout 1-2, 2-3, 3-4, 4-5.
+    shape = Shape(chain=("env", "rollout"), trainer="t", items=2, chunks=2, repeats=2, receivers=("rollout",))
+    layout = Layout({"env": "env", "rollout": "rollout", "t": "t"},
+                    {"env": frozenset([0]), "rollout": frozenset([1]), "t": frozenset([2])},
+                    {"env": False, "rollout": False, "t": False})
+    cost = table_cost({("env", "work"): 1.0, ("rollout", "work"): 1.0})
+    tasks = step_tasks(shape, layout, cost, steps=1)
+    spans = simulate(tasks)
+    assert spans_of(spans, "env") == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert spans_of(spans, "rollout") == [(1, 2), (2, 3), (3, 4), (4, 5)]
+    one = simulate(step_tasks(Shape(("env", "rollout"), "t", 2, 1, repeats=2), layout, cost, steps=1))
+    assert max(s.end for s in one) == 8
+
+
+def test_streaming_trainer_starts_on_the_first_chunk():
+    shape = Shape(chain=("a",), trainer="t", items=2, chunks=2, trainer_streams=True, receivers=("a",))
+    layout = Layout({"a": "a", "t": "t"}, {"a": frozenset([0]), "t": frozenset([1])}, {"a": False, "t": False})
+    cost = table_cost({("a", "work"): 2.0, ("t", "train"): 1.0, ("t", "update"): 0.5})
+    spans = simulate(step_tasks(shape, layout, cost, steps=1))
+    assert [(s.name, s.start, s.end) for s in spans if s.kind == "train"] == [
+        ("t[0.0]", 2, 3), ("t[0.1]", 4, 5), ("t.update[0]", 5, 6.0)]
+
+
+def test_tasks_that_wait_on_each_other_are_reported():
+    # p runs its calls in order: its first call needs its second.
+    tasks = [Task("q0", "q", "q", 1.0), Task("p0", "p", "p", 1.0, deps=(2,)), Task("p1", "p", "p", 1.0)]
+    with pytest.raises(SimulationError, match="made after it"):
+        simulate(tasks)
+
+
+def test_timeline_draws_each_process():
+    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1, receivers=("a",))
+    layout = Layout({"a": "a", "t": "t"}, {"a": frozenset([0]), "t": frozenset([0])}, {"a": True, "t": True})
+    p = predict(shape, layout, table_cost({("a", "work"): 1.0, ("t", "train"): 1.0}), steps=2)
+    picture = p.timeline(width=20)
+    rows = picture.splitlines()
+    assert rows[0].split("|")[1] == "#" * 10 + " " * 10
+    assert rows[1].split("|")[1] == " " * 10 + "T" * 10
+
+
+@pytest.mark.parametrize("train, ahead", [(20.0, 0), (20.0, 1), (200.0, 1), (5.0, 1)])
+def test_long_env_loops_are_extrapolated_to_the_full_loop(train, ahead):
+    # 64 rollout steps, two stages, a device hand-over between makers and trainer: the
+    # extrapolation from 8 and 16 repeats agrees with simulating all 64.
+    from m2flow.flow.simulate import _predict
+
+    shape = Shape(chain=("env", "rollout"), trainer="t", items=8, chunks=2, repeats=64)
+    dev = frozenset([0, 1])
+    layout = Layout({"env": "env", "rollout": "env", "t": "t"}, {"env": dev, "rollout": dev, "t": frozenset([2])},
+                    {"env": False, "rollout": False, "t": False})
+    cost = table_cost({("env", "work"): 0.1, ("rollout", "work"): 0.05, ("t", "train"): train / 8, ("t", "sync"): 0.01})
+    full = _predict(shape, layout, cost, None, ahead, 6)
+    fast = predict(shape, layout, cost, run_ahead=ahead)
+    assert fast.step_s == pytest.approx(full.step_s, rel=0.02)
+    assert fast.busy_s["t"] == pytest.approx(full.busy_s["t"], rel=0.02)
