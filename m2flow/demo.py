@@ -5,7 +5,7 @@
   learner  (devices 0-1, one rank each) takes its turns on each device under the device
            lock, broadcasts its "weights" to the consumer and all-reduces over gloo
 
-The placement is hybrid: the learner shares device 0 with the producer and device 1
+The devices overlap: the learner shares device 0 with the producer and device 1
 with the consumer. The trace opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
 """
 

@@ -18,13 +18,13 @@ def test_readme_example(tmp_path):
     code = (ROOT / "README.md").read_text().split("```python\n")[1].split("```")[0]
     (tmp_path / "example.py").write_text(code)
     out = run(["example.py"], tmp_path)
-    assert "disaggregated" in out
+    assert "devices disjoint" in out
     assert out.strip().splitlines()[-1] == "25 [None]"  # 100 puts x 64 samples = 25 batches of 256
 
 
 def test_runtime_demo_writes_a_trace(tmp_path):
     out = run(["-m", "m2flow.cli", "demo", "--out", str(tmp_path / "demo")], tmp_path)
-    assert "hybrid" in out and "took 12288 rows" in out and "via shm" in out
+    assert "devices overlapping" in out and "took 12288 rows" in out and "via shm" in out
     events = json.loads((tmp_path / "demo" / "trace.json").read_text())["traceEvents"]
     processes = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert {"driver", "producer:0", "consumer:0", "learner:0", "learner:1"} <= processes

@@ -59,7 +59,7 @@ def test_devices_span_nodes(two_nodes):
 def test_placement_across_nodes_and_node_groups(two_nodes):
     p = Placement.from_config({"a": "head:0", "b": "second:0-1", "span": {"devices": "1-2"}}, two_nodes)
     assert [d.index for d in p["b"].devices] == [2, 3]
-    assert p.mode == "hybrid"
+    assert p.sharing == "overlapping"
     with pytest.raises(PlacementError, match="'wide'.*different nodes"):
         Placement.from_config({"wide": {"devices": "1-2", "devices_per_proc": 2}}, two_nodes)
     with pytest.raises(PlacementError, match="'b'.*group 'second' has 2 device"):

@@ -47,7 +47,7 @@ def test_processes_per_device_and_devices_per_process(cluster):
     assert actor.world_size == 2
     assert [indices(r.devices) for r in actor.ranks()] == [[0, 1], [2, 3]]
     text = p.describe()
-    assert "hybrid" in text and "4 rank(s)" in text
+    assert "devices overlapping" in text and "4 rank(s)" in text
 
 
 def test_invalid_placements_fail_with_component_name(cluster):
