@@ -19,7 +19,7 @@ def lines_of(capsys):
 @pytest.mark.parametrize("preset, overrides", [
     ("embodied/ppo_cartpole", ["runner.total_env_steps=4096", "env.num_envs=4", "runner.rollout_steps=128",
                                "algorithm.minibatch_size=128", "runner.target_return=null"]),
-    ("reasoning/grpo_arith_tiny", ["runner.steps=2", "runner.eval_every=0"]),
+    pytest.param("reasoning/grpo_arith_tiny", ["runner.steps=2", "runner.eval_every=0"], marks=pytest.mark.slow),
 ])
 def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     profile = tmp_path / "profile.json"
