@@ -176,3 +176,15 @@ def test_plan_command_errors_are_one_line(tmp_path, capsys):
     assert "do not spread evenly" in capsys.readouterr().err
     assert json.loads(path.read_text())["hop_s"] == 0.0002
     assert plan_command(None, [], str(path), None, 1, 1.0, None, log=lambda *_: None).best is not None
+
+
+def test_layout_turns_as_the_runner_gives_them():
+    # Collocated and fused, the env workers host the policy: they take turns with the actor.
+    # Unfused, the env workers hold no model: only the rollout and the actor take turns.
+    fused, is_fused = layout_of(_plan(EMBODIED, "collocated", 2), EMBODIED)
+    assert is_fused and fused.turns == {"env": True, "rollout": True, "actor": True}
+    assert fused.process["rollout"] == "env"
+    loose, is_fused = layout_of(_plan(EMBODIED, "collocated", 2, fuse=False), EMBODIED)
+    assert not is_fused and loose.turns == {"env": False, "rollout": True, "actor": True}
+    hybrid, _ = layout_of(_plan(REASONING, "hybrid", 2), REASONING)
+    assert hybrid.turns["reward"] is False and hybrid.turns["actor"] and hybrid.turns["inference"]

@@ -141,3 +141,35 @@ def test_long_env_loops_are_extrapolated_to_the_full_loop(train, ahead):
     fast = predict(shape, layout, cost, run_ahead=ahead)
     assert fast.step_s == pytest.approx(full.step_s, rel=0.02)
     assert fast.busy_s["t"] == pytest.approx(full.busy_s["t"], rel=0.02)
+
+
+def test_a_turn_kept_across_tasks_holds_the_devices_between_them():
+    # p takes device 0 for p0 and keeps it until p1 (which waits for r0 until 2): q1, asking
+    # for device 0 at 0.5, gets it only when p1 ends at 3. Without keep it runs at 1-2.
+    def tasks(keep):
+        return [Task("r0", "r", "r", 2.0), Task("p0", "p", "p", 1.0, devices=frozenset([0]), keep=keep),
+                Task("q0", "q", "q", 0.5), Task("q1", "q", "q", 1.0, deps=(2,), devices=frozenset([0])),
+                Task("p1", "p", "p", 1.0, deps=(0,), devices=frozenset([0]))]
+    kept = simulate(tasks(True))
+    assert (kept[3].start, kept[3].end) == (3, 4) and (kept[4].start, kept[4].end) == (2, 3)
+    loose = simulate(tasks(False))
+    assert (loose[3].start, loose[3].end) == (1, 2) and (loose[4].start, loose[4].end) == (2, 3)
+
+
+def test_a_whole_call_turn_pays_one_switch_per_step():
+    # Collocated, env and rollout in processes of their own: the env takes no turns, the
+    # rollout holds device 0 for its whole call, the trainer takes it after. By hand (env 1,
+    # rollout 1, two rollout steps, train 2, switch 0.5): step 1: env 6.5-7.5, rollout
+    # 7.5-9 (switch), env 9-10, rollout 10-11 (kept: no switch), train 11-13.5: 7 s a step.
+    shape = Shape(chain=("env", "rollout"), trainer="t", items=1, chunks=1, repeats=2, receivers=("rollout",),
+                  whole_turns=("env", "rollout"))
+    dev = frozenset([0])
+    layout = Layout({"env": "env", "rollout": "rollout", "t": "t"}, {"env": dev, "rollout": dev, "t": dev},
+                    {"env": False, "rollout": True, "t": True})
+    cost = table_cost({("env", "work"): 1.0, ("rollout", "work"): 1.0, ("t", "train"): 2.0})
+    tasks = step_tasks(shape, layout, cost, steps=2)
+    assert [t.keep for t in tasks if t.process == "rollout" and t.step == 0] == [True, False]
+    spans = simulate(tasks, {"rollout": 0.5, "t": 0.5})
+    step1 = [(s.name, s.start, s.end) for s in spans if s.step == 1 and s.end > s.start]
+    assert step1 == [("env[1.0.0]", 6.5, 7.5), ("rollout[1.0.0]", 7.5, 9.0), ("env[1.1.0]", 9.0, 10.0),
+                     ("rollout[1.1.0]", 10.0, 11.0), ("t[1]", 11.0, 13.5)]

@@ -48,7 +48,8 @@ class Workflow:
     ``whole_on_cpu`` components make one process of all their CPU slots (its threads span
     them), unless they span every device in a hybrid plan. ``fusable`` names a pair that may
     share one process when placed rank for rank on the same devices. ``light`` components
-    hold no model: they never take device turns.
+    hold no model: they never take device turns; ``light_alone`` ones only when they host
+    the other of the fusable pair (the env workers running the rollout's policy).
     """
 
     name: str
@@ -61,6 +62,12 @@ class Workflow:
     whole_on_cpu: tuple[str, ...] = ()
     fusable: tuple[str, str] | None = None
     light: tuple[str, ...] = ()
+    light_alone: tuple[str, ...] = ()
+
+    def heavy(self, components, fused: bool) -> list[str]:
+        """The components (processes) that hold a model: those take device turns when they
+        share a device with another."""
+        return [c for c in components if c not in self.light and (fused or c not in self.light_alone)]
 
 
 @dataclass

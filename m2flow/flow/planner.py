@@ -60,7 +60,7 @@ def layout_of(plan: Plan, workflow: Workflow) -> tuple[Layout, bool]:
     if fused:
         process[workflow.fusable[1]] = workflow.fusable[0]
     devices = {c: frozenset(plan.devices(c)) for c in plan.components}
-    heavy = {c for c in plan.components if c not in workflow.light}
+    heavy = set(workflow.heavy(plan.components, fused))
     turns = {c: c in heavy and any(devices[c] & devices[o] for o in heavy if process[o] != process[c])
              for c in plan.components}
     return Layout(process, devices, turns), fused

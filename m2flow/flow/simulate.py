@@ -31,6 +31,7 @@ class Task:
     devices: frozenset = frozenset()  # the devices whose lock it holds while it runs (none: no turns)
     step: int = 0
     kind: str = "work"  # work | train | sync
+    keep: bool = False  # its process keeps the devices after it (a turn that spans several tasks)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
     finish: list[float | None] = [None] * len(tasks)
     spans: list[Span | None] = [None] * len(tasks)
     busy: set[str] = set()
-    held: set = set()
+    held: dict = {}  # device -> the process holding it now
     holder: dict = {}  # device -> the process that held it last
     requests: list[tuple[float, int]] = []  # (requested at, task), waiting for devices
     requested: set[int] = set()
@@ -78,7 +79,8 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
         for r in list(requests):
             i = r[1]
             t = tasks[i]
-            if t.devices & (held | blocked):
+            kept = bool(t.devices) and all(held.get(d) == t.process for d in t.devices)  # its process's turn goes on
+            if not kept and (t.devices & blocked or any(held.get(d, t.process) != t.process for d in t.devices)):
                 blocked |= t.devices  # first come, first served: a later request does not overtake
                 continue
             requests.remove(r)
@@ -86,7 +88,7 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
                                                            for d in t.devices) else 0.0
             end = now + switch + t.seconds
             spans[i] = Span(i, t.name, t.process, t.step, t.kind, now, end, switch)
-            held |= t.devices
+            held |= {d: t.process for d in t.devices}
             holder |= {d: t.process for d in t.devices}
             busy.add(t.process)
             queues[t.process].popleft()
@@ -99,7 +101,9 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
             _, i = heapq.heappop(running)
             finish[i] = now
             busy.discard(tasks[i].process)
-            held -= tasks[i].devices
+            if not tasks[i].keep:
+                for d in tasks[i].devices:
+                    held.pop(d, None)
             left -= 1
     return spans  # type: ignore[return-value]
 
@@ -116,7 +120,8 @@ class Shape:
     they arrive when ``trainer_streams`` (plus a final ``update`` task), else on the whole
     batch at once. A ``batched`` link (a generator) works on all the chunks at once and
     finishes them one after another; taking device turns, it holds the devices for all of
-    them. ``receivers`` take the trainer's weights before a step's stream starts."""
+    them. A ``whole_turns`` link that takes device turns takes one per step: from its first
+    task to its last (a fused process's links share it). ``receivers`` take the trainer's weights before a step's stream starts."""
 
     chain: tuple[str, ...]
     trainer: str
@@ -127,6 +132,7 @@ class Shape:
     receivers: tuple[str, ...] = ("rollout",)
     batched: tuple[str, ...] = ()  # links that work on the whole batch at once, its chunks done in turn
     samples: int | None = None  # what the trainer trains on per step (default: items)
+    whole_turns: tuple[str, ...] = ()  # links whose device turn spans their whole call (the step's stream)
 
     @property
     def batch(self) -> int:
@@ -199,6 +205,7 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
                                 prev[i] = add(Task(f"{comp}[{k}.{r}.{i}]", layout.process[comp], comp,
                                                    whole * part / shape.items + hop, deps if i == 0 else (),
                                                    frozenset(), k))
+        _one_turn(tasks, shape, layout, k)
         ends = prev
         on_receiver = [i for i, t in enumerate(tasks) if t.step == k and t.kind == "work"
                        and t.component in shape.receivers]
@@ -234,6 +241,19 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
             streams.append(stream(k + 1, sync(k + 1, deps, changed=True)))
         train(k, streams[k])
     return tasks
+
+
+def _one_turn(tasks: list[Task], shape: Shape, layout: Layout, step: int) -> None:
+    """Step ``step``'s tasks of each process whose links hold their turn for the whole call:
+    every one but the process's last keeps the devices."""
+    procs = {layout.process[c] for c in shape.whole_turns if c in layout.turns and layout.turns[c]}
+    last: dict[str, int] = {}
+    for i, t in enumerate(tasks):
+        if t.step == step and t.kind == "work" and t.process in procs:
+            last[t.process] = i
+    for i, t in enumerate(tasks):
+        if t.step == step and t.kind == "work" and t.process in procs and i != last[t.process]:
+            tasks[i] = dataclasses.replace(t, keep=True)
 
 
 def _chunk_sizes(items: int, chunks: int) -> list[int]:

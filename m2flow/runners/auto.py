@@ -124,7 +124,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, updates: int = PROB
     finally:
         if own:
             cluster.shutdown()
-    fit_hidden_costs(prof, measured, [c for c in s.components if c not in s.workflow.light])
+    fit_hidden_costs(prof, measured, [c for c in s.components if c not in s.workflow.light])  # the switchers
     for m in measured:  # in-sample: the hidden costs were read off these
         log(f"profile: {m.name}: measured {m.step_s:.3f} s, the model says {m.predicted(prof):.3f} s")
     log(f"profile: switch {max(prof.switch_s.values(), default=0.0) * 1e3:.1f} ms, "

@@ -75,7 +75,7 @@ class Runner:
         host = {self.workflow.fusable[1]: self.workflow.fusable[0]} if self.fused else {}
         processes = [c for c in self.components if c not in host]
         devices = {c: self.placement[c].device_indices for c in processes}
-        heavy = [c for c in processes if c not in self.workflow.light]
+        heavy = self.workflow.heavy(processes, self.fused)
         turns = {c: c in heavy and any(devices[c] & devices[m] for m in heavy if m != c) for c in processes}
         # Lock actors live as long as the process that made them: the driver.
         locks = DeviceLock(sorted(set().union(*devices.values())), holder="driver") if any(turns.values()) else None

@@ -27,7 +27,7 @@ from m2flow.workers.rollout import RolloutWorker
 
 WORKFLOW = Workflow(
     "embodied", components=("env", "rollout", "actor"), makers=("env", "rollout"), trainer="actor",
-    channels=("trajectories",), fusable=("env", "rollout"),
+    channels=("trajectories",), fusable=("env", "rollout"), light_alone=("env",),
     # disaggregated: the envs on all devices but two, the rollout and the actor on one each;
     # hybrid: env and rollout split the devices, the actor spans them all.
     splits={"disaggregated": ((("env",), None), (("rollout",), 1), (("actor",), 1)),

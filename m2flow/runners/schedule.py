@@ -52,7 +52,7 @@ class EmbodiedSchedule(Schedule):
         actor trains on all of it."""
         c = self.cfg
         return Shape(("env", "rollout"), "actor", c.env.num_envs, plan.stages, repeats=c.runner.rollout_steps,
-                     samples=c.env.num_envs * c.runner.rollout_steps * c.policy.chunk)
+                     samples=c.env.num_envs * c.runner.rollout_steps * c.policy.chunk, whole_turns=("env", "rollout"))
 
     def knobs(self) -> dict[str, Any]:
         n = self.cfg.env.num_envs
