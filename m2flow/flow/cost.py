@@ -198,12 +198,12 @@ def points_from_rows(shape, layout, rows: list[dict[str, Any]]) -> list[Point]:
     chunks = max(1, min(shape.chunks, shape.items))
     for row in rows:
         for comp in shape.chain:
-            devices = len(layout.devices[comp])
+            devices = layout.count(comp)
             if comp in shape.batched:
                 out.append(Point(comp, "work", shape.items, devices, row[f"{comp}_busy_s"] / shape.repeats))
             else:
                 out.append(Point(comp, "work", sizes, devices, row[f"{comp}_busy_s"] / (shape.repeats * chunks)))
-        t, devices = shape.trainer, len(layout.devices[shape.trainer])
+        t, devices = shape.trainer, layout.count(shape.trainer)
         if shape.trainer_streams:  # the optimizer step is folded into the chunks' train time
             out.append(Point(t, "train", shape.batch / chunks, devices, row[f"{t}_busy_s"] / chunks))
         else:

@@ -145,11 +145,15 @@ class Layout:
     and whether it takes device turns (it shares a device with another component)."""
 
     process: Mapping[str, str]
-    devices: Mapping[str, frozenset]
+    devices: Mapping[str, frozenset]  # (what stands for) its devices: only sharing matters here
     turns: Mapping[str, bool]
+    counts: Mapping[str, int] | None = None  # devices per component (default: len(devices))
 
     def held(self, component: str) -> frozenset:
         return self.devices[component] if self.turns[component] else frozenset()
+
+    def count(self, component: str) -> int:
+        return self.counts[component] if self.counts is not None else len(self.devices[component])
 
 
 # cost(component, phase, items, devices) -> seconds; the phases: "work" (a link of the chain on
@@ -173,7 +177,7 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
     if any(c in shape.batched for c in shape.chain[1:]):
         raise SimulationError(f"a batched link must come first in the chain, got {shape.chain}")
     sizes = _chunk_sizes(shape.items, shape.chunks)
-    trainer_dev = len(layout.devices[shape.trainer])
+    trainer_dev = layout.count(shape.trainer)
 
     def sync(k: int, deps: tuple[int, ...], changed: bool) -> int:
         t = shape.trainer
@@ -186,7 +190,7 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
         for r in range(shape.repeats):
             for c, size in enumerate(sizes):
                 for j, comp in enumerate(shape.chain):
-                    devices, name = len(layout.devices[comp]), f"{comp}[{k}.{r}.{c}]"
+                    devices, name = layout.count(comp), f"{comp}[{k}.{r}.{c}]"
                     last = j + 1 == len(shape.chain)
                     nxt = shape.trainer if last and r + 1 == shape.repeats else shape.chain[0 if last else j + 1]
                     # a message to another process costs a hop (none within a fused process)

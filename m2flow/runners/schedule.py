@@ -83,8 +83,8 @@ class ReasoningSchedule(Schedule):
                      batched=("rollout",), trainer_streams=streams)
 
     def knobs(self) -> dict[str, Any]:
-        p = self.cfg.data.prompts_per_step
-        return {"granularities": sorted({g for g in (1, 2, 4, 8, 16, 32) if g < p} | {p})}
+        p = self.cfg.data.prompts_per_step  # a step in 1, 2, 4, ... 64 chunks of prompt groups
+        return {"granularities": sorted({-(-p // chunks) for chunks in (1, 2, 4, 8, 16, 32, 64)})}
 
     def probe(self, updates: int) -> tuple[dict[str, Any], dict[str, Any]]:
         return {"runner.steps": updates}, {"granularity": self.cfg.data.prompts_per_step}  # one chunk a step
