@@ -52,14 +52,14 @@ WORKLOADS = {
 M2FLOW = [sys.executable, "-m", "m2flow.cli"]
 
 
-def length(preset: str, updates: int) -> list[str]:
-    from m2flow.config import load_config
+def length(cfg, updates: int) -> list[str]:
+    """Overrides that make a run of ``updates`` updates (the profiler's, with evaluations
+    only before the first and after the last)."""
+    from m2flow.runners.schedule import schedule_of
 
-    cfg = load_config(preset)
-    if cfg.flow == "embodied":
-        return [f"runner.total_env_steps={updates * cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk}",
-                "runner.target_return=null"]
-    return [f"runner.steps={updates}", "runner.eval_every=0"]
+    overrides, _ = schedule_of(cfg).probe(updates)
+    extra = ["runner.eval_every=0"] if cfg.flow == "reasoning" else []
+    return [f"{k}={'null' if v is None else v}" for k, v in overrides.items()] + extra
 
 
 def measure(preset: str, overrides: list[str], out: Path) -> dict:
@@ -100,7 +100,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     for i, c in enumerate(chosen):
         path = c.plan.save(tmp / f"{name}-plan{i}.yaml")
         log(f"== {name}: plan {i + 1}/{len(chosen)}: {c.describe()} (predicted {c.step_s:.3f} s)")
-        m = measure(preset, [*extra, *args.override, *length(preset, args.updates), f"placement=@{path}"],
+        m = measure(preset, [*extra, *args.override, *length(cfg, args.updates), f"placement=@{path}"],
                     tmp / f"{name}-run{i}")
         rows.append({"plan": c.describe(), "rank": ranked.index(c) + 1, "predicted_s": round(c.step_s, 4),
                      "measured_s": round(m["step_s"], 4), "error": round(c.step_s / m["step_s"] - 1, 3), **m,
@@ -116,7 +116,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         for side in side_order(["auto", "best"], r):
             over = ["placement=auto", *staleness, f"placement.profile={cfg.placement.profile}"] if side == "auto" \
                 else [f"placement=@{best_path}"]
-            got[side] = measure(preset, [*extra, *args.override, *length(preset, args.updates), *over],
+            got[side] = measure(preset, [*extra, *args.override, *length(cfg, args.updates), *over],
                                 tmp / f"{name}-{side}{r}")
         auto_vs.append({"auto_s": got["auto"]["step_s"], "best_s": got["best"]["step_s"],
                         "throughput_ratio": round(got["best"]["step_s"] / got["auto"]["step_s"], 3)})

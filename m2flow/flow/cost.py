@@ -159,7 +159,10 @@ class CostModel:
         for p in profile.points:
             groups.setdefault((p.component, p.phase), []).append(p)
         self.fits = {k: fit(v) for k, v in groups.items()}
-        self.switch_s = dict(profile.switch_s)
+
+    @property
+    def switch_s(self) -> dict[str, float]:
+        return self.profile.switch_s
 
     def __call__(self, component: str, phase: str, items: float, devices: int) -> float:
         if phase == "hop":

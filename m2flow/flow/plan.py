@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +64,12 @@ class Workflow:
     light: tuple[str, ...] = ()
     light_alone: tuple[str, ...] = ()
 
-    def heavy(self, components, fused: bool) -> list[str]:
-        """The components (processes) that hold a model: those take device turns when they
-        share a device with another."""
-        return [c for c in components if c not in self.light and (fused or c not in self.light_alone)]
+    def turns(self, devices: Mapping[str, AbstractSet], fused: bool) -> dict[str, bool]:
+        """For each process (``devices``: its component's devices; a fused pair's host only),
+        whether it takes device turns: it holds a model and shares a device with another
+        process that holds one."""
+        heavy = [c for c in devices if c not in self.light and (fused or c not in self.light_alone)]
+        return {c: c in heavy and any(devices[c] & devices[o] for o in heavy if o != c) for c in devices}
 
 
 @dataclass
@@ -218,12 +220,14 @@ class Plan:
         """The runtime placement of the plan's components on ``cluster``'s devices."""
         return Placement.from_config({c: p.as_dict() for c, p in self.components.items()}, cluster)
 
-    def fused(self, workflow: Workflow, placement: Placement) -> bool:
-        """Whether the fusable pair runs in one process: asked for and placed rank for rank alike."""
-        if not self.fuse or workflow.fusable is None:
+    def fused(self, workflow: Workflow) -> bool:
+        """Whether the fusable pair runs in one process: asked for, and placed rank for rank
+        alike (the same devices, in order, cut into processes the same way)."""
+        if not self.fuse or workflow.fusable is None or not all(c in self.components for c in workflow.fusable):
             return False
-        a, b = (placement[c].ranks() for c in workflow.fusable)
-        return [r.devices for r in a] == [r.devices for r in b]
+        a, b = ((parse_range(self.components[c].devices, c), self.components[c].procs_per_device,
+                 self.components[c].devices_per_proc) for c in workflow.fusable)
+        return a == b
 
 
 def _split(workflow: Workflow, mode: str, names: tuple[str, ...], n: int) -> dict[str, tuple[int, int]]:

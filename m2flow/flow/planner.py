@@ -29,6 +29,7 @@ class Candidate:
     mode: str
     split: tuple[int, ...]  # devices per group of the mode (collocated: all of them)
     fused: bool
+    layout: Layout
     prediction: Prediction | None = None
     rejected: str | None = None
 
@@ -52,17 +53,13 @@ class Candidate:
 
 def layout_of(plan: Plan, workflow: Workflow) -> tuple[Layout, bool]:
     """Processes, devices and turns as the runner makes them (``Runner._start``)."""
-    fused = False
-    if plan.fuse and workflow.fusable and all(c in plan.components for c in workflow.fusable):
-        a, b = workflow.fusable
-        fused = plan.devices(a) == plan.devices(b) and plan.world_size(a) == plan.world_size(b)
+    fused = plan.fused(workflow)
     process = {c: c for c in plan.components}
     if fused:
         process[workflow.fusable[1]] = workflow.fusable[0]
     devices = {c: frozenset(plan.devices(c)) for c in plan.components}
-    heavy = set(workflow.heavy(plan.components, fused))
-    turns = {c: c in heavy and any(devices[c] & devices[o] for o in heavy if process[o] != process[c])
-             for c in plan.components}
+    turns = workflow.turns({c: devices[c] for c in plan.components if process[c] == c}, fused)
+    turns |= {c: turns[process[c]] for c in plan.components}  # a fused component: its host's
     # Devices used by the same components behave alike under the locks: one token stands for
     # each such set (a few, however many devices), which keeps simulating 1,024 devices cheap.
     users: dict = {}
@@ -134,17 +131,16 @@ def candidates(workflow: Workflow, num_devices: int, kind: str, components: tupl
             layout, fused = layout_of(plan, workflow)
             if fuse and not fused:
                 continue  # the same plan as unfused
-            out.append(Candidate(plan, mode, split, fused))
+            out.append(Candidate(plan, mode, split, fused, layout))
     return out
 
 
-def memory_shortfall(plan: Plan, workflow: Workflow, model: CostModel, kind: str) -> str | None:
-    """What is over device memory under ``plan``, or None. A component that takes device
-    turns on a GPU leaves its devices' memory while another has them (offload)."""
+def memory_shortfall(layout: Layout, model: CostModel, kind: str) -> str | None:
+    """What is over device memory under a plan's ``layout``, or None. A component that takes
+    device turns on a GPU leaves its devices' memory while another has them (offload)."""
     limit = model.profile.device_memory_mb
     if not limit:
         return None
-    layout, _ = layout_of(plan, workflow)
     on: dict = {}
     for c, devs in layout.devices.items():
         for d in devs:
@@ -193,7 +189,7 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
     start = time.perf_counter()
     ranked, rejected = [], []
     for c in candidates(workflow, num_devices, kind, components, **options):
-        reason = memory_shortfall(c.plan, workflow, model, kind)
+        reason = memory_shortfall(c.layout, model, kind)
         if reason is None and check is not None:
             try:
                 check(c.plan)
@@ -203,8 +199,7 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
             c.rejected = reason
             rejected.append(c)
             continue
-        layout, fused = layout_of(c.plan, workflow)
-        c.prediction = predict(shape_of(c.plan, fused), layout, model, model.switch_s, c.plan.run_ahead)
+        c.prediction = predict(shape_of(c.plan, c.fused), c.layout, model, model.switch_s, c.plan.run_ahead)
         ranked.append(c)
     if not ranked:
         reasons = sorted({c.rejected for c in rejected if c.rejected}) or [f"no plan of {workflow.name} fits "

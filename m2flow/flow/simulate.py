@@ -185,7 +185,7 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
         return add(Task(f"sync[{k}]", layout.process[t], t, s, deps, frozenset(), k, "sync"))
 
     def stream(k: int, synced: int) -> list[int]:
-        ends: list[int] = []
+        first = len(tasks)  # the stream's tasks follow, together
         prev = [synced] * len(sizes)
         for r in range(shape.repeats):
             for c, size in enumerate(sizes):
@@ -209,12 +209,10 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
                                 prev[i] = add(Task(f"{comp}[{k}.{r}.{i}]", layout.process[comp], comp,
                                                    whole * part / shape.items + hop, deps if i == 0 else (),
                                                    frozenset(), k))
-        _one_turn(tasks, shape, layout, k)
-        ends = prev
-        on_receiver = [i for i, t in enumerate(tasks) if t.step == k and t.kind == "work"
-                       and t.component in shape.receivers]
-        last_made.append(on_receiver[-1] if on_receiver else ends[-1])
-        return ends
+        _one_turn(tasks, first, shape, layout)
+        on_receiver = [i for i in range(first, len(tasks)) if tasks[i].component in shape.receivers]
+        last_made.append(on_receiver[-1] if on_receiver else prev[-1])
+        return prev
 
     def train(k: int, ends: list[int]) -> None:
         t, proc, held = shape.trainer, layout.process[shape.trainer], layout.held(shape.trainer)
@@ -247,17 +245,14 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
     return tasks
 
 
-def _one_turn(tasks: list[Task], shape: Shape, layout: Layout, step: int) -> None:
-    """Step ``step``'s tasks of each process whose links hold their turn for the whole call:
-    every one but the process's last keeps the devices."""
+def _one_turn(tasks: list[Task], first: int, shape: Shape, layout: Layout) -> None:
+    """A stream's tasks (``tasks[first:]``) of each process whose links hold their turn for
+    the whole call: every one but the process's last keeps the devices."""
     procs = {layout.process[c] for c in shape.whole_turns if c in layout.turns and layout.turns[c]}
-    last: dict[str, int] = {}
-    for i, t in enumerate(tasks):
-        if t.step == step and t.kind == "work" and t.process in procs:
-            last[t.process] = i
-    for i, t in enumerate(tasks):
-        if t.step == step and t.kind == "work" and t.process in procs and i != last[t.process]:
-            tasks[i] = dataclasses.replace(t, keep=True)
+    last = {tasks[i].process: i for i in range(first, len(tasks)) if tasks[i].process in procs}
+    for i in range(first, len(tasks)):
+        if tasks[i].process in procs and i != last[tasks[i].process]:
+            tasks[i] = dataclasses.replace(tasks[i], keep=True)
 
 
 def _chunk_sizes(items: int, chunks: int) -> list[int]:

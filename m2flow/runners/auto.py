@@ -125,8 +125,9 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, updates: int = PROB
         if own:
             cluster.shutdown()
     fit_hidden_costs(prof, measured, [c for c in s.components if c not in s.workflow.light])  # the switchers
+    model = CostModel(prof)
     for m in measured:  # in-sample: the hidden costs were read off these
-        log(f"profile: {m.name}: measured {m.step_s:.3f} s, the model says {m.predicted(prof):.3f} s")
+        log(f"profile: {m.name}: measured {m.step_s:.3f} s, the model says {m.predicted(model):.3f} s")
     log(f"profile: switch {max(prof.switch_s.values(), default=0.0) * 1e3:.1f} ms, "
         f"message between processes {prof.hop_s * 1e3:.2f} ms")
     prof.profiling_s = time.perf_counter() - start
@@ -144,8 +145,9 @@ class Probe:
     layout: Layout
     step_s: float  # measured: the median over its updates
 
-    def predicted(self, prof: Profile) -> float:
-        return predict(self.shape, self.layout, CostModel(prof), prof.switch_s).step_s
+    def predicted(self, model: CostModel) -> float:
+        """Its step time as ``model`` predicts it, with its profile's switch and hop costs as they are now."""
+        return predict(self.shape, self.layout, model, model.switch_s).step_s
 
 
 def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str]) -> None:
@@ -153,14 +155,15 @@ def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str]) -> 
     message between processes (from the last, a split mode), each read off a whole step's
     time with the other held; twice, as each changes what the other probe predicts."""
     first, split = measured[0], (measured[-1] if len(measured) > 1 else None)
+    model = CostModel(prof)  # fitted once: the switch and hop costs are read from ``prof`` as they change
 
     def switch(x: float) -> float:
         prof.switch_s = dict.fromkeys(heavy, x)
-        return first.predicted(prof)
+        return first.predicted(model)
 
     def hop(x: float) -> float:
         prof.hop_s = x
-        return split.predicted(prof)
+        return split.predicted(model)
 
     for _ in range(2):
         if any(first.layout.turns.values()):

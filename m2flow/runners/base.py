@@ -70,13 +70,12 @@ class Runner:
 
     def _start(self) -> None:
         self.placement = self.plan.placement(self.cluster)
-        self.fused = self.plan.fused(self.workflow, self.placement)
+        self.fused = self.plan.fused(self.workflow)
         run = uuid.uuid4().hex[:6]
         host = {self.workflow.fusable[1]: self.workflow.fusable[0]} if self.fused else {}
         processes = [c for c in self.components if c not in host]
         devices = {c: self.placement[c].device_indices for c in processes}
-        heavy = self.workflow.heavy(processes, self.fused)
-        turns = {c: c in heavy and any(devices[c] & devices[m] for m in heavy if m != c) for c in processes}
+        turns = self.workflow.turns(devices, self.fused)
         # Lock actors live as long as the process that made them: the driver.
         locks = DeviceLock(sorted(set().union(*devices.values())), holder="driver") if any(turns.values()) else None
         self.groups: dict[str, WorkerGroup] = {}
@@ -90,8 +89,9 @@ class Runner:
         start_together(*self.distinct_groups, channels=list(self.channels.values()), locks=locks)
 
     # -- what a flow defines ------------------------------------------------------------
-    def components_of(self, cfg: DictConfig) -> tuple[str, ...]:
-        return self.workflow.components
+    @classmethod
+    def components_of(cls, cfg: DictConfig) -> tuple[str, ...]:
+        return cls.workflow.components
 
     @staticmethod
     def plan_options(cfg: DictConfig) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from m2flow.data import PromptLoader
 from m2flow.data.prompts import load_prompts
-from m2flow.flow import Workflow
+from m2flow.flow import Plan, Workflow
 from m2flow.runners.base import Runner
 from m2flow.runners.metrics import ReasoningMetrics
 from m2flow.runtime.group import GroupHandle, wait
@@ -46,6 +46,11 @@ WORKFLOW = Workflow(
     light=("reward",))  # holds no model: it never takes device turns
 
 
+def sharded(cfg: DictConfig, plan: Plan) -> bool:
+    """Whether the actor's ranks shard the model (fsdp over more than one rank)."""
+    return cfg.algorithm.data_parallel == "fsdp" and plan.world_size("actor") > 1
+
+
 class ReasoningRunner(Runner):
     workflow = WORKFLOW
     workers = {"rollout": LMRolloutWorker, "reward": RewardWorker, "inference": InferenceWorker,
@@ -53,7 +58,8 @@ class ReasoningRunner(Runner):
     stateful = ("rollout", "actor", "critic")
     prefetch = {"batches": 1}  # actor ranks take batches one at a time: a rank that is free takes the next
 
-    def components_of(self, cfg: DictConfig) -> tuple[str, ...]:
+    @classmethod
+    def components_of(cls, cfg: DictConfig) -> tuple[str, ...]:
         """A critic only for ppo."""
         return COMPONENTS if cfg.algorithm.name == "ppo" else COMPONENTS[:-1]
 
@@ -71,7 +77,7 @@ class ReasoningRunner(Runner):
         self.plain = OmegaConf.to_container(self.cfg, resolve=True)
         self.total = self.cfg.runner.steps
         self.metrics = ReasoningMetrics(self.total)
-        self.sharded = self.cfg.algorithm.data_parallel == "fsdp" and self.plan.world_size("actor") > 1
+        self.sharded = sharded(self.cfg, self.plan)
 
     def worker_args(self, component: str, take_turns: bool) -> tuple:
         return (self.plain,) if component == "reward" else (self.plain, take_turns)

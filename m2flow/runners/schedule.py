@@ -12,7 +12,7 @@ from m2flow.flow import Plan, Workflow
 from m2flow.flow.simulate import Shape
 from m2flow.runners.base import Runner
 from m2flow.runners.embodied import EmbodiedRunner, env_layout
-from m2flow.runners.reasoning import ReasoningRunner
+from m2flow.runners.reasoning import ReasoningRunner, sharded
 
 
 class Schedule:
@@ -22,7 +22,7 @@ class Schedule:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         self.workflow: Workflow = self.runner.workflow
-        self.components = self.runner.components_of(self.runner, cfg)
+        self.components = self.runner.components_of(cfg)
 
     def shape(self, plan: Plan, fused: bool) -> Shape:
         raise NotImplementedError
@@ -77,10 +77,9 @@ class ReasoningSchedule(Schedule):
         unless its ranks are sharded."""
         c = self.cfg
         chain = ("rollout", "reward", "inference") + (("critic",) if "critic" in self.components else ())
-        streams = c.algorithm.data_parallel != "fsdp" or plan.world_size("actor") == 1
         prompts = c.data.prompts_per_step
         return Shape(chain, "actor", prompts * c.rollout.n, -(-prompts // plan.granularity["samples"]),
-                     batched=("rollout",), trainer_streams=streams)
+                     batched=("rollout",), trainer_streams=not sharded(c, plan))
 
     def knobs(self) -> dict[str, Any]:
         p = self.cfg.data.prompts_per_step  # a step in 1, 2, 4, ... 64 chunks of prompt groups
