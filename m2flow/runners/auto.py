@@ -124,7 +124,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, updates: int = PROB
     finally:
         if own:
             cluster.shutdown()
-    fit_hidden_costs(prof, measured, [c for c in s.components if c not in s.workflow.light])  # the switchers
+    fit_hidden_costs(prof, measured, [c for c in s.components if c not in s.workflow.light])  # who may pay a switch
     model = CostModel(prof)
     for m in measured:  # in-sample: the hidden costs were read off these
         log(f"profile: {m.name}: measured {m.step_s:.3f} s, the model says {m.predicted(model):.3f} s")
