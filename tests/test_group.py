@@ -201,3 +201,45 @@ def test_killed_worker_surfaces_fast(cluster):
         handle.wait()
     assert err.value.rank == 1 and "died" in str(err.value)
     g.kill()
+
+
+def test_a_pool_reuses_processes_re_pins_them_and_drops_their_state(cluster):
+    import ray
+
+    from m2flow.runtime.group import WorkerPool
+
+    usable = sorted(os.sched_getaffinity(0))
+    pool = WorkerPool()
+    two = Placement.from_config({"pooled": "0-1"}, cluster)["pooled"]
+    first = WorkerGroup(Echo, two, kwargs={"scale": 3}, name="pooled", pool=pool)
+    first.init_process_group()
+    assert first.all_reduce().wait() == [3.0, 3.0]
+    pids = first.pids()
+    first.shutdown()  # back to the pool: the processes live on
+    assert ray.get_actor("pooled:1", namespace="m2flow") is not None
+
+    one = Placement.from_config({"pooled": "1"}, cluster)["pooled"]
+    second = WorkerGroup(Echo, one, kwargs={"scale": 5}, name="pooled", pool=pool)
+    assert second.pids() == [pids[0]]  # rank 0's process, re-initialised
+    info = second.whoami().wait()[0]
+    assert info["world"] == 1 and info["devices"] == [1] and info["affinity"] == [usable[1 % len(usable)]]
+    assert second.times(2).wait() == [10]  # its new state
+    with pytest.raises(ValueError):  # rank 1 was ended: a group's size is read off its ranks' names
+        ray.get_actor("pooled:1", namespace="m2flow")
+    second.init_process_group()  # the old process group was destroyed: a world of one now
+    assert second.all_reduce().wait() == [1.0]
+
+    other = WorkerGroup(Echo, one, name="pooled-other", pool=pool)  # another name: a new process
+    assert other.pids()[0] not in pids
+    other.shutdown()
+    second.shutdown()
+    pool.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor("pooled:0", namespace="m2flow")
+            time.sleep(0.1)
+        except ValueError:
+            break
+    else:
+        raise AssertionError("the pool's processes outlived close()")

@@ -7,22 +7,25 @@ from omegaconf import DictConfig
 
 def run(cfg: DictConfig) -> list[dict[str, float]]:
     """Runs the flow a config names and returns its per-update metrics. With
-    ``placement.mode=auto`` the plan is chosen first (``runners.auto``)."""
+    ``placement.mode=auto`` the plan is chosen first (``runners.auto``), on the cluster the
+    run then uses."""
+    from m2flow.runners.schedule import schedule_of
+
+    runner_cls = schedule_of(cfg).runner  # an unknown flow fails here, before a cluster starts
+    cluster = None
     if cfg.placement.mode == "auto":
         from m2flow.runners.auto import auto_plan
+        from m2flow.runtime import Cluster
 
-        cfg = auto_plan(cfg)
-    if cfg.flow == "embodied":
-        from m2flow.runners.embodied import EmbodiedRunner
-
-        runner = EmbodiedRunner(cfg)
-    elif cfg.flow == "reasoning":
-        from m2flow.runners.reasoning import ReasoningRunner
-
-        runner = ReasoningRunner(cfg)
-    else:
-        raise ValueError(f"unknown flow {cfg.flow!r} (known: embodied, reasoning)")
+        cluster = Cluster(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, cpu_slots=cfg.cluster.cpu_slots)
     try:
-        return runner.train()
+        if cluster is not None:
+            cfg = auto_plan(cfg, cluster)
+        runner = runner_cls(cfg, cluster=cluster)
+        try:
+            return runner.train()
+        finally:
+            runner.close()
     finally:
-        runner.close()
+        if cluster is not None:
+            cluster.shutdown()

@@ -1,9 +1,10 @@
 """Profiling a flow on the hardware it runs on, and ``placement.mode=auto``: profile (or reuse
 a profile), plan, print the plan and why, run it.
 
-A profile runs the flow itself for a few updates under a handful of probe plans (every
-component on all the devices; on one device; with smaller chunks; one split mode), on one
-embedded cluster, and reads each component's busy time per update from the metrics. The
+A profile runs the flow itself for a few updates under three probe plans (every component
+on all the devices; on one device with smaller chunks; one split mode), on one cluster and
+one set of worker processes (re-initialised from run to run, not restarted), and reads each
+component's busy time per update from the metrics. The
 switch cost and the cost of a message between processes, which busy times cannot show, are
 read off the probes' whole step times through the simulator.
 """
@@ -27,8 +28,8 @@ from m2flow.flow.simulate import Layout, Shape, predict
 from m2flow.runners.base import local_devices
 from m2flow.runners.schedule import Schedule, schedule_of
 from m2flow.runtime import Cluster
+from m2flow.runtime.group import WorkerPool
 
-PROBE_UPDATES = 3  # per probe; the first is left out (warm-up)
 # Keys whose value does not change what a step costs: a profile is reused across them.
 RUN_KEYS = ("total_env_steps", "steps", "out_dir", "resume", "progress", "checkpoint_every", "target_return",
             "eval_every", "log_every", "collect_ahead", "stages")
@@ -48,11 +49,20 @@ def profile_path(cfg: DictConfig) -> Path:
     return Path("runs/profiles") / (key_of(cfg).replace(":", "-").replace("/", "_") + ".json")
 
 
-def probes(s: Schedule, n: int, kind: str, updates: int) -> list[tuple[str, Plan]]:
-    """The probe plans on ``n`` devices: all on every device, all on one, smaller chunks, and
+@dataclass
+class ProbeRun:
+    name: str
+    role: str  # "collocated", "sized" (the other size) or "split"
+    plan: Plan
+    overrides: dict[str, Any]  # the config of this run, over the flow's
+
+
+def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
+    """The profiling runs on ``n`` devices: every component on every device; on one device at
+    the other size (``Schedule.probe_sizes``; on a one-device cluster, a run of its own); and
     the first split mode that fits (to time messages between processes)."""
     wf, opts = s.workflow, s.plan_options() | {"stages": 1, "run_ahead": 0}
-    _, variant = s.probe(updates)
+    every, variant, variant_overrides = s.probe_sizes()
 
     def of(mode: str, devices: int, **changes: Any) -> Plan:
         return Plan.for_mode(wf, mode, devices, kind, components=s.components, **opts | changes)
@@ -65,65 +75,79 @@ def probes(s: Schedule, n: int, kind: str, updates: int) -> list[tuple[str, Plan
         except ValueError:  # PlanError and ConfigError among them
             return False
 
-    out = [("collocated", of("collocated", n))]
+    sized = ", ".join(f"{k} {v}" for k, v in variant.items())
+    out = [ProbeRun("collocated", "collocated", of("collocated", n), every)]
     if n > 1:
-        out.append(("collocated on device 0", of("collocated", 1, trainer_devices_per_proc=1)))
-    out.append(("collocated, " + ", ".join(f"{k} {v}" for k, v in variant.items()), of("collocated", n, **variant)))
+        out.append(ProbeRun(f"collocated on device 0, {sized}", "sized",
+                            of("collocated", 1, trainer_devices_per_proc=1, **variant), every | variant_overrides))
+    else:
+        out.append(ProbeRun(f"collocated, {sized}", "sized", of("collocated", n, **variant), every | variant_overrides))
     for mode in wf.splits:
         try:
             p = of(mode, n, fuse=False)
         except PlanError:
             continue
         if fits(p):
-            out.append((mode, p))
+            out.append(ProbeRun(mode, "split", p, every))
             break
-    return [(name, p) for name, p in out if fits(p)]
+    return [r for r in out if fits(r.plan)]
 
 
-def run_probe(s: Schedule, name: str, p: Plan, cluster: Cluster, tmp: Path, updates: int) -> list[dict[str, Any]]:
-    overrides, _ = s.probe(updates)
+def probe_config(s: Schedule, run: ProbeRun, tmp: Path) -> DictConfig:
     cfg = copy.deepcopy(s.cfg)
-    slug = name.replace(" ", "-").replace(",", "").replace("=", "")
-    for k, v in overrides.items() | {"runner.out_dir": str(tmp / slug), "runner.progress": False,
-                                      "runner.resume": None, "runner.collect_ahead": False,
-                                      "placement.plan": str(p.save(tmp / f"{slug}.yaml"))}.items():
+    slug = run.name.replace(" ", "-").replace(",", "").replace("=", "")
+    for k, v in s.length(s.probe_updates).items() | run.overrides.items() | {
+            "runner.out_dir": str(tmp / slug), "runner.progress": False, "runner.resume": None,
+            "runner.collect_ahead": False, "placement.plan": str(run.plan.save(tmp / f"{slug}.yaml"))}.items():
         OmegaConf.update(cfg, k, v, merge=False)
-    runner = s.runner(cfg, cluster=cluster)
-    try:
-        return runner.train(evaluate=False, checkpoint=False)
-    finally:
-        runner.close()
+    return cfg
 
 
-def profile(cfg: DictConfig, cluster: Cluster | None = None, updates: int = PROBE_UPDATES,
-            log=print) -> Profile:
-    """Measures the flow of ``cfg`` on this hardware (see the module's docstring)."""
+def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profile:
+    """Measures the flow of ``cfg`` on this hardware (see the module's docstring). The
+    profiling time counts from a started cluster (a run starts one anyway: ``run`` lends the
+    profile its own)."""
     s = schedule_of(cfg)
-    start = time.perf_counter()
     own = cluster is None
     cluster = cluster or Cluster(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, cpu_slots=cfg.cluster.cpu_slots)
+    start = time.perf_counter()
     n, kind = len(cluster.devices), cluster.device_kind
     prof = Profile(key_of(cfg), hardware() | {"devices": n, "kind": kind})
     measured = []
+    pool = WorkerPool()  # the runs share their worker processes: each is started once
     try:
         with tempfile.TemporaryDirectory(prefix="m2flow-profile-") as tmp:
-            for name, p in probes(s, n, kind, updates):
+            runs = probes(s, n, kind)
+            for run in runs:  # every process any run needs starts now, beside the first run's
+                s.runner.prestart(s.cfg, run.plan, cluster, pool)
+            for i, run in enumerate(runs):
                 t0 = time.perf_counter()
-                rows = run_probe(s, name, p, cluster, Path(tmp), updates)[1:]
-                layout, fused = layout_of(p, s.workflow)
-                shape = s.shape(p, fused)
+                run_cfg = probe_config(s, run, Path(tmp))
+                runner = s.runner(run_cfg, cluster=cluster, pool=pool)
+                if i == 0:
+                    pool.ready()  # none is still starting while a run is timed
+                try:
+                    rows = runner.train(evaluate=False, checkpoint=False)[1:]
+                finally:
+                    runner.close()
+                layout, fused = layout_of(run.plan, s.workflow)
+                shape = schedule_of(run_cfg).shape(run.plan, fused)
                 prof.points += points_from_rows(shape, layout, rows)
                 step = statistics.median(r[s.duration] for r in rows)
                 for c in s.components:
                     mem = [r[f"{c}_peak_memory_mb"] for r in rows if f"{c}_peak_memory_mb" in r]
                     if mem:
                         prof.memory_mb[c] = max(prof.memory_mb.get(c, 0.0), max(mem))
-                measured.append(Probe(name, shape, layout, step))
-                prof.runs.append({"probe": name, "plan": p.to_dict(), "step_s": step, "run_s": time.perf_counter() - t0})
-                log(f"profile: {name}: {step:.3f} s a step ({time.perf_counter() - t0:.1f} s)")
+                measured.append(Probe(run.name, run.role, shape, layout, step))
+                prof.runs.append({"probe": run.name, "plan": run.plan.to_dict(), "overrides": run.overrides,
+                                  "step_s": step, "run_s": time.perf_counter() - t0})
+                log(f"profile: {run.name}: {step:.3f} s a step ({time.perf_counter() - t0:.1f} s)")
     finally:
+        pool.close()
+        stop = time.perf_counter()  # shutting the cluster down is no part of profiling
         if own:
             cluster.shutdown()
+    start += time.perf_counter() - stop
     fit_hidden_costs(prof, measured, [c for c in s.components if c not in s.workflow.light])  # who may pay a switch
     model = CostModel(prof)
     for m in measured:  # in-sample: the hidden costs were read off these
@@ -141,6 +165,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, updates: int = PROB
 @dataclass
 class Probe:
     name: str
+    role: str  # ProbeRun's
     shape: Shape
     layout: Layout
     step_s: float  # measured: the median over its updates
@@ -151,10 +176,11 @@ class Probe:
 
 
 def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str]) -> None:
-    """The switch cost (from the first probe, its components taking turns) and the cost of a
-    message between processes (from the last, a split mode), each read off a whole step's
+    """The switch cost (from the collocated probe, its components taking turns) and the cost
+    of a message between processes (from the split mode's), each read off a whole step's
     time with the other held; twice, as each changes what the other probe predicts."""
-    first, split = measured[0], (measured[-1] if len(measured) > 1 else None)
+    role = {m.role: m for m in measured}
+    first, split = role["collocated"], role.get("split")
     model = CostModel(prof)  # fitted once: the switch and hop costs are read from ``prof`` as they change
 
     def switch(x: float) -> float:
@@ -172,17 +198,17 @@ def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str]) -> 
             hop(calibrate(split.step_s, hop))
 
 
-def load_or_profile(cfg: DictConfig, log=print) -> tuple[Profile, Path]:
+def load_or_profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> tuple[Profile, Path]:
     """The profile of ``cfg`` on this hardware: the stored one when its preset, config and
-    hardware match, else a new one (stored)."""
+    hardware match, else a new one (stored), measured on ``cluster`` if given."""
     path = profile_path(cfg)
-    known = local_devices(cfg.cluster)
+    known = (len(cluster.devices), cluster.device_kind) if cluster else local_devices(cfg.cluster)
     if path.is_file() and known:
         prof = Profile.load(path)
         if prof.matches(key_of(cfg), hardware() | {"devices": known[0], "kind": known[1]}):
             log(f"profile: reusing {path} (measured in {prof.profiling_s:.1f} s)")
             return prof, path
-    prof = profile(cfg, log=log)
+    prof = profile(cfg, cluster, log=log)
     prof.config = OmegaConf.to_container(cfg, resolve=True)
     prof.save(path)
     log(f"profile: {path}, measured in {prof.profiling_s:.1f} s")
@@ -208,9 +234,10 @@ def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes
                 trainer_devices_per_proc=opts.get("trainer_devices_per_proc", 1), **s.knobs())
 
 
-def auto_plan(cfg: DictConfig, log=print) -> DictConfig:
-    """``placement.mode=auto``: a copy of ``cfg`` that runs the plan chosen for it."""
-    prof, _ = load_or_profile(cfg, log)
+def auto_plan(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> DictConfig:
+    """``placement.mode=auto``: a copy of ``cfg`` that runs the plan chosen for it (profiled
+    on ``cluster`` if a profile is to be made)."""
+    prof, _ = load_or_profile(cfg, cluster, log)
     model = CostModel(prof)
     err = model.held_out_error()
     log("cost model (held-out error per fit: leave one point out):\n" + model.report()
@@ -246,7 +273,7 @@ def plan_command(preset: str | None, overrides: list[str], profile_file: str | N
                 apply_override(cfg, root, item)
     elif preset:
         cfg = load_config(preset, overrides)
-        prof, _ = load_or_profile(cfg, log)
+        prof, _ = load_or_profile(cfg, log=log)
     else:
         raise ConfigError("plan", "give a preset or --profile FILE")
     if devices is not None and devices < 1 or nodes < 1 or (devices or prof.hardware["devices"]) % nodes:

@@ -23,7 +23,7 @@ from m2flow.flow import Plan, Workflow
 from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.cluster import cpu_slot_count
-from m2flow.runtime.group import GroupHandle, start_together, wait
+from m2flow.runtime.group import GroupHandle, WorkerPool, start_together, wait
 
 NO_SYNC = {"weight_sync_s": 0.0}
 
@@ -34,11 +34,15 @@ class Runner:
     stateful: ClassVar[tuple[str, ...]] = ()  # components whose state a checkpoint holds
     prefetch: ClassVar[dict[str, int]] = {}  # channel -> items a reader takes ahead (default: the channel's)
 
-    def __init__(self, cfg: DictConfig, cluster: Cluster | None = None):
+    def __init__(self, cfg: DictConfig, cluster: Cluster | None = None, pool: WorkerPool | None = None):
+        """``cluster``: run on this one (else start or attach as the config says, and shut it
+        down at ``close``); ``pool``: take worker processes from, and give them back to, a
+        ``WorkerPool`` (runs of one flow under several plans in a row)."""
         self.cfg = copy.deepcopy(cfg)  # the run's own: the plan settles some of its keys
         validate(self.cfg)  # again: a config may change after it is loaded
         self.components = self.components_of(cfg)
         self._own_cluster = cluster is None
+        self.pool = pool
         # On an embedded Ray the devices are known before it starts: a plan or config that
         # cannot run fails before any process does.
         known = (len(cluster.devices), cluster.device_kind) if cluster else local_devices(cfg.cluster)
@@ -72,7 +76,8 @@ class Runner:
         self.placement = self.plan.placement(self.cluster)
         self.fused = self.plan.fused(self.workflow)
         run = uuid.uuid4().hex[:6]
-        host = {self.workflow.fusable[1]: self.workflow.fusable[0]} if self.fused else {}
+        names = self.pool.tag if self.pool else run  # a pool's processes keep their names
+        host = self.hosts(self.plan)
         processes = [c for c in self.components if c not in host]
         devices = {c: self.placement[c].device_indices for c in processes}
         turns = self.workflow.turns(devices, self.fused)
@@ -81,12 +86,26 @@ class Runner:
         self.groups: dict[str, WorkerGroup] = {}
         for c in processes:  # the groups start their processes in parallel
             self.groups[c] = WorkerGroup(self.workers[c], self.placement[c], args=self.worker_args(c, turns[c]),
-                                         name=f"{c}-{run}", wait=False)
+                                         name=f"{c}-{names}", wait=False, pool=self.pool)
         for c, h in host.items():  # a fused component's calls go to its host's processes
             self.groups[c] = self.groups[h]
         self.channels = {ch: Channel.create(f"{ch}-{run}", **({"prefetch": self.prefetch[ch]} if ch in self.prefetch else {}))
                          for ch in self.channels_of()}
         start_together(*self.distinct_groups, channels=list(self.channels.values()), locks=locks)
+
+    @classmethod
+    def hosts(cls, plan: Plan) -> dict[str, str]:
+        """Fused component -> the component in whose processes it runs."""
+        return {cls.workflow.fusable[1]: cls.workflow.fusable[0]} if plan.fused(cls.workflow) else {}
+
+    @classmethod
+    def prestart(cls, cfg: DictConfig, plan: Plan, cluster: Cluster, pool: WorkerPool) -> None:
+        """Starts, in the background, the worker processes that a run of ``cfg`` under
+        ``plan`` on ``cluster`` would start, named as ``pool``'s runs name them."""
+        placement = plan.placement(cluster)
+        for c in cls.components_of(cfg):
+            if c not in cls.hosts(plan):
+                pool.prestart(cls.workers[c], placement[c], f"{c}-{pool.tag}")
 
     # -- what a flow defines ------------------------------------------------------------
     @classmethod

@@ -18,6 +18,7 @@ from m2flow.runners.reasoning import ReasoningRunner, sharded
 class Schedule:
     runner: ClassVar[type[Runner]]
     duration: ClassVar[str]  # the metrics' column of a step's wall time
+    probe_updates: ClassVar[int]  # updates a profiling run makes; the first is left out (warm-up)
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -31,9 +32,14 @@ class Schedule:
         """``planner.candidates``'s keywords: the values each knob may take."""
         raise NotImplementedError
 
-    def probe(self, updates: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Overrides that make a run of ``updates`` updates, and a plan setting that changes a
-        chunk's size (so the profile sees each component at two sizes)."""
+    def length(self, updates: int) -> dict[str, Any]:
+        """Overrides that make a run of ``updates`` updates."""
+        raise NotImplementedError
+
+    def probe_sizes(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """How the profiling runs size their work: overrides for every one of them, and the
+        plan settings and overrides of the one that sees each component at another size
+        (so that the cost model can tell a component's fixed cost from its cost per item)."""
         raise NotImplementedError
 
     def check(self, plan: Plan) -> None:
@@ -46,6 +52,7 @@ class Schedule:
 class EmbodiedSchedule(Schedule):
     runner = EmbodiedRunner
     duration = "update_s"
+    probe_updates = 3
 
     def shape(self, plan: Plan, fused: bool) -> Shape:
         """The envs, in ``stages`` batches, step and act ``rollout_steps`` times; then the
@@ -58,10 +65,14 @@ class EmbodiedSchedule(Schedule):
         n = self.cfg.env.num_envs
         return {"stages": [s for s in (1, 2, 4) if n % s == 0 and n >= s]}
 
-    def probe(self, updates: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def length(self, updates: int) -> dict[str, Any]:
         c = self.cfg
         steps = updates * c.runner.rollout_steps * c.env.num_envs * c.policy.chunk
-        return {"runner.total_env_steps": steps, "runner.target_return": None}, {"stages": 2}
+        return {"runner.total_env_steps": steps, "runner.target_return": None}
+
+    def probe_sizes(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """The step as configured; the envs in two batches (``stages``) for the other size."""
+        return {}, {"stages": 2}, {}
 
     def check(self, plan: Plan) -> None:
         env_layout(self.cfg, plan, self.components)
@@ -70,6 +81,7 @@ class EmbodiedSchedule(Schedule):
 class ReasoningSchedule(Schedule):
     runner = ReasoningRunner
     duration = "step_s"
+    probe_updates = 2  # a step of a language model takes seconds to minutes
 
     def shape(self, plan: Plan, fused: bool) -> Shape:
         """The rollout generates the batch; its groups go on in chunks of ``granularity``
@@ -85,8 +97,20 @@ class ReasoningSchedule(Schedule):
         p = self.cfg.data.prompts_per_step  # a step in 1, 2, 4, ... 64 chunks of prompt groups
         return {"granularities": sorted({-(-p // chunks) for chunks in (1, 2, 4, 8, 16, 32, 64)})}
 
-    def probe(self, updates: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        return {"runner.steps": updates}, {"granularity": self.cfg.data.prompts_per_step}  # one chunk a step
+    def length(self, updates: int) -> dict[str, Any]:
+        return {"runner.steps": updates}
+
+    def probe_sizes(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """Steps of a quarter of the configured prompts (at least 4, at most all): every
+        component's time grows with the completions it handles, so the model fitted on smaller
+        steps predicts the configured one; the other size is twice as many prompts (at most
+        all) in one chunk. Peak memory is about the same at either size: the rollout decodes
+        ``rollout.max_batch_size`` sequences at a time and the trainers take micro-batches of
+        ``algorithm.max_tokens_per_micro_batch`` tokens."""
+        p = self.cfg.data.prompts_per_step
+        q = p if p <= 4 else max(4, p // 4)
+        v = min(2 * q, p)
+        return {"data.prompts_per_step": q}, {"granularity": v}, {"data.prompts_per_step": v}
 
 
 def schedule_of(cfg: DictConfig) -> Schedule:

@@ -504,6 +504,8 @@ class Communicator:
             os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.info.pipe)
+        global _POOL
         with _POOL_LOCK:
             if _POOL is not None:
                 _POOL.close()
+                _POOL = None  # a process re-initialised for another rank (``WorkerPool``) makes a new one

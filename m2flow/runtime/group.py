@@ -15,6 +15,7 @@ import os
 import re
 import time
 import types
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -143,32 +144,95 @@ def wait(*handles: GroupHandle, timeout: float | None = None) -> list:
     return [h.wait() for h in handles]
 
 
+class WorkerPool:
+    """Worker processes kept between worker groups of the same names, for a driver that runs
+    one flow under several plans in a row (profiling): a group made with the pool takes the
+    process of each rank from it when that rank (group name and rank, worker class, node, and
+    on GPUs the same devices) ran before, and re-initialises it, instead of starting a process
+    and importing everything anew; its ``shutdown`` gives the processes back with their
+    state dropped. ``close`` ends them."""
+
+    def __init__(self) -> None:
+        self.tag = uuid.uuid4().hex[:6]  # the runs that share the pool name their groups alike
+        self._idle: dict[str, tuple[type, str, tuple, Any]] = {}  # actor name -> (class, node, devices, actor)
+
+    def take(self, name: str, cls: type, node_id: str, devices: tuple) -> Any | None:
+        got = self._idle.pop(name, None)
+        if got is None:
+            return None
+        same_devices = got[2] == devices or all(d.kind == "cpu" for d in devices)  # a CPU worker re-pins itself
+        if got[0] is cls and got[1] == node_id and same_devices:
+            return got[3]
+        _kill_named(name, got[3])  # its name is the new rank's
+        return None
+
+    def give(self, name: str, cls: type, node_id: str, devices: tuple, actor: Any) -> None:
+        self._idle[name] = (cls, node_id, devices, actor)
+
+    def prestart(self, cls: type, placement: ComponentPlacement, name: str) -> None:
+        """Starts the processes of a group to be made later (the ranks the pool lacks), in
+        the background: they start beside whatever runs now, not one group after another."""
+        for r in placement.ranks():
+            if f"{name}:{r.rank}" not in self._idle:
+                self.give(f"{name}:{r.rank}", cls, r.node_id, r.devices, _new_actor(cls, f"{name}:{r.rank}", r.node_id))
+
+    def ready(self) -> None:
+        """Waits until every idle process is up (a prestarted one may still be importing)."""
+        ray.get([actor._m2flow_ping.remote() for _, _, _, actor in self._idle.values()])
+
+    def trim(self, group: str, world_size: int) -> None:
+        """Ends the idle processes of ``group``'s ranks beyond ``world_size``: a group's size
+        is read off the names of its running ranks."""
+        for name in [n for n in self._idle if n.rpartition(":")[0] == group and int(n.rpartition(":")[2]) >= world_size]:
+            _kill_named(name, self._idle.pop(name)[3])
+
+    def close(self) -> None:
+        for _, _, _, actor in self._idle.values():
+            ray.kill(actor, no_restart=True)
+        self._idle.clear()
+
+
+def _new_actor(cls: type, name: str, node_id: str) -> Any:
+    """A worker process (its class's module imported; ``_m2flow_init`` not yet called)."""
+    return actor_class(cls).options(name=name, namespace=NAMESPACE, num_cpus=ACTOR_CPUS,
+                                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+
+
+def _kill_named(name: str, actor: Any, timeout_s: float = 10.0) -> None:
+    """Kills an actor and waits until its name is free."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"worker {name} still registered {timeout_s}s after it was killed")
+
+
 class WorkerGroup:
     """Launches one Ray actor per rank of a component placement."""
 
     def __init__(self, cls: type, placement: ComponentPlacement, *, args: tuple = (), kwargs: Mapping | None = None,
                  name: str | None = None, session: str | None = None, init_timeout_s: float = 300.0,
-                 wait: bool = True):
+                 wait: bool = True, pool: WorkerPool | None = None):
         """Starts the ranks; with ``wait`` (default) returns once every rank is constructed.
         Without, call ``ready`` (or ``start_together`` for several groups): groups then
-        start their processes in parallel."""
+        start their processes in parallel. ``pool``: re-use (and later give back) the
+        processes of earlier groups of the same name (``WorkerPool``)."""
         self.cls = cls
         self._methods = frozenset(callable_methods(cls))
         self.name = name or placement.component
         self.placement = placement
         self.world_size = placement.world_size
+        self.pool = pool
         session = session or os.environ.get("M2FLOW_SESSION", "default")
-        remote_cls = actor_class(cls)
         ranks = placement.ranks()
-        self.actors = [
-            remote_cls.options(
-                name=f"{self.name}:{r.rank}",
-                namespace=NAMESPACE,
-                num_cpus=ACTOR_CPUS,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(r.node_id, soft=False),
-            ).remote()
-            for r in ranks
-        ]
+        if pool is not None:
+            pool.trim(self.name, self.world_size)
+        self.actors = [(pool and pool.take(f"{self.name}:{r.rank}", cls, r.node_id, r.devices))
+                       or _new_actor(cls, f"{self.name}:{r.rank}", r.node_id) for r in ranks]
         node_order: dict[str, list[int]] = {}
         for r in ranks:
             node_order.setdefault(r.node_id, []).append(r.rank)
@@ -224,7 +288,23 @@ class WorkerGroup:
         return ray.get([a._m2flow_ping.remote() for a in self.actors])
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Lets every rank release what it holds (shared memory), then ends the processes."""
+        """Lets every rank release what it holds (shared memory), then ends the processes;
+        with a pool, gives them back to it instead once each has dropped its state (a rank
+        that does not within ``timeout_s`` is ended)."""
+        if self.pool is not None:
+            refs = [a._m2flow_recycle.remote() for a in self.actors]
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            for r, (ref, actor) in enumerate(zip(refs, self.actors)):
+                try:
+                    ok = ref in done and ray.get(ref) is None
+                except Exception:  # noqa: BLE001 - a rank that cannot recycle is ended below
+                    ok = False
+                rank = self.placement.ranks()[r]
+                if ok:
+                    self.pool.give(f"{self.name}:{r}", self.cls, rank.node_id, rank.devices, actor)
+                else:
+                    ray.kill(actor, no_restart=True)
+            return
         try:
             ray.wait([a._m2flow_close.remote() for a in self.actors], num_returns=len(self.actors), timeout=timeout_s)
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import time
 from dataclasses import dataclass
 from collections.abc import Hashable
@@ -64,6 +65,13 @@ def dispatch(split: str = "all", gather: str = "list") -> Callable:
     return mark
 
 
+@functools.cache
+def _usable_cores() -> list[int]:
+    """The cores this process could run on before it pinned itself (a process re-initialised
+    for another rank pins itself anew)."""
+    return sorted(os.sched_getaffinity(0))
+
+
 def _pin_process(cores: list[int]) -> None:
     # sched_setaffinity(0) pins only the calling thread; Ray's threads already exist,
     # so pin every thread of the process (threads started later inherit it).
@@ -103,7 +111,7 @@ class Worker:
             os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.local_index) for d in info.devices)
         else:
-            usable = sorted(os.sched_getaffinity(0))
+            usable = _usable_cores()
             cores = sorted({usable[c % len(usable)] for d in info.devices for c in d.cores})
             _pin_process(cores)
             import torch
@@ -130,6 +138,21 @@ class Worker:
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_close(self) -> None:
         self.comm.close()
+
+    def _m2flow_recycle(self) -> None:
+        """Makes the process ready for ``_m2flow_init`` again (``WorkerPool``): closes its
+        communicator and process group and drops everything its last life set. Runs on the
+        main thread, after every call the group was given."""
+        import gc
+
+        self.comm.close()
+        if "torch.distributed" in sys.modules:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        self.__dict__.clear()
+        gc.collect()
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_peer_info(self) -> PeerInfo:
