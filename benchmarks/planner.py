@@ -5,7 +5,8 @@ against the best measured plan.
 Workloads (``--workloads``):
   halfcheetah  embodied/ppo_halfcheetah (2048 env steps per update)
   ant          embodied/ppo_ant
-  smollm2      reasoning/grpo_arith_smollm2 with 16 prompts x 8 samples per step
+  smollm2      reasoning/grpo_arith_smollm2 with 16 prompts x 8 samples per step (64 new
+               tokens at most, as in the placement runs of docs/benchmarks.md)
 
 Per workload, one run:
   1. ``m2flow profile`` in a fresh process, timed (a new profile: ``--profile-dir`` is emptied);
@@ -45,7 +46,7 @@ from common import Run, json_safe, load1, log, side_order, spread  # noqa: E402
 WORKLOADS = {
     "halfcheetah": ("embodied/ppo_halfcheetah", []),
     "ant": ("embodied/ppo_ant", []),
-    "smollm2": ("reasoning/grpo_arith_smollm2", ["data.prompts_per_step=16", "rollout.n=8",
+    "smollm2": ("reasoning/grpo_arith_smollm2", ["data.prompts_per_step=16", "rollout.n=8", "rollout.max_new_tokens=64",
                                                   "algorithm.max_tokens_per_micro_batch=1152"]),
     "tiny": ("reasoning/grpo_arith_tiny", []),  # smoke runs
     "cartpole": ("embodied/ppo_cartpole", []),
@@ -122,8 +123,9 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         auto_vs.append({"auto_s": got["auto"]["step_s"], "best_s": got["best"]["step_s"],
                         "throughput_ratio": round(got["best"]["step_s"] / got["auto"]["step_s"], 3)})
     if cfg.flow == "embodied":
-        per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
-        reference_s, reference = 1_000_000 / per_update * best["measured_s"], "a 1M-env-step run"
+        from m2flow.runners.embodied import steps_per_update
+
+        reference_s, reference = 1_000_000 / steps_per_update(cfg) * best["measured_s"], "a 1M-env-step run"
     else:
         reference_s, reference = 3600.0, "a one-hour run"
     errors = [abs(r["error"]) for r in rows]

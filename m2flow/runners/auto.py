@@ -216,13 +216,14 @@ def load_or_profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) 
 
 
 def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes: int = 1,
-           internode: float = 1.0) -> Choice:
+           internode: float = 1.0, model: CostModel | None = None) -> Choice:
     """The best plan for ``cfg`` on ``num_devices`` devices (default: the profile's), as the
-    cost model fitted from ``prof`` predicts it."""
+    cost model fitted from ``prof`` (or ``model``, fitted from it already) predicts it."""
     s = schedule_of(cfg)
     n = num_devices or prof.hardware["devices"]
     kind = prof.hardware["kind"]
-    model = CostModel(prof, internode=internode, devices_per_node=max(1, n // nodes) if nodes > 1 else None)
+    if model is None:
+        model = CostModel(prof, internode=internode, devices_per_node=max(1, n // nodes) if nodes > 1 else None)
     opts = s.plan_options()
 
     def check(p: Plan) -> None:
@@ -242,7 +243,7 @@ def auto_plan(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Dic
     err = model.held_out_error()
     log("cost model (held-out error per fit: leave one point out):\n" + model.report()
         + (f"\n  median held-out error {err:.1%}" if err is not None else ""))
-    choice = choose(cfg, prof)
+    choice = choose(cfg, prof, model=model)
     log(choice.report())
     out = Path(cfg.runner.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,7 @@ class EmbodiedRunner(Runner):
         probe.close()
         self.layout = env_layout(cfg, self.plan, self.components)
         self.plain = OmegaConf.to_container(cfg, resolve=True)
-        self.steps_per_update = cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
+        self.steps_per_update = steps_per_update(cfg)
         self.total = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)
         self.metrics = EmbodiedMetrics(self.total * self.steps_per_update)
 
@@ -101,3 +101,7 @@ class EmbodiedRunner(Runner):
         return (f"stages={self.plan.stages}, updates {first}-{self.total - 1} of {self.steps_per_update} env steps"
                 + ("; the rollout runs in the env workers (same devices)" if self.fused else ""))
 
+
+def steps_per_update(cfg: DictConfig) -> int:
+    """Env steps an update collects: every env steps ``rollout_steps`` times, ``chunk`` actions each."""
+    return cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk

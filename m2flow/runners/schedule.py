@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from m2flow.flow import Plan, Workflow
 from m2flow.flow.simulate import Shape
 from m2flow.runners.base import Runner
-from m2flow.runners.embodied import EmbodiedRunner, env_layout
+from m2flow.runners.embodied import EmbodiedRunner, env_layout, steps_per_update
 from m2flow.runners.reasoning import ReasoningRunner, sharded
 
 
@@ -59,7 +59,7 @@ class EmbodiedSchedule(Schedule):
         actor trains on all of it."""
         c = self.cfg
         return Shape(("env", "rollout"), "actor", c.env.num_envs, plan.stages, repeats=c.runner.rollout_steps,
-                     samples=c.env.num_envs * c.runner.rollout_steps * c.policy.chunk, whole_turns=("env", "rollout"))
+                     samples=steps_per_update(c), whole_turns=("env", "rollout"))
 
     def knobs(self) -> dict[str, Any]:
         n = self.cfg.env.num_envs
@@ -67,8 +67,7 @@ class EmbodiedSchedule(Schedule):
 
     def length(self, updates: int) -> dict[str, Any]:
         c = self.cfg
-        steps = updates * c.runner.rollout_steps * c.env.num_envs * c.policy.chunk
-        return {"runner.total_env_steps": steps, "runner.target_return": None}
+        return {"runner.total_env_steps": updates * steps_per_update(c), "runner.target_return": None}
 
     def probe_sizes(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """The step as configured; the envs in two batches (``stages``) for the other size."""
