@@ -6,7 +6,10 @@ Workloads (``--workloads``):
   halfcheetah  embodied/ppo_halfcheetah (2048 env steps per update)
   ant          embodied/ppo_ant
   smollm2      reasoning/grpo_arith_smollm2 with 16 prompts x 8 samples per step (64 new
-               tokens at most, as in the placement runs of docs/benchmarks.md)
+               tokens at most, as in the placement runs of docs/benchmarks.md), every row
+               forwarded (``algorithm.skip_inert_rows=false``): skipping the rows of zero
+               gradient makes a step's training follow that step's rewards (3-7x apart from
+               step to step), which no plan changes and no few-step profile can predict
 
 Per workload, one run:
   1. ``m2flow profile`` in a fresh process, timed (a new profile: ``--profile-dir`` is emptied);
@@ -47,7 +50,8 @@ WORKLOADS = {
     "halfcheetah": ("embodied/ppo_halfcheetah", []),
     "ant": ("embodied/ppo_ant", []),
     "smollm2": ("reasoning/grpo_arith_smollm2", ["data.prompts_per_step=16", "rollout.n=8", "rollout.max_new_tokens=64",
-                                                  "algorithm.max_tokens_per_micro_batch=1152"]),
+                                                  "algorithm.max_tokens_per_micro_batch=1152",
+                                                  "algorithm.skip_inert_rows=false"]),
     "tiny": ("reasoning/grpo_arith_tiny", []),  # smoke runs
     "cartpole": ("embodied/ppo_cartpole", []),
 }
