@@ -119,8 +119,10 @@ class Shape:
     rollout steps of an env loop). The trainer then trains on the chunks: chunk by chunk as
     they arrive when ``trainer_streams`` (plus a final ``update`` task), else on the whole
     batch at once. A ``batched`` link (a generator) works on all the chunks at once and
-    finishes them one after another; taking device turns, it holds the devices for all of
-    them. A ``whole_turns`` link that takes device turns takes one per step: from its first
+    finishes them one after another, the first once ``first_out`` of its work is done (a
+    rollout that decodes its sequences in W waves completes its first group after about one
+    wave: 1/W; with one wave, every group at the end); taking device turns, it holds the
+    devices for all of them. A ``whole_turns`` link that takes device turns takes one per step: from its first
     task to its last (a fused process's links share it). ``receivers`` take the trainer's weights before a step's stream starts."""
 
     chain: tuple[str, ...]
@@ -133,6 +135,7 @@ class Shape:
     batched: tuple[str, ...] = ()  # links that work on the whole batch at once, its chunks done in turn
     samples: int | None = None  # what the trainer trains on per step (default: items)
     whole_turns: tuple[str, ...] = ()  # links whose device turn spans their whole call (the step's stream)
+    first_out: float = 0.0  # the share of a batched link's work done when its first chunk comes out
 
     @property
     def batch(self) -> int:
@@ -209,11 +212,11 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
                             prev = [add(Task(name, layout.process[comp], comp, whole + hop * len(sizes), tuple(prev),
                                              layout.held(comp), k))] * len(sizes)
                         else:
-                            deps = tuple(prev)
+                            deps, f = tuple(prev), shape.first_out
                             for i, part in enumerate(sizes):
+                                share = (1 - f) * part / shape.items + (f if i == 0 else 0.0)
                                 prev[i] = add(Task(f"{comp}[{k}.{r}.{i}]", layout.process[comp], comp,
-                                                   whole * part / shape.items + hop, deps if i == 0 else (),
-                                                   frozenset(), k))
+                                                   whole * share + hop, deps if i == 0 else (), frozenset(), k))
         _one_turn(tasks, first, shape, layout)
         on_receiver = [i for i in range(first, len(tasks)) if tasks[i].component in shape.receivers]
         last_made.append(on_receiver[-1] if on_receiver else prev[-1])

@@ -83,14 +83,16 @@ class ReasoningSchedule(Schedule):
     probe_updates = 2  # a step of a language model takes seconds to minutes
 
     def shape(self, plan: Plan, fused: bool) -> Shape:
-        """The rollout generates the batch; its groups go on in chunks of ``granularity``
+        """The rollout generates the batch, its first groups done after about one wave of
+        ``rollout.max_batch_size`` sequences; its groups go on in chunks of ``granularity``
         through reward, inference (and critic) to the actor, which trains on each as it comes
         unless its ranks are sharded."""
         c = self.cfg
         chain = ("rollout", "reward", "inference") + (("critic",) if "critic" in self.components else ())
         prompts = c.data.prompts_per_step
+        waves = -(-prompts * c.rollout.n // c.rollout.max_batch_size)  # of sequences decoded at once
         return Shape(chain, "actor", prompts * c.rollout.n, -(-prompts // plan.granularity["samples"]),
-                     batched=("rollout",), trainer_streams=not sharded(c, plan))
+                     batched=("rollout",), trainer_streams=not sharded(c, plan), first_out=1 / waves)
 
     def knobs(self) -> dict[str, Any]:
         p = self.cfg.data.prompts_per_step  # a step in 1, 2, 4, ... 64 chunks of prompt groups
