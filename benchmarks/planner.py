@@ -145,6 +145,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         "reference_s": round(reference_s, 1), "model_held_out_error": model.held_out_error(),
         "planning_s": round(choice.planning_s, 3),
         "auto_vs_best": auto_vs, "auto_throughput_over_best": spread([a["throughput_ratio"] for a in auto_vs], 3),
+        "profile": json.loads(Path(cfg.placement.profile).read_text()),  # for benchmarks/planner_replay.py
     }
 
 

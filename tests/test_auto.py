@@ -9,7 +9,9 @@ import yaml
 
 from m2flow.config import load_config
 from m2flow.flow import Plan
+from m2flow.flow.cost import Profile
 from m2flow.runners import run
+from m2flow.runners.auto import refit_hidden_costs
 
 
 def lines_of(capsys):
@@ -38,6 +40,11 @@ def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     assert {p["devices"] for p in prof["points"]} == {1, 2}  # seen on one device and on two
     assert prof["hardware"]["devices"] == 2 and prof["profiling_s"] > 0
     assert prof["hop_s"] >= 0 and all(v >= 0 for v in prof["switch_s"].values())
+    # The hidden costs read off the stored probes again come out as they were measured.
+    again = Profile.load(profile)
+    refit_hidden_costs(cfg, again)
+    assert again.hop_s == pytest.approx(prof["hop_s"]) and again.switch_s == pytest.approx(prof["switch_s"])
+    assert (again.hop_shared_s is None) == (prof["hop_shared_s"] is None)
     assert "cost model (held-out error" in out and "predicted step times" in out and "why:" in out
     chosen = Plan.load(tmp_path / "a" / "plan.yaml")
     assert f"plan ({chosen.mode(run_workflow(cfg))})" in out  # the run printed the plan it ran

@@ -50,6 +50,7 @@ def test_points_from_rows_cut_busy_time_into_the_simulators_tasks():
 def test_calibrate_finds_the_hidden_cost():
     assert calibrate(10.0, lambda x: 4.0 + 3 * x) == pytest.approx(2.0, abs=1e-6)
     assert calibrate(3.0, lambda x: 4.0 + 3 * x) == 0.0  # already over: nothing hidden
+    assert calibrate(10.0, lambda x: 4.0) == 0.0  # a cost nothing in the step pays explains no gap
 
 
 def test_splits_cover_the_devices():

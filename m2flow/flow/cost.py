@@ -230,6 +230,8 @@ def calibrate(step_s: float, predict_with) -> float:
         return 0.0
     while predict_with(hi) < step_s and hi < 1e6:
         hi *= 2
+    if predict_with(hi) < step_s:
+        return 0.0  # the cost does not move the prediction (nothing in the step pays it)
     for _ in range(40):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if predict_with(mid) < step_s else (lo, mid)

@@ -118,7 +118,6 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
     start = time.perf_counter()
     n, kind = len(cluster.devices), cluster.device_kind
     prof = Profile(key_of(cfg), hardware() | {"devices": n, "kind": kind})
-    measured = []
     pool = WorkerPool()  # the runs share their worker processes: each is started once
     try:
         with tempfile.TemporaryDirectory(prefix="m2flow-profile-") as tmp:
@@ -136,15 +135,13 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 finally:
                     runner.close()
                 layout, fused = layout_of(run.plan, s.workflow)
-                shape = schedule_of(run_cfg).shape(run.plan, fused)
-                prof.points += points_from_rows(shape, layout, rows)
+                prof.points += points_from_rows(schedule_of(run_cfg).shape(run.plan, fused), layout, rows)
                 step = statistics.median(r[s.duration] for r in rows)
                 for c in s.components:
                     mem = [r[f"{c}_peak_memory_mb"] for r in rows if f"{c}_peak_memory_mb" in r]
                     if mem:
                         prof.memory_mb[c] = max(prof.memory_mb.get(c, 0.0), max(mem))
-                measured.append(Probe(run.name, run.role, shape, layout, step))
-                prof.runs.append({"probe": run.name, "plan": run.plan.to_dict(), "overrides": run.overrides,
+                prof.runs.append({"probe": run.name, "role": run.role, "plan": run.plan.to_dict(), "overrides": run.overrides,
                                   "step_s": step, "run_s": time.perf_counter() - t0})
                 log(f"profile: {run.name}: {step:.3f} s a step ({time.perf_counter() - t0:.1f} s)")
     finally:
@@ -153,8 +150,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
         if own:
             cluster.shutdown()
     start += time.perf_counter() - stop
-    heavy = [c for c in s.components if c not in s.workflow.light]  # who may pay a switch
-    fit_hidden_costs(prof, measured, heavy, unfused=s.workflow.fusable is not None)
+    measured = refit_hidden_costs(cfg, prof)
     model = CostModel(prof)
     for m in measured:  # in-sample: the hidden costs were read off these
         log(f"profile: {m.name}: measured {m.step_s:.3f} s, the model says {m.predicted(model):.3f} s")
@@ -182,14 +178,16 @@ class Probe:
         return predict(self.shape, self.layout, model, model.switch_s).step_s
 
 
-def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str], unfused: bool) -> None:
+def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str], pair: tuple[str, str] | None) -> None:
     """The switch cost (from the collocated probe, its components taking turns), the cost of
     a message between processes (from the split mode's) and, when the sized probe kept the
-    fusable pair apart (``unfused``), of a message between processes on one device (from
+    fusable ``pair`` apart on one device, of a message between processes on one device (from
     it), each read off a whole step's time with the others held; twice, as each changes what
     the other probes predict."""
     role = {m.role: m for m in measured}
     first, split, sized = role["collocated"], role.get("split"), role.get("sized")
+    apart = pair is not None and sized is not None and sized.layout.process[pair[0]] != sized.layout.process[pair[1]] \
+        and bool(sized.layout.devices[pair[0]] & sized.layout.devices[pair[1]])
     model = CostModel(prof)  # fitted once: the switch and hop costs are read from ``prof`` as they change
 
     def switch(x: float) -> float:
@@ -209,8 +207,27 @@ def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str], unf
             switch(calibrate(first.step_s, switch))
         if split is not None:
             hop(calibrate(split.step_s, hop))
-        if unfused and sized is not None:
+        if apart:
             hop_shared(calibrate(sized.step_s, hop_shared))
+
+
+def refit_hidden_costs(cfg: DictConfig, prof: Profile) -> list[Probe]:
+    """Reads the switch and hop costs off the probes a profile stored (their plans, configs
+    and measured step times), with the simulator as it is now (so a profile measured by an
+    earlier version need not be measured again when only the model changed); returns them."""
+    s = schedule_of(cfg)
+    measured = []
+    for r in prof.runs:
+        plan = Plan.from_dict(r["plan"])
+        run_cfg = copy.deepcopy(s.cfg)
+        for k, v in r.get("overrides", {}).items():
+            OmegaConf.update(run_cfg, k, v, merge=False)
+        layout, fused = layout_of(plan, s.workflow)
+        measured.append(Probe(r["probe"], r["role"], schedule_of(run_cfg).shape(plan, fused), layout, r["step_s"]))
+    prof.switch_s, prof.hop_s, prof.hop_shared_s = {}, 0.0, None
+    heavy = [c for c in s.components if c not in s.workflow.light]  # who may pay a switch
+    fit_hidden_costs(prof, measured, heavy, s.workflow.fusable)
+    return measured
 
 
 def load_or_profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> tuple[Profile, Path]:
