@@ -175,24 +175,6 @@ def test_a_whole_call_turn_pays_one_switch_per_step():
                      ("rollout[1.1.0]", 10.0, 11.0), ("t[1]", 11.0, 13.5)]
 
 
-def test_a_message_between_processes_on_one_device_costs_its_own_hop():
-    # a (1 s a chunk) then b (1 s) in processes of their own, two chunks, the trainer (1 s a
-    # chunk, as each comes) elsewhere. A message costs 0.1 s between devices, 0.5 s when
-    # sender and receiver share one; nobody takes device turns here, only the hop differs.
-    # Apart: a 0-1.1, 1.1-2.2; b 1.1-2.2 (its hop to t: 0.1), 2.2-3.3; t 2.2-3.2, 3.3-4.3.
-    # a and b on one device: a 0-1.5, 1.5-3; b 1.5-2.6, 3-4.1; t 2.6-3.6, 4.1-5.1.
-    shape = Shape(chain=("a", "b"), trainer="t", items=2, chunks=2, receivers=("a",))
-    cost = lambda comp, phase, items, devices: {"work": 1.0, "train": 1.0, "hop": 0.1, "hop_shared": 0.5}.get(phase, 0.0)  # noqa: E731
-    apart = Layout({c: c for c in "abt"}, {"a": frozenset([0]), "b": frozenset([1]), "t": frozenset([2])},
-                   dict.fromkeys("abt", False))
-    shared = Layout({c: c for c in "abt"}, {"a": frozenset([0]), "b": frozenset([0]), "t": frozenset([2])},
-                    dict.fromkeys("abt", False))
-    assert predict(shape, apart, cost, steps=1).step_s == pytest.approx(4.3)
-    assert predict(shape, shared, cost, steps=1).step_s == pytest.approx(5.1)
-    assert [(s.start, s.end) for s in predict(shape, shared, cost, steps=1).spans if s.process == "b"] == [
-        pytest.approx((1.5, 2.6)), pytest.approx((3.0, 4.1))]
-
-
 @pytest.mark.parametrize("first_out, expected", [(0.0, 5.0), (0.5, 6.5), (1.0, 8.0)])
 def test_a_generator_releases_its_first_chunk_after_first_out_of_its_work(first_out, expected):
     # g makes 4 chunks in 4 s on its own device; t trains each (1 s) as it comes.

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-PHASES = ("work", "hop", "hop_shared", "train", "update", "sync")
+PHASES = ("work", "hop", "train", "update", "sync")
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,6 @@ class Profile:
     points: list[Point] = field(default_factory=list)
     switch_s: dict[str, float] = field(default_factory=dict)
     hop_s: float = 0.0  # a message between two processes of the chain
-    # ... between two that share a device (the receiver waits for the core): None, as ``hop_s``
-    hop_shared_s: float | None = None
     memory_mb: dict[str, float] = field(default_factory=dict)  # peak per device, per component
     device_memory_mb: float | None = None
     profiling_s: float = 0.0
@@ -169,9 +167,6 @@ class CostModel:
     def __call__(self, component: str, phase: str, items: float, devices: int) -> float:
         if phase == "hop":
             return self.profile.hop_s
-        if phase == "hop_shared":
-            shared = self.profile.hop_shared_s
-            return self.profile.hop_s if shared is None else shared
         f = self.fits.get((component, phase))
         if f is None:
             return 0.0  # a phase the profile never saw take time (none measured)

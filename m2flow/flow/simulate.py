@@ -160,9 +160,8 @@ class Layout:
 
 
 # cost(component, phase, items, devices) -> seconds; the phases: "work" (a link of the chain on
-# a chunk), "hop" (its message to the next link's process), "hop_shared" (the same when the two
-# processes share a device), "train" (the trainer on a chunk or batch), "update" (its optimizer
-# step), "sync" (the weight broadcast).
+# a chunk), "hop" (its message to the next link's process), "train" (the trainer on a chunk or
+# batch), "update" (its optimizer step), "sync" (the weight broadcast).
 Cost = Callable[[str, str, float, int], float]
 
 
@@ -197,12 +196,8 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
                     devices, name = layout.count(comp), f"{comp}[{k}.{r}.{c}]"
                     last = j + 1 == len(shape.chain)
                     nxt = shape.trainer if last and r + 1 == shape.repeats else shape.chain[0 if last else j + 1]
-                    # a message to another process costs a hop (none within a fused process), more
-                    # when the two share a device
-                    hop = 0.0
-                    if layout.process[nxt] != layout.process[comp]:
-                        shared = layout.devices[comp] & layout.devices[nxt]
-                        hop = cost(comp, "hop_shared" if shared else "hop", size, devices)
+                    # a message to another process costs a hop (none within a fused process)
+                    hop = cost(comp, "hop", size, devices) if layout.process[nxt] != layout.process[comp] else 0.0
                     if comp not in shape.batched:
                         prev[c] = add(Task(name, layout.process[comp], comp, cost(comp, "work", size, devices) + hop,
                                            (prev[c],), layout.held(comp), k))

@@ -75,17 +75,14 @@ def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
         except ValueError:  # PlanError and ConfigError among them
             return False
 
-    # The sized run keeps a fusable pair apart: its messages between two processes on one
-    # device time what an unfused collocated plan pays for each.
-    unfused = {"fuse": False} if wf.fusable else {}
-    sized = ", ".join([f"{k} {v}" for k, v in variant.items()] + ["unfused"] * bool(unfused))
+    sized = ", ".join(f"{k} {v}" for k, v in variant.items())
     out = [ProbeRun("collocated", "collocated", of("collocated", n), every)]
     if n > 1:
         out.append(ProbeRun(f"collocated on device 0, {sized}", "sized",
-                            of("collocated", 1, trainer_devices_per_proc=1, **variant | unfused),
+                            of("collocated", 1, trainer_devices_per_proc=1, **variant),
                             every | variant_overrides))
     else:
-        out.append(ProbeRun(f"collocated, {sized}", "sized", of("collocated", n, **variant | unfused),
+        out.append(ProbeRun(f"collocated, {sized}", "sized", of("collocated", n, **variant),
                             every | variant_overrides))
     for mode in wf.splits:
         try:
@@ -154,9 +151,8 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
     model = CostModel(prof)
     for m in measured:  # in-sample: the hidden costs were read off these
         log(f"profile: {m.name}: measured {m.step_s:.3f} s, the model says {m.predicted(model):.3f} s")
-    shared = "" if prof.hop_shared_s is None else f", {prof.hop_shared_s * 1e3:.2f} ms on one device"
     log(f"profile: switch {max(prof.switch_s.values(), default=0.0) * 1e3:.1f} ms, "
-        f"message between processes {prof.hop_s * 1e3:.2f} ms{shared}")
+        f"message between processes {prof.hop_s * 1e3:.2f} ms")
     prof.profiling_s = time.perf_counter() - start
     if kind == "cuda":
         import torch
@@ -178,16 +174,12 @@ class Probe:
         return predict(self.shape, self.layout, model, model.switch_s).step_s
 
 
-def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str], pair: tuple[str, str] | None) -> None:
-    """The switch cost (from the collocated probe, its components taking turns), the cost of
-    a message between processes (from the split mode's) and, when the sized probe kept the
-    fusable ``pair`` apart on one device, of a message between processes on one device (from
-    it), each read off a whole step's time with the others held; twice, as each changes what
-    the other probes predict."""
+def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str]) -> None:
+    """The switch cost (from the collocated probe, its components taking turns) and the cost
+    of a message between processes (from the split mode's), each read off a whole step's
+    time with the other held; twice, as each changes what the other probe predicts."""
     role = {m.role: m for m in measured}
-    first, split, sized = role["collocated"], role.get("split"), role.get("sized")
-    apart = pair is not None and sized is not None and sized.layout.process[pair[0]] != sized.layout.process[pair[1]] \
-        and bool(sized.layout.devices[pair[0]] & sized.layout.devices[pair[1]])
+    first, split = role["collocated"], role.get("split")
     model = CostModel(prof)  # fitted once: the switch and hop costs are read from ``prof`` as they change
 
     def switch(x: float) -> float:
@@ -198,17 +190,11 @@ def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str], pai
         prof.hop_s = x
         return split.predicted(model)
 
-    def hop_shared(x: float) -> float:
-        prof.hop_shared_s = x
-        return sized.predicted(model)
-
     for _ in range(2):
         if any(first.layout.turns.values()):
             switch(calibrate(first.step_s, switch))
         if split is not None:
             hop(calibrate(split.step_s, hop))
-        if apart:
-            hop_shared(calibrate(sized.step_s, hop_shared))
 
 
 def refit_hidden_costs(cfg: DictConfig, prof: Profile) -> list[Probe]:
@@ -224,9 +210,9 @@ def refit_hidden_costs(cfg: DictConfig, prof: Profile) -> list[Probe]:
             OmegaConf.update(run_cfg, k, v, merge=False)
         layout, fused = layout_of(plan, s.workflow)
         measured.append(Probe(r["probe"], r["role"], schedule_of(run_cfg).shape(plan, fused), layout, r["step_s"]))
-    prof.switch_s, prof.hop_s, prof.hop_shared_s = {}, 0.0, None
+    prof.switch_s, prof.hop_s = {}, 0.0
     heavy = [c for c in s.components if c not in s.workflow.light]  # who may pay a switch
-    fit_hidden_costs(prof, measured, heavy, s.workflow.fusable)
+    fit_hidden_costs(prof, measured, heavy)
     return measured
 
 
