@@ -209,7 +209,9 @@ def refit_hidden_costs(cfg: DictConfig, prof: Profile) -> list[Probe]:
         for k, v in r.get("overrides", {}).items():
             OmegaConf.update(run_cfg, k, v, merge=False)
         layout, fused = layout_of(plan, s.workflow)
-        measured.append(Probe(r["probe"], r["role"], schedule_of(run_cfg).shape(plan, fused), layout, r["step_s"]))
+        role = r.get("role") or ("split" if not r["probe"].startswith("collocated")  # a profile that names none
+                                 else "collocated" if r["probe"] == "collocated" else "sized")
+        measured.append(Probe(r["probe"], role, schedule_of(run_cfg).shape(plan, fused), layout, r["step_s"]))
     prof.switch_s, prof.hop_s = {}, 0.0
     heavy = [c for c in s.components if c not in s.workflow.light]  # who may pay a switch
     fit_hidden_costs(prof, measured, heavy)
