@@ -25,14 +25,14 @@ from common import json_safe  # noqa: E402
 def replay(result: dict, profile: dict) -> dict:
     from m2flow.config import load_config
     from m2flow.flow import Plan
-    from m2flow.flow.cost import CostModel, Point, Profile
+    from m2flow.flow.cost import CostModel, Profile
     from m2flow.flow.planner import layout_of
     from m2flow.flow.simulate import predict
     from m2flow.runners.auto import refit_hidden_costs
     from m2flow.runners.schedule import schedule_of
 
     cfg = load_config(result["preset"], result["overrides"])
-    prof = Profile(**profile | {"points": [Point(**p) for p in profile["points"]]})
+    prof = Profile.from_dict(profile)
     refit_hidden_costs(cfg, prof)
     model = CostModel(prof)
     s = schedule_of(cfg)

@@ -24,7 +24,7 @@ import json
 import math
 import os
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +64,13 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        data = json.loads(Path(path).read_text())
-        data["points"] = [Point(**p) for p in data["points"]]
-        return cls(**data)
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """A profile as ``save`` wrote it; keys this version does not know are left out."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known} | {"points": [Point(**p) for p in data["points"]]})
 
     def matches(self, key: str, hardware: dict[str, Any]) -> bool:
         return self.key == key and self.hardware == hardware
