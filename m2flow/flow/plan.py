@@ -220,6 +220,10 @@ class Plan:
         """The runtime placement of the plan's components on ``cluster``'s devices."""
         return Placement.from_config({c: p.as_dict() for c, p in self.components.items()}, cluster)
 
+    def hosts(self, workflow: Workflow) -> dict[str, str]:
+        """Fused component -> the component in whose processes it runs (none unless fused)."""
+        return {workflow.fusable[1]: workflow.fusable[0]} if self.fused(workflow) else {}
+
     def fused(self, workflow: Workflow) -> bool:
         """Whether the fusable pair runs in one process: asked for, and placed rank for rank
         alike (the same devices, in order, cut into processes the same way)."""

@@ -54,9 +54,7 @@ class Candidate:
 def layout_of(plan: Plan, workflow: Workflow) -> tuple[Layout, bool]:
     """Processes, devices and turns as the runner makes them (``Runner._start``)."""
     fused = plan.fused(workflow)
-    process = {c: c for c in plan.components}
-    if fused:
-        process[workflow.fusable[1]] = workflow.fusable[0]
+    process = {c: c for c in plan.components} | plan.hosts(workflow)
     devices = {c: frozenset(plan.devices(c)) for c in plan.components}
     turns = workflow.turns({c: devices[c] for c in plan.components if process[c] == c}, fused)
     turns |= {c: turns[process[c]] for c in plan.components}  # a fused component: its host's

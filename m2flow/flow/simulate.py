@@ -122,8 +122,9 @@ class Shape:
     finishes them one after another, the first once ``first_out`` of its work is done (a
     rollout that decodes its sequences in W waves completes its first group after about one
     wave: 1/W; with one wave, every group at the end); taking device turns, it holds the
-    devices for all of them. A ``whole_turns`` link that takes device turns takes one per step: from its first
-    task to its last (a fused process's links share it). ``receivers`` take the trainer's weights before a step's stream starts."""
+    devices for all of them. A ``whole_turns`` link that takes device turns takes one per
+    step: from its first task to its last (a fused process's links share it). ``receivers``
+    take the trainer's weights before a step's stream starts."""
 
     chain: tuple[str, ...]
     trainer: str

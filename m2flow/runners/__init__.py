@@ -15,9 +15,9 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
     cluster = None
     if cfg.placement.mode == "auto":
         from m2flow.runners.auto import auto_plan
-        from m2flow.runtime import Cluster
+        from m2flow.runners.base import start_cluster
 
-        cluster = Cluster(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, cpu_slots=cfg.cluster.cpu_slots)
+        cluster = start_cluster(cfg.cluster)
     try:
         if cluster is not None:
             cfg = auto_plan(cfg, cluster)

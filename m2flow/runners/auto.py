@@ -25,7 +25,7 @@ from m2flow.flow import Plan, PlanError
 from m2flow.flow.cost import CostModel, Profile, calibrate, hardware, points_from_rows, profile_key
 from m2flow.flow.planner import Choice, layout_of, plan
 from m2flow.flow.simulate import Layout, Shape, predict
-from m2flow.runners.base import local_devices
+from m2flow.runners.base import local_devices, start_cluster
 from m2flow.runners.schedule import Schedule, schedule_of
 from m2flow.runtime import Cluster
 from m2flow.runtime.group import WorkerPool
@@ -111,7 +111,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
     profile its own)."""
     s = schedule_of(cfg)
     own = cluster is None
-    cluster = cluster or Cluster(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, cpu_slots=cfg.cluster.cpu_slots)
+    cluster = cluster or start_cluster(cfg.cluster)
     start = time.perf_counter()
     n, kind = len(cluster.devices), cluster.device_kind
     prof = Profile(key_of(cfg), hardware() | {"devices": n, "kind": kind})

@@ -49,8 +49,7 @@ class Runner:
         if known:
             self.plan = self._plan(*known)
             self.prepare()
-        self.cluster = cluster or Cluster(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
-                                          cpu_slots=cfg.cluster.cpu_slots)
+        self.cluster = cluster or start_cluster(cfg.cluster)
         try:
             if not known:
                 self.plan = self._plan(len(self.cluster.devices), self.cluster.device_kind)
@@ -77,7 +76,7 @@ class Runner:
         self.fused = self.plan.fused(self.workflow)
         run = uuid.uuid4().hex[:6]
         names = self.pool.tag if self.pool else run  # a pool's processes keep their names
-        host = self.hosts(self.plan)
+        host = self.plan.hosts(self.workflow)
         processes = [c for c in self.components if c not in host]
         devices = {c: self.placement[c].device_indices for c in processes}
         turns = self.workflow.turns(devices, self.fused)
@@ -94,17 +93,12 @@ class Runner:
         start_together(*self.distinct_groups, channels=list(self.channels.values()), locks=locks)
 
     @classmethod
-    def hosts(cls, plan: Plan) -> dict[str, str]:
-        """Fused component -> the component in whose processes it runs."""
-        return {cls.workflow.fusable[1]: cls.workflow.fusable[0]} if plan.fused(cls.workflow) else {}
-
-    @classmethod
     def prestart(cls, cfg: DictConfig, plan: Plan, cluster: Cluster, pool: WorkerPool) -> None:
         """Starts, in the background, the worker processes that a run of ``cfg`` under
         ``plan`` on ``cluster`` would start, named as ``pool``'s runs name them."""
-        placement = plan.placement(cluster)
+        placement, host = plan.placement(cluster), plan.hosts(cls.workflow)
         for c in cls.components_of(cfg):
-            if c not in cls.hosts(plan):
+            if c not in host:
                 pool.prestart(cls.workers[c], placement[c], f"{c}-{pool.tag}")
 
     # -- what a flow defines ------------------------------------------------------------
@@ -315,6 +309,11 @@ def plan_of(cfg: DictConfig, workflow: Workflow, num_devices: int, kind: str, co
     granularity = options.pop("granularity", 1)
     return Plan.from_dict({"components": {c: given[c] for c in components}, "fuse": [list(workflow.fusable)] if fuse else [],
                            "granularity": {ch: granularity for ch in workflow.channels}, **options})
+
+
+def start_cluster(cluster: DictConfig) -> Cluster:
+    """The cluster a config's ``cluster`` section names: an embedded Ray, or an existing one."""
+    return Cluster(cluster.address, num_cpus=cluster.num_cpus, cpu_slots=cluster.cpu_slots)
 
 
 def local_devices(cluster: DictConfig) -> tuple[int, str] | None:

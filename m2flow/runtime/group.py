@@ -294,14 +294,13 @@ class WorkerGroup:
         if self.pool is not None:
             refs = [a._m2flow_recycle.remote() for a in self.actors]
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-            for r, (ref, actor) in enumerate(zip(refs, self.actors)):
+            for rank, ref, actor in zip(self.placement.ranks(), refs, self.actors):
                 try:
                     ok = ref in done and ray.get(ref) is None
                 except Exception:  # noqa: BLE001 - a rank that cannot recycle is ended below
                     ok = False
-                rank = self.placement.ranks()[r]
                 if ok:
-                    self.pool.give(f"{self.name}:{r}", self.cls, rank.node_id, rank.devices, actor)
+                    self.pool.give(f"{self.name}:{rank.rank}", self.cls, rank.node_id, rank.devices, actor)
                 else:
                     ray.kill(actor, no_restart=True)
             return
