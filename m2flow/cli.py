@@ -1,9 +1,12 @@
 """Command line: ``m2flow train PRESET [key=value ...]``, ``m2flow config PRESET [key=value ...]``,
 ``m2flow profile PRESET [key=value ...]``, ``m2flow plan (PRESET | --profile FILE) [--devices N]
-[--nodes M]``, ``m2flow presets``, ``m2flow demo``.
+[--nodes M]``, ``m2flow eval PRESET checkpoint=FILE [episodes=N] [out=FILE] [key=value ...]``, ``m2flow presets``,
+``m2flow demo``.
 
 A config mistake is one line on stderr, ``m2flow: error: key.path: ...``, and exit status 2,
-before anything starts; ``m2flow --debug ...`` shows its traceback instead.
+before anything starts. A worker's failure during a run is one paragraph (component, rank,
+exception, the last frames of its code) and exit status 1; the worker's whole traceback is in
+the run's ``log.txt``. ``m2flow --debug ...`` shows the tracebacks instead.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="m2flow", description="Flexible, efficient, large-scale RL training on Ray.")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of a config error")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a config error or a worker's failure")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a preset, e.g. embodied/ppo_cartpole placement.mode=hybrid")
     config = sub.add_parser("config", help="print the resolved config of a preset with overrides (YAML)")
@@ -34,6 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--internode", type=float, default=4.0,
                       help="how much slower a data-parallel exchange is across nodes than within one")
     plan.add_argument("--out", help="write the best plan here (YAML; run it with placement=@FILE)")
+    ev = sub.add_parser("eval", help="score a checkpoint: reasoning, greedy accuracy on a data set; embodied, "
+                                     "return and success over episodes")
+    ev.add_argument("preset", help="the preset (or YAML file) the checkpoint was trained with")
+    ev.add_argument("overrides", nargs="*", help="checkpoint=FILE (or checkpoint=auto: the latest complete one of "
+                    "runner.out_dir); episodes=N (embodied, default 10); out=FILE (the JSON result, default "
+                    "<checkpoint>.eval.json); and key.path=value overrides, e.g. data.source=FILE")
     sub.add_parser("presets", help="list the presets")
     demo = sub.add_parser("demo", help="place a few workers on an embedded Ray and stream data between them")
     demo.add_argument("--out", default="runs/demo", help="where the trace is written")
@@ -54,8 +63,17 @@ def command(args: argparse.Namespace) -> None:
     if args.command == "train":
         from m2flow.config import load_config
         from m2flow.runners import run
+        from m2flow.runtime.group import WorkerError
+        from m2flow.runtime.watchdog import RunHung
 
-        run(load_config(args.preset, args.overrides))
+        cfg = load_config(args.preset, args.overrides)
+        try:
+            run(cfg)
+        except (WorkerError, RunHung) as e:  # one paragraph here; the whole traceback is in the run's log
+            if args.debug:
+                raise
+            print(f"m2flow: {e}\n(the worker's whole traceback: {cfg.runner.out_dir}/log.txt)", file=sys.stderr)
+            raise SystemExit(1) from None
     elif args.command == "config":
         from m2flow.config import load_config, to_yaml
 
@@ -72,6 +90,25 @@ def command(args: argparse.Namespace) -> None:
         if preset is not None and "=" in preset:  # m2flow plan --profile FILE key=value ...: no preset
             preset, overrides = None, [preset, *overrides]
         plan_command(preset, overrides, args.profile, args.devices, args.nodes, args.internode, args.out)
+    elif args.command == "eval":
+        from m2flow.config import ConfigError, load_config
+        from m2flow.runners.evaluate import evaluate, table
+
+        own = {"checkpoint": None, "episodes": "10", "out": None}  # eval's own keys, beside the config's
+        overrides = []
+        for o in args.overrides:
+            key, _, value = o.partition("=")
+            if key in own:
+                own[key] = value
+            else:
+                overrides.append(o)
+        if not own["checkpoint"]:
+            raise ConfigError("checkpoint", "m2flow eval needs checkpoint=FILE (or checkpoint=auto)")
+        if not own["episodes"].isdigit() or int(own["episodes"]) < 1:
+            raise ConfigError("episodes", f"must be a whole number >= 1, got {own['episodes']!r}")
+        cfg = load_config(args.preset, overrides)
+        path = checkpoint_file(own["checkpoint"], cfg)
+        print(table(evaluate(cfg, path, episodes=int(own["episodes"]), out=own["out"])))
     elif args.command == "presets":
         from m2flow.config import presets
 
@@ -80,6 +117,23 @@ def command(args: argparse.Namespace) -> None:
         from m2flow.demo import run_demo
 
         run_demo(args.out)
+
+
+def checkpoint_file(given: str, cfg) -> str:
+    """``checkpoint=FILE``, or ``auto``: the latest complete checkpoint of ``runner.out_dir``."""
+    from pathlib import Path
+
+    from m2flow.config import ConfigError
+    from m2flow.runners import checkpoint as checkpoints
+
+    if given == "auto":
+        found = checkpoints.latest(Path(cfg.runner.out_dir) / "checkpoints", log=lambda m: print(m, file=sys.stderr))
+        if found is None:
+            raise ConfigError("checkpoint", f"no complete checkpoint in {Path(cfg.runner.out_dir) / 'checkpoints'}")
+        return str(found)
+    if not Path(given).is_file():
+        raise ConfigError("checkpoint", f"no such checkpoint file {given!r}")
+    return given
 
 
 if __name__ == "__main__":

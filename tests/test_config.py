@@ -115,7 +115,7 @@ MALFORMED = [
     (R, ["data.source={tmp}/problems.csv"], "data.source"),
     (R, ["model.path={tmp}/no-such-model"], "model.path"),
     (R, ["model.path=tiny-mistral"], "model.path"),
-    (E, ["runner.resume={tmp}/update_000010.pt"], "runner.resume"),
+    (E, ["runner.resume={tmp}/update_000010.safetensors"], "runner.resume"),
     (R, ["reward.functions.my_reward=1.0"], "reward.functions.my_reward"),
     # rules between keys (embodied GRPO, reasoning groups and PPO, data sizes, placement)
     (E, ["algorithm.name=grpo", "algorithm.norm_adv=false"], "env.group_size"),

@@ -1,6 +1,7 @@
 """Embodied PPO end to end: the same runner loop learns CartPole in every placement mode."""
 
 import math
+import shutil
 
 import pytest
 import ray
@@ -129,8 +130,13 @@ def test_resume_continues_exactly(cluster, tmp_path, ahead):
 
     straight, history = run(tmp_path / "a", "runner.checkpoint_every=2")
     assert len(history) == 4 and len(set(straight)) == 1  # both actor ranks hold the same weights
-    resumed, rest = run(tmp_path / "b", f"runner.resume={tmp_path / 'a' / 'checkpoints' / 'update_000002.pt'}")
-    assert [row["update"] for row in rest] == [2, 3]
+    # resume=auto in a copy of the run whose last checkpoint was cut short: it takes the one before
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    last = tmp_path / "b" / "checkpoints" / "update_000004.safetensors"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    resumed, rest = run(tmp_path / "b", "runner.resume=auto")
+    assert [row["update"] for row in rest] == [0, 1, 2, 3]  # the copied log's rows to the checkpoint, then its own
+    assert "skipping" in (tmp_path / "b" / "log.txt").read_text()
     assert [row["policy_lag"] for row in history] == ([0, 1, 0, 1] if ahead else [0] * 4)
     assert resumed == straight
     assert rest[-1]["env_steps"] == history[-1]["env_steps"]

@@ -3,6 +3,7 @@ the MuJoCo and ManiSkill presets, each shrunk to two short updates through the r
 
 import math
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +12,10 @@ import ray
 import torch
 
 from m2flow.config import load_config
+from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runtime import Cluster
+from m2flow.runtime.watchdog import RunHung
 
 TESTS = Path(__file__).resolve().parent
 PIXEL_TASK = "pixel_env:BrightSide-v0"  # tests/pixel_env.py
@@ -72,7 +75,7 @@ def test_pixel_policy_trains_end_to_end(cluster, tmp_path):
     assert before["encoder.convs.0.weight"].shape == (32, 3, 8, 8)  # a CNN over the 3 colour channels
     # What the env workers hand the policy (the checkpoint holds their latest observations):
     # whole frames, one half white, the other black.
-    ckpt = torch.load(tmp_path / "checkpoints" / "update_000002.pt", weights_only=False)
+    ckpt = checkpoints.load(tmp_path / "checkpoints" / "update_000002.safetensors")
     frames = np.concatenate([state["obs"][0] for state in ckpt["states"]["env"]])
     assert frames.shape == (4, 36, 36, 3)
     for frame in frames:
@@ -105,3 +108,26 @@ def test_maniskill_preset_trains(cluster, tmp_path):
         assert row["episodes"] == 2 and row["episode_length"] == 50
         assert 0.0 <= row["success_rate"] <= 1.0 and 0.0 <= row["episode_return"] <= 50.0  # rewards in [0, 1]
     assert before["pi.0.weight"].shape == (256, 35)  # the preset's MLP on the 35-dim state
+
+
+def test_a_run_whose_simulator_hangs_stops_with_a_report(cluster, tmp_path):
+    """The env's step sleeps for good in the second update: no update ends, no item moves, so
+    after runner.hang_timeout_s the run stops; the report and the error name the env workers
+    and where they are stuck, and the run's close still works (the processes were killed)."""
+    overrides = ["env.id=stall_env:Stall-v0", "env.num_envs=4", "env.kwargs.stall_after=40", "runner.rollout_steps=32",
+                 "runner.total_env_steps=256", "algorithm.minibatch_size=32", "runner.hang_timeout_s=5",
+                 "placement.mode=collocated", "runner.progress=false", f"runner.out_dir={tmp_path}"]
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RunHung, match=r"made progress for 5 s \(runner.hang_timeout_s\): env-\w+ rank \d busy at "
+                                          r".*stall_env.py:\d+ in step: time.sleep\(3600\).*; report: "):
+            runner.train()
+    finally:
+        runner.close()
+    assert time.monotonic() - start < 5 + 30
+    (report,) = tmp_path.glob("hang-*.txt")
+    text = report.read_text()
+    assert "== stacks" in text and "in step\n" in text and "in interact\n" in text
+    assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 2  # the header and the first update
+    assert f"report: {report}" in (tmp_path / "log.txt").read_text()

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m2flow.envs import EnvBatch, RunningMeanStd, make_env
+from m2flow.runners import checkpoint as checkpoints
 
 
 def random_actions(batch: EnvBatch, rng: np.random.Generator, *lead: int) -> np.ndarray:
@@ -284,9 +285,10 @@ def test_steps_like_sync_vector_env(env_id):
     pytest.param("metaworld:reach-v3", marks=pytest.mark.skipif(importlib.util.find_spec("metaworld") is None,
                                                                 reason="Meta-World lives in .venv-metaworld")),
 ])
-def test_snapshot_restore_continues_bit_for_bit(env_id):
-    """Checkpoints: a batch restored from a snapshot mid-episode steps exactly like the original,
-    through a time-limit reset (the resumed RNG and step counters matter there)."""
+def test_snapshot_restore_continues_bit_for_bit(env_id, tmp_path):
+    """Checkpoints: a batch restored from a snapshot mid-episode, stored in a checkpoint file
+    and read back, steps exactly like the original, through a time-limit reset (the resumed RNG
+    and step counters matter there)."""
     kwargs = {"max_episode_steps": 15}
     original = EnvBatch(env_id, 3, 0, obs_norm=True, env_kwargs=kwargs)
     original.reset()
@@ -302,7 +304,8 @@ def test_snapshot_restore_continues_bit_for_bit(env_id):
         original.step(actions())
     restored = EnvBatch(env_id, 3, 99, obs_norm=True, env_kwargs=kwargs)
     restored.reset()
-    restored.restore(original.snapshot())
+    checkpoints.save(tmp_path / "envs.safetensors", original.snapshot())
+    restored.restore(checkpoints.load(tmp_path / "envs.safetensors"))
     np.testing.assert_array_equal(restored.observations(), original.observations())
     for _ in range(12):
         a = actions()

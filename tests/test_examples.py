@@ -38,4 +38,4 @@ def test_reasoning_tiny_preset_from_the_command_line(tmp_path):
     assert "grpo: steps 0-1" in out
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("step,") and len(rows) == 1 + 3  # the evaluation before step 1, then 2 steps
-    assert (tmp_path / "run" / "checkpoints" / "step_000002.pt").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_000002.safetensors").is_file()

@@ -4,7 +4,6 @@ Needs the `maniskill` extra and a software Vulkan (scripts/setup_maniskill.sh; `
 runs it). The first env costs a few seconds (imports, Vulkan); later ones ~0.4 s.
 """
 
-import pickle
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ pytest.importorskip("mani_skill", reason="needs the maniskill extra: scripts/set
 
 from m2flow.config import load_config
 from m2flow.envs import EnvBatch, make_env
+from m2flow.runners import checkpoint as checkpoints
 
 TASK = "maniskill:PushCube-v1"
 # ManiSkill 3.0.1 calls np.isnan on torch tensors; NumPy 2 deprecates that path, once per step.
@@ -76,7 +76,7 @@ def test_same_seed_same_episodes_across_auto_resets():
     a.close(), b.close()
 
 
-def test_snapshot_restore_continues():
+def test_snapshot_restore_continues(tmp_path):
     """Checkpoints: a restored batch continues the original's episodes, through a time-limit
     reset. SAPIEN's API sets poses in float32 through the centre of mass, so the continuation
     matches to round-off, and two restores of one snapshot match each other exactly."""
@@ -87,7 +87,8 @@ def test_snapshot_restore_continues():
     actions = rng.uniform(-1, 1, size=(12, 2, 8))
     for act in actions[:5]:
         original.step(act)
-    snap = pickle.loads(pickle.dumps(original.snapshot()))  # as a checkpoint stores it
+    checkpoints.save(tmp_path / "snap.safetensors", original.snapshot())
+    snap = checkpoints.load(tmp_path / "snap.safetensors")  # as a checkpoint stores it
     restored = [EnvBatch(TASK, 2, 99, **kwargs) for _ in range(2)]
     for batch in restored:
         batch.reset()

@@ -134,7 +134,7 @@ def test_resume_reaches_the_same_weights(cluster, tmp_path):
     exact = "algorithm.share_prompts=false"
     straight = _train(cluster, tmp_path / "straight", "runner.steps=4", exact)[1]
     _train(cluster, tmp_path / "split", "runner.steps=2", exact)
-    checkpoint = tmp_path / "split" / "checkpoints" / "step_000002.pt"
+    checkpoint = tmp_path / "split" / "checkpoints" / "step_000002.safetensors"
     resumed = _train(cluster, tmp_path / "split", "runner.steps=4", f"runner.resume={checkpoint}", exact)[1]
     assert resumed[0] == straight[0]
     history = (tmp_path / "split" / "metrics.csv").read_text().splitlines()

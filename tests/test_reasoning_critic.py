@@ -116,7 +116,7 @@ def test_ppo_raises_the_reward_and_resumes_the_critic(cluster, tmp_path):
     try:
         history = runner.train()
         straight = [runner.groups["actor"].weights_hash().wait()[0], runner.groups["critic"].weights_hash().wait()[0]]
-        runner.cfg.runner.resume = str(tmp_path / "checkpoints" / "step_000024.pt")
+        runner.cfg.runner.resume = str(tmp_path / "checkpoints" / "step_000024.safetensors")
         runner.train()
         resumed = [runner.groups["actor"].weights_hash().wait()[0], runner.groups["critic"].weights_hash().wait()[0]]
     finally:

@@ -95,7 +95,12 @@ class RunnerConfig:
                                      "(its data then one policy version old)")
     log_every: int = opt(1, "kept for older presets: every update is logged")
     checkpoint_every: int = opt(0, "updates between checkpoints; 0: only at the end", within=NON_NEGATIVE)
-    resume: Optional[str] = opt(None, "a checkpoint file to continue from")
+    checkpoint_every_min: float = opt(0.0, "minutes between checkpoints (also); 0: by updates only", within=NON_NEGATIVE)
+    hang_timeout_s: float = opt(1800.0, "seconds without progress (no update ending, no channel item moving, no device "
+                                "lock changing hands) after which the run stops with a report of every worker's stacks; "
+                                "0: never", within=NON_NEGATIVE)
+    resume: Optional[str] = opt(None, "a checkpoint file (.safetensors) to continue from, or auto: the latest "
+                                "complete one in runner.out_dir/checkpoints (none: start afresh)")
     out_dir: str = opt("runs/${name}", "where metrics, logs and checkpoints go")
     progress: bool = opt(True, "show a progress bar")
 

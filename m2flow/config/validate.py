@@ -86,7 +86,7 @@ def _optional(hint: Any) -> bool:
 
 def check_runner_files(d: Mapping) -> None:
     resume = d["runner"]["resume"]
-    if resume is not None and not Path(resume).is_file():
+    if resume not in (None, "auto") and not Path(resume).is_file():
         raise ConfigError("runner.resume", f"no such checkpoint file {resume!r}")
     plan = d["placement"]["plan"]
     if plan is not None and not Path(plan).is_file():

@@ -11,8 +11,6 @@ from m2flow.data.problems import build_prompts, load_problems
 def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
     """(train, test) prompts as ``{"index", "token_ids", "answer"}``, chat-formatted with
     the model's own tokenizer."""
-    from m2flow.models.lm import load_tokenizer  # transformers: imported only when prompts are made
-
     d = cfg.data
     if d.source == "arithmetic":
         levels = list(d.levels)
@@ -25,10 +23,21 @@ def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
                              f"data.test_size={d.test_size} and train on the rest")
         cut = len(problems) - d.test_size  # the last test_size rows are held out
         train, test = problems[:cut], problems[cut:]
+    return _rows(cfg, train), _rows(cfg, test)
+
+
+def eval_prompts(cfg: DictConfig) -> list[dict]:
+    """The prompts ``m2flow eval`` scores: every row of ``data.source`` when it is a file, else
+    the generated held-out problems."""
+    d = cfg.data
+    if d.source == "arithmetic":
+        return _rows(cfg, arithmetic_problems(d.test_size, list(d.levels), "test", seed=cfg.seed))
+    return _rows(cfg, load_problems(d.source, d.question_key, d.answer_key))
+
+
+def _rows(cfg: DictConfig, problems) -> list[dict]:
+    from m2flow.models.lm import load_tokenizer  # transformers: imported only when prompts are made
+
     tokenizer = load_tokenizer(cfg.model.path)
-
-    def rows(problems):
-        return [{"index": i, "token_ids": list(p.token_ids), "answer": p.problem.answer}
-                for i, p in enumerate(build_prompts(problems, tokenizer, d.instruction))]
-
-    return rows(train), rows(test)
+    return [{"index": i, "token_ids": list(p.token_ids), "answer": p.problem.answer}
+            for i, p in enumerate(build_prompts(problems, tokenizer, cfg.data.instruction))]

@@ -28,11 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import copy
-import pickle
 
 import gymnasium as gym
 import numpy as np
-from ray import cloudpickle
 
 from m2flow.envs.normalize import RunningMeanStd
 from m2flow.envs.registry import make_env
@@ -384,45 +382,55 @@ def _wrappers(env: gym.Env) -> list[gym.Env]:
 
 
 def _env_snapshot(env: gym.Env) -> dict[str, Any]:
-    """MuJoCo envs pickle as their constructor arguments, not their state, so their MjData
-    is saved whole: envs also read derived fields that ``mj_step`` left behind (e.g. body
-    positions from before the last integration), so the physics state alone would not
-    continue bit for bit. Beside it, the env's own attributes of plain types (Meta-World keeps
-    its step count, goal and previous observation there). An env whose adapter saves itself
-    (ManiSkill: see ``make_env``) does so; other envs pickle whole."""
+    """An env's state as arrays and plain values (checkpoints store nothing pickled): its own
+    attributes of plain types (a classic-control env's ``state``; Meta-World's step count, goal
+    and previous observation), its RNG, its wrappers' episode counters and, for a MuJoCo env,
+    every array of its MjData. MuJoCo envs also read derived fields that ``mj_step`` left
+    behind (e.g. body positions from before the last integration), so the physics state alone
+    would not continue bit for bit. An env whose state lives elsewhere saves itself through
+    ``snapshot``/``restore`` methods (ManiSkill's adapter: see ``make_env``)."""
     if hasattr(env, "snapshot"):
         return {"own": env.snapshot()}
     base = env.unwrapped
-    if not hasattr(base, "data") or not hasattr(base, "model"):
-        return {"pickled": cloudpickle.dumps(env)}
     wrappers = [{k: v for k, v in vars(w).items() if k in _WRAPPER_STATE} for w in _wrappers(env)]
-    attrs = {k: v for k, v in vars(base).items() if isinstance(v, _PLAIN) and not k.startswith("_ezpickle")}
-    return {"data": pickle.dumps(base.data), "rng": base.np_random.bit_generator.state, "wrappers": wrappers,
-            "attrs": copy.deepcopy(attrs)}
+    attrs = {k: v for k, v in vars(base).items() if _plain(v) and not k.startswith("_ezpickle")}
+    snap = {"rng": base.np_random.bit_generator.state, "wrappers": wrappers, "attrs": copy.deepcopy(attrs)}
+    if hasattr(base, "data") and hasattr(base, "model"):
+        data = base.data
+        snap["mjdata"] = {"time": float(data.time),
+                          **{k: v.copy() for k in dir(data) if not k.startswith("_")
+                             and isinstance(v := getattr(data, k), np.ndarray)}}
+    return snap
 
 
 def _env_restore(env: gym.Env, snap: dict[str, Any]) -> gym.Env:
     if "own" in snap:
         env.restore(snap["own"])
         return env
-    if "pickled" in snap:
-        env.close()
-        return pickle.loads(snap["pickled"])
-    import mujoco
-
     base = env.unwrapped
-    data = pickle.loads(snap["data"])
-    if hasattr(mujoco, "mj_copyData"):
-        mujoco.mj_copyData(base.data, base.model, data)
-    else:  # older mujoco (Meta-World pins 3.3): the env takes the restored MjData itself
-        base.data = data
-        if getattr(base, "mujoco_renderer", None) is not None:
-            base.mujoco_renderer.data = data
+    if "mjdata" in snap:
+        data = base.data
+        data.time = snap["mjdata"]["time"]
+        for k, v in snap["mjdata"].items():
+            # The arrays sized by the contacts and constraints of the moment (efc_*, ...) are
+            # rebuilt by the next mj_step before anything reads them: those of another size
+            # here are left as they are.
+            if k != "time" and (dst := getattr(data, k)).shape == v.shape:
+                dst[...] = v
     vars(base).update(copy.deepcopy(snap["attrs"]))
     base.np_random.bit_generator.state = snap["rng"]
     for w, state in zip(_wrappers(env), snap["wrappers"]):
         vars(w).update(state)
     return env
+
+
+def _plain(v: Any) -> bool:
+    """Plain values, arrays and containers of them: what a checkpoint stores."""
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, (str, int)) and _plain(x) for k, x in v.items())
+    return isinstance(v, _PLAIN) and not (isinstance(v, np.ndarray) and v.dtype.hasobject)
 
 
 # An env's attributes saved beside its MjData: plain values, not the simulator or spaces.

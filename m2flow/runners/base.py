@@ -8,6 +8,7 @@ its metrics, and ``launch`` (start one step's data stream) and ``step`` (one upd
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -20,10 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config.validate import validate
 from m2flow.flow import Plan, Workflow
+from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.cluster import cpu_slot_count
-from m2flow.runtime.group import GroupHandle, WorkerPool, start_together, wait
+from m2flow.runtime.group import GroupHandle, WorkerError, WorkerPool, start_together, wait
+from m2flow.runtime.watchdog import Watchdog
 
 NO_SYNC = {"weight_sync_s": 0.0}
 
@@ -82,6 +85,7 @@ class Runner:
         turns = self.workflow.turns(devices, self.fused)
         # Lock actors live as long as the process that made them: the driver.
         locks = DeviceLock(sorted(set().union(*devices.values())), holder="driver") if any(turns.values()) else None
+        self.lock_devices = locks.devices if locks else []
         self.groups: dict[str, WorkerGroup] = {}
         for c in processes:  # the groups start their processes in parallel
             self.groups[c] = WorkerGroup(self.workers[c], self.placement[c], args=self.worker_args(c, turns[c]),
@@ -200,38 +204,60 @@ class Runner:
         profiling run only times updates)."""
         r = self.cfg.runner
         log = RunLog(r.out_dir, self.metrics.progress_total, x=self.metrics.x, y=self.metrics.y, progress=r.progress)
+        watchdog = Watchdog(r.hang_timeout_s, r.out_dir, self.distinct_groups, self.channels, self.lock_devices) \
+            if r.hang_timeout_s else None
         try:
-            first = self.resume(r.resume, log) if r.resume else 0
-            log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}\n{self.describe(first)}")
-            if evaluate and first == 0 and self.evaluates(-1, False):
-                log.record({self.metrics.x: 0, "time_s": 0.0, **self.evaluate()}, "evaluated")
-            start = time.perf_counter()
-            for i in range(first, self.total):
-                t0 = time.perf_counter()
-                last = i + 1 == self.total
-                saving = checkpoint and (last or (bool(r.checkpoint_every) and (i + 1) % r.checkpoint_every == 0))
-                evaluating = evaluate and self.evaluates(i, last)
-                # Nothing runs ahead past the last update, an evaluation or a checkpoint (which holds
-                # no stream in flight).
-                report = self.step(i, ahead=bool(self.plan.run_ahead) and not (last or saving or evaluating))
-                if i == first and "weight_mb" in report["sync"]:
-                    s = report["sync"]
-                    log.note(f"weights: {s['weight_mb']:.0f} MB in {s['weight_buckets']} bucket(s) by {s['weight_transport']}")
-                row = self.metrics.row(i, report, time.perf_counter() - t0, time.perf_counter() - start)
-                if evaluating:
-                    row |= self.evaluate()
-                log.record(row, self.metrics.summary(row))
-                stop = last or self.stop_early(row, log)
-                if stop:  # stopped early: the stream launched ahead is made, then dropped untrained
-                    self.wait_ahead()
-                    self.ahead = None
-                if (stop and checkpoint) or saving:
-                    self.checkpoint(i + 1, log)
-                if stop:
-                    break
-            return log.history
+            with watchdog or contextlib.nullcontext():
+                return self._loop(log, evaluate, checkpoint, watchdog)
+        except BaseException as e:
+            if watchdog is not None and watchdog.report is not None:  # the watchdog stopped the run
+                log.write(f"{watchdog.error()}\n(then: {type(e).__name__}: {e})")
+                raise watchdog.error() from None
+            if isinstance(e, WorkerError):
+                log.write(f"{e}\n\nthe worker's whole traceback:\n{e.traceback}")
+            raise
         finally:
             log.close()
+
+    def _loop(self, log: RunLog, evaluate: bool, checkpoint: bool, watchdog: Watchdog | None) -> list[dict[str, float]]:
+        """Every update from the first (0, or the resumed checkpoint's), with its evaluations
+        and checkpoints; ``watchdog`` hears of each update's end."""
+        r = self.cfg.runner
+        path = self.resume_path(log) if r.resume else None
+        first = self.resume(path, log) if path else 0
+        self.checkpointed_at = time.perf_counter()
+        log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}\n{self.describe(first)}")
+        if evaluate and first == 0 and self.evaluates(-1, False):
+            log.record({self.metrics.x: 0, "time_s": 0.0, **self.evaluate()}, "evaluated")
+        start = time.perf_counter()
+        for i in range(first, self.total):
+            t0 = time.perf_counter()
+            last = i + 1 == self.total
+            saving = checkpoint and (last or (bool(r.checkpoint_every) and (i + 1) % r.checkpoint_every == 0)
+                                     or (bool(r.checkpoint_every_min)
+                                         and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min))
+            evaluating = evaluate and self.evaluates(i, last)
+            # Nothing runs ahead past the last update, an evaluation or a checkpoint (which holds
+            # no stream in flight).
+            report = self.step(i, ahead=bool(self.plan.run_ahead) and not (last or saving or evaluating))
+            if i == first and "weight_mb" in report["sync"]:
+                s = report["sync"]
+                log.note(f"weights: {s['weight_mb']:.0f} MB in {s['weight_buckets']} bucket(s) by {s['weight_transport']}")
+            row = self.metrics.row(i, report, time.perf_counter() - t0, time.perf_counter() - start)
+            if evaluating:
+                row |= self.evaluate()
+            log.record(row, self.metrics.summary(row))
+            if watchdog is not None:
+                watchdog.beat()
+            stop = last or self.stop_early(row, log)
+            if stop:  # stopped early: the stream launched ahead is made, then dropped untrained
+                self.wait_ahead()
+                self.ahead = None
+            if (stop and checkpoint) or saving:
+                self.checkpoint(i + 1, log)
+            if stop:
+                break
+        return log.history
 
     def describe(self, first: int) -> str:
         return f"updates {first}-{self.total - 1}"
@@ -239,20 +265,32 @@ class Runner:
     # -- checkpoints ------------------------------------------------------------------------
     def checkpoint(self, done: int, log: RunLog) -> Path:
         """Every stateful component's state (all ranks), the metrics' running values and the
-        flow's own (data order), so that a resumed run continues exactly as an uninterrupted one."""
+        flow's own (data order), so that a resumed run continues exactly as an uninterrupted one.
+        One safetensors file, written atomically (``m2flow.runners.checkpoint``)."""
         owned = {c: g for c, g in self._stateful().items() if g is not None}
         states = dict(zip(owned, wait(*(g.state() for g in owned.values()))))
-        path = Path(self.cfg.runner.out_dir) / "checkpoints" / f"{self.metrics.x_name}_{done:06d}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"done": done, "logged_to": log.history[-1][log.x] if log.history else 0,
-                    "metrics": self.metrics.state_dict(), "extra": self.extra_state(),
-                    "states": {c: states.get(c) for c in self._stateful()},
-                    "config": OmegaConf.to_container(self.cfg, resolve=True)}, path)
+        path = Path(self.cfg.runner.out_dir) / "checkpoints" / f"{self.metrics.x_name}_{done:06d}{checkpoints.SUFFIX}"
+        checkpoints.save(path, {"done": done, "logged_to": log.history[-1][log.x] if log.history else 0,
+                                "metrics": self.metrics.state_dict(), "extra": self.extra_state(),
+                                "states": {c: states.get(c) for c in self._stateful()},
+                                "config": OmegaConf.to_container(self.cfg, resolve=True)})
+        self.checkpointed_at = time.perf_counter()
         return path
+
+    def resume_path(self, log: RunLog) -> str | None:
+        """``runner.resume``: a checkpoint file, or ``auto``: the latest complete one in this
+        run's directory (none: the run starts afresh)."""
+        r = self.cfg.runner
+        if r.resume != "auto":
+            return r.resume
+        found = checkpoints.latest(Path(r.out_dir) / "checkpoints", log=log.note)
+        log.note(f"resume=auto: continuing from {found}" if found else
+                 f"resume=auto: no complete checkpoint in {Path(r.out_dir) / 'checkpoints'}; starting afresh")
+        return None if found is None else str(found)
 
     def resume(self, path: str, log: RunLog) -> int:
         """Loads a checkpoint written by ``checkpoint``; returns the first update to run."""
-        ckpt = torch.load(path, weights_only=False)
+        ckpt = checkpoints.load(path)
         for c, group in self._stateful().items():
             if c not in ckpt["states"]:
                 raise ValueError(f"checkpoint {path} has no {c} state (a run with algorithm.name="

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 class RunLog:
     """A run's rows: CSV (``metrics.csv``), TensorBoard scalars, a rich progress bar, and a
-    curve of ``y`` against ``x`` (``learning_curve.png``) at the end."""
+    curve of ``y`` against ``x`` (``learning_curve.png``) at the end; its notes on the console
+    and, time-stamped, in ``log.txt``."""
 
     def __init__(self, out_dir: str | Path, total: float, x: str, y: str, progress: bool = True):
         self.out_dir = Path(out_dir)
@@ -54,9 +56,16 @@ class RunLog:
                                  TimeElapsedColumn(), console=self.console, disable=not progress)
         self.task = self.progress.add_task("train", total=total, stats="")
         self.progress.start()
+        self.log_file = open(self.out_dir / "log.txt", "a")
 
     def note(self, text: str) -> None:
         self.console.print(text)
+        self.write(text)
+
+    def write(self, text: str) -> None:
+        """To ``log.txt`` only (a worker's whole traceback: the console gets its summary)."""
+        self.log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+        self.log_file.flush()
 
     def read_csv(self) -> list[dict[str, float]]:
         path = self.out_dir / "metrics.csv"
@@ -85,6 +94,7 @@ class RunLog:
     def close(self) -> Path | None:
         self.progress.stop()
         self.tb.close()
+        self.log_file.close()
         return self.plot()
 
     def plot(self) -> Path | None:

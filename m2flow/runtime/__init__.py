@@ -1,4 +1,5 @@
-"""The distributed runtime: devices, placement, workers, communication, channels, locks, traces.
+"""The distributed runtime: devices, placement, workers, communication, channels, locks, traces,
+and the watchdog that stops a run that no longer moves.
 
 The names below are imported on first use, all at once: importing one runtime module
 alone (``channel_actor`` in a channel's actor process, ``device_lock`` in a lock's) must
@@ -17,6 +18,7 @@ _EXPORTS = {
     "group": ("GroupHandle", "WorkerDiedError", "WorkerError", "WorkerGroup"),
     "placement": ("ComponentPlacement", "Placement", "PlacementError"),
     "trace": ("get_tracer", "write_chrome_trace"),
+    "watchdog": ("RunHung", "Watchdog"),
     "worker": ("Worker", "dispatch"),
 }
 __all__ = [name for names in _EXPORTS.values() for name in names]
@@ -25,8 +27,8 @@ __all__ = [name for names in _EXPORTS.values() for name in names]
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from m2flow.runtime import channel, clock, cluster, comm, device_lock, group, placement, trace, worker
+    from m2flow.runtime import channel, clock, cluster, comm, device_lock, group, placement, trace, watchdog, worker
 
-    for module in (channel, clock, cluster, comm, device_lock, group, placement, trace, worker):
+    for module in (channel, clock, cluster, comm, device_lock, group, placement, trace, watchdog, worker):
         globals().update((n, getattr(module, n)) for n in _EXPORTS[module.__name__.rpartition(".")[2]])
     return globals()[name]

@@ -342,6 +342,11 @@ class Channel:
             taken += self._batch_reply(key, taken, reply, timeout)
         return [self._unpack(e) for e in taken]
 
+    def stats(self, timeout: float | None = None) -> dict:
+        """The channel actor's counts: items in and out so far (``puts``, ``gets``), held per
+        key, getters and putters waiting."""
+        return ray.get(self._actor.stats.remote(), timeout=timeout)
+
     def qsize(self, key: Hashable = None) -> int:
         """Items of ``key`` in the channel, plus those this handle prefetched. This
         process's pipelined puts may still be on their way: ``flush()`` first to count them."""

@@ -66,12 +66,20 @@ class ChannelActor:
         self.early: dict[str, dict[int, list[_Put]]] = {}  # puts that overtook an earlier put of their producer
         self.putters: deque[_Put] = deque()  # admitted in order, waiting for room
         self.getters: dict[Hashable, deque[_Get]] = {}
+        self.puts = self.gets = 0  # items in and out so far: a run's progress
 
     async def info(self) -> tuple[str, int, float | None, bool]:
         return self.uid, self.maxsize, self.max_weight, self.multi_node
 
     async def qsize(self, key: Hashable) -> int:
         return len(self.items.get(key, ()))
+
+    async def stats(self) -> dict:
+        """Items in and out so far, what it holds and who waits on it (hang reports)."""
+        return {"puts": self.puts, "gets": self.gets, "closed": self.closed,
+                "items": {repr(k): len(q) for k, q in self.items.items()},
+                "waiting_getters": {repr(k): len(w) for k, w in self.getters.items()},
+                "waiting_putters": len(self.putters) + sum(len(e) for e in self.early.values())}
 
     async def put(self, producer: str, seq: int, key: Hashable, blob: Blob, weight: float,
                   timeout: float | None, nowait: bool) -> int:
@@ -173,6 +181,7 @@ class ChannelActor:
 
     def _append(self, p: _Put) -> None:
         self.items.setdefault(p.key, deque()).append((p.blob, p.weight))
+        self.puts += 1
         self.count += 1
         self.weight += p.weight
 
@@ -214,6 +223,7 @@ class ChannelActor:
 
     def _take(self, q: deque[Entry]) -> Entry:
         entry = q.popleft()
+        self.gets += 1
         self.count -= 1
         self.weight = self.weight - entry[1] if self.count else 0.0  # no float drift when empty
         return entry

@@ -42,9 +42,15 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class WorkerError(RuntimeError):
-    def __init__(self, group: str, rank: int, method: str, detail: str, cause: BaseException | None = None):
-        super().__init__(f"{group} rank {rank} failed in {method}():\n{detail}")
+    """A rank's call failed. Its message is one paragraph: the group, the rank, the method,
+    the exception and the last frames of the code it ran (not Ray's); ``traceback`` holds
+    the whole remote traceback (a run writes it to its ``log.txt``)."""
+
+    def __init__(self, group: str, rank: int, method: str, detail: str, cause: BaseException | None = None,
+                 traceback: str = ""):
+        super().__init__(f"{group} rank {rank} failed in {method}(): {detail}")
         self.group, self.rank, self.method, self.cause = group, rank, method, cause
+        self.traceback = traceback or detail
 
 
 class WorkerDiedError(WorkerError):
@@ -96,14 +102,37 @@ class GroupHandle:
             except GetTimeoutError:
                 self._timeout(timeout, [rank])
             except RayTaskError as e:
-                detail = f"{e.cause!r}\nremote traceback:\n{_ANSI.sub('', str(e)).strip()}"
-                raise WorkerError(self.group.name, rank, self.method, detail, e.cause) from None
+                full = _ANSI.sub("", str(e)).strip()
+                frames = "".join(f"\n  at {f}" for f in own_frames(full))
+                detail = f"{type(e.cause).__name__}: {e.cause}{frames}"
+                raise WorkerError(self.group.name, rank, self.method, detail, e.cause, full) from None
             except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
                 raise WorkerDiedError(self.group.name, rank, self.method, f"the worker process died: {e}", e) from None
         return [outputs[r] for r in self.ranks]
 
     def _timeout(self, timeout: float | None, ranks: list[int]) -> None:
         raise TimeoutError(f"{self.group.name}.{self.method}() not finished after {timeout}s on rank(s) {sorted(ranks)}")
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+# Frames of these files are the machinery a call passes through, not the code it ran.
+_MACHINERY = re.compile(r"[/\\](ray|concurrent|asyncio|threading\.py)([/\\]|$)|^<")
+
+
+def own_frames(traceback: str, last: int = 3) -> list[str]:
+    """The ``last`` frames of a traceback's text outside Ray and the standard library's
+    executors, as ``file:line in function: code``."""
+    lines = traceback.splitlines()
+    frames = []
+    for i, line in enumerate(lines):
+        m = _FRAME.match(line)
+        if m is None or _MACHINERY.search(m["file"]):
+            continue
+        code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+        rel = os.path.relpath(m["file"])
+        path = m["file"] if rel.startswith("..") else rel
+        frames.append(f"{path}:{m['line']} in {m['func']}" + (f": {code}" if code else ""))
+    return frames[-last:]
 
 
 def start_together(*groups: WorkerGroup, channels: Sequence[Channel] = (), locks: DeviceLock | None = None) -> None:

@@ -132,6 +132,21 @@ class Worker:
         return os.getpid()
 
     @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_stacks(self) -> dict:
+        """Every thread's Python stack, innermost frame last (hang reports): answered by the IO
+        thread while the main one is busy or stuck."""
+        import sys
+        import threading
+        import traceback
+
+        names = {t.ident: t.name for t in threading.enumerate()}
+        main = threading.main_thread().ident
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "threads": {f"{names.get(ident, ident)}{' (main)' if ident == main else ''}":
+                            "".join(traceback.format_stack(frame))
+                            for ident, frame in sys._current_frames().items()}}
+
+    @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_trace(self) -> list[dict]:
         return get_tracer().drain()
 

@@ -1,0 +1,73 @@
+"""``m2flow eval``: a trained checkpoint scored from the command line (tiny models)."""
+
+import json
+
+import pytest
+
+from m2flow.cli import main
+from m2flow.config import load_config
+from m2flow.runners.embodied import EmbodiedRunner
+from m2flow.runners.reasoning import ReasoningRunner
+
+
+def _train(runner_cls, cluster, preset, overrides):
+    runner = runner_cls(load_config(preset, overrides), cluster=cluster)
+    try:
+        return runner.train()
+    finally:
+        runner.close()
+
+
+def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_users(cluster, tmp_path, capsys):
+    preset = "reasoning/grpo_arith_tiny"
+    # one rollout rank, as the evaluation generates: the same batches, so the same greedy tokens
+    overrides = [f"runner.out_dir={tmp_path / 'run'}", "runner.progress=false", "runner.steps=2",
+                 "placement.mode=custom", *(f"placement.components.{c}=0" for c in ("rollout", "reward", "inference", "actor"))]
+    history = _train(ReasoningRunner, cluster, preset, overrides)
+    main(["eval", preset, "checkpoint=auto", *overrides])
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "run" / "checkpoints" / "step_000002.eval.json").read_text())
+    # the held-out prompts, greedy, with the final weights: the score the run's last evaluation gave
+    assert result["reward"] == pytest.approx(history[-1]["eval_reward"], abs=1e-6)
+    assert result["prompts"] == load_config(preset).data.test_size and result["trained_for"] == 2
+    assert "accuracy" in printed and f"{result['reward']:.4g}" in printed
+    # a JSONL file of the user's: every row is scored
+    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(5)]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["eval", preset, f"checkpoint={tmp_path / 'run' / 'checkpoints' / 'step_000002.safetensors'}",
+          f"data.source={tmp_path / 'mine.jsonl'}", "data.test_size=1", f"out={tmp_path / 'mine.json'}"])
+    mine = json.loads((tmp_path / "mine.json").read_text())
+    assert mine["prompts"] == 5 and 0.0 <= mine["accuracy"] <= 1.0 and "reward_digit_share" in mine
+
+
+def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, tmp_path, capsys):
+    preset = "embodied/ppo_cartpole"
+    overrides = [f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.total_env_steps=512",
+                 "env.kwargs.max_episode_steps=25", "placement.mode=custom",
+                 *(f"placement.components.{c}=0-1" for c in ("env", "rollout", "actor"))]
+    _train(EmbodiedRunner, cluster, preset, overrides)
+    checkpoint = next((tmp_path / "checkpoints").glob("*.safetensors"))
+    main(["eval", preset, f"checkpoint={checkpoint}", "episodes=7", f"out={tmp_path / 'eval.json'}", *overrides])
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["episodes"] == 7 and "mean_return" in printed and "success_rate" in printed
+    # CartPole pays 1 a step: every return is its episode's length, at most the time limit
+    assert result["mean_return"] == pytest.approx(result["mean_length"])
+    assert 1 <= result["min_return"] <= result["max_return"] <= 25
+    assert result["success_rate"] is None  # CartPole reports no success
+    again = tmp_path / "again.json"
+    main(["eval", preset, f"checkpoint={checkpoint}", "episodes=7", f"out={again}", *overrides])
+    assert json.loads(again.read_text())["mean_return"] == result["mean_return"]  # deterministic
+
+
+def test_eval_input_mistakes_are_one_line_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "embodied/ppo_cartpole"])
+    assert e.value.code == 2 and "checkpoint: m2flow eval needs checkpoint=FILE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", "embodied/ppo_cartpole", "checkpoint=x", "episodes=none"])
+    assert "episodes: must be a whole number >= 1, got 'none'" in capsys.readouterr().err
+    (tmp_path / "x.safetensors").write_bytes(b"not one")
+    with pytest.raises(SystemExit):
+        main(["eval", "embodied/ppo_cartpole", f"checkpoint={tmp_path / 'x.safetensors'}"])
+    assert "incomplete or corrupt checkpoint" in capsys.readouterr().err
