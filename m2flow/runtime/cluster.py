@@ -9,15 +9,43 @@ from __future__ import annotations
 
 import os
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 
 from m2flow.runtime import shm
 from m2flow.runtime.comm import cleanup_pipes
 from m2flow.runtime.names import NAMESPACE, shm_prefix
+
+
+_RAY_CLUSTERS = ray_constants.ENABLE_RAY_CLUSTER  # Ray's own setting, restored at shutdown
+
+
+@contextmanager
+def _loopback_only():
+    """An embedded Ray listens on the loopback address only: every one of its processes binds
+    the node's address, which Ray takes to be the loopback one where it runs without clusters
+    (its switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read by this process at call time and
+    by Ray's processes from the environment they start with). Passing ``127.0.0.1`` as the
+    node's address instead does not do it: Ray swaps a loopback node address for the machine's
+    external one."""
+    saved = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False  # until this cluster shuts down
+    try:
+        yield
+    except BaseException:
+        ray_constants.ENABLE_RAY_CLUSTER = _RAY_CLUSTERS
+        raise
+    finally:
+        if saved is None:
+            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
+        else:
+            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved
 
 
 @dataclass(frozen=True)
@@ -96,13 +124,13 @@ class Cluster:
                 "num_cpus": num_cpus if num_cpus is not None else os.cpu_count(),
                 "include_dashboard": False,
                 "_temp_dir": str(temp_dir),
-                "_node_ip_address": "127.0.0.1",
                 "log_to_driver": True,
                 **kwargs,
             }
+            with _loopback_only():
+                ray.init(namespace=NAMESPACE, **kwargs)
         else:
-            kwargs = {"address": address, **kwargs}
-        ray.init(namespace=NAMESPACE, **kwargs)
+            ray.init(namespace=NAMESPACE, address=address, **kwargs)
         self._started_ray = True
 
     def _discover_nodes(self) -> tuple[Node, ...]:
@@ -165,6 +193,7 @@ class Cluster:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
+        ray_constants.ENABLE_RAY_CLUSTER = _RAY_CLUSTERS
         shm.cleanup(shm_prefix(self.session))
         cleanup_pipes(shm_prefix(self.session))
 
