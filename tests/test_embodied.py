@@ -194,7 +194,7 @@ def test_success_rate_is_logged_where_envs_report_success(tmp_path):
     from m2flow.runners.metrics import EmbodiedMetrics, RunLog
 
     def report(episodes):
-        ranks = [{"env_steps": 10, "episodes": episodes, "busy_s": 1.0, "idle_s": 0.0}]
+        ranks = [{"env_steps": 10, "episodes": episodes, "env_faults": 0, "busy_s": 1.0, "idle_s": 0.0}]
         return {"env": ranks, "rollout": ranks, "actor": [{"busy_s": 1.0, "idle_s": 0.0}], "sync": {"weight_sync_s": 0.0}}
 
     metrics, log = EmbodiedMetrics(30), RunLog(tmp_path / "with", 30, x="env_steps", y="episode_return", progress=False)

@@ -114,14 +114,14 @@ def test_a_run_whose_simulator_hangs_stops_with_a_report(cluster, tmp_path):
     """The env's step sleeps for good in the second update: no update ends, no item moves, so
     after runner.hang_timeout_s the run stops; the report and the error name the env workers
     and where they are stuck, and the run's close still works (the processes were killed)."""
-    overrides = ["env.id=stall_env:Stall-v0", "env.num_envs=4", "env.kwargs.stall_after=40", "runner.rollout_steps=32",
+    overrides = ["env.id=fault_envs:Stall-v0", "env.num_envs=4", "env.kwargs.stall_after=40", "runner.rollout_steps=32",
                  "runner.total_env_steps=256", "algorithm.minibatch_size=32", "runner.hang_timeout_s=5",
                  "placement.mode=collocated", "runner.progress=false", f"runner.out_dir={tmp_path}"]
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
     start = time.monotonic()
     try:
         with pytest.raises(RunHung, match=r"made progress for 5 s \(runner.hang_timeout_s\): env-\w+ rank \d busy at "
-                                          r".*stall_env.py:\d+ in step: time.sleep\(3600\).*; report: "):
+                                          r".*fault_envs.py:\d+ in step: time.sleep\(3600\).*; report: "):
             runner.train()
     finally:
         runner.close()

@@ -2,6 +2,7 @@
 
 import copy
 import importlib.util
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -356,3 +357,23 @@ def test_success_is_any_step_of_the_episode_and_none_without_reports():
     cartpole.reset()
     res = cartpole.step_chunk(np.zeros((1, 40), dtype=np.int64))  # CartPole falls within 40 steps
     assert res.episode_successes == [None]
+
+
+def test_an_env_that_raises_or_gives_nan_is_made_again_and_counted(monkeypatch):
+    """A fault truncates that env's episode at its last good observation, with reward 0; the
+    env is made again; the batch goes on and counts it (the env_faults metric)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    zeros = np.zeros(2, dtype=np.int64)
+    for kwargs in ({"raise_at": [3]}, {"nan_at": [3]}):
+        batch = EnvBatch("fault_envs:Faulty-v0", 2, seed=0, env_kwargs=kwargs)
+        batch.reset()
+        first = batch.envs[0]
+        results = [batch.step(zeros) for _ in range(4)]
+        assert batch.faults == 2, kwargs  # both envs fail at their 3rd step
+        third = results[2]
+        assert third.truncated.tolist() == [True, True] and third.rewards.tolist() == [0.0, 0.0]
+        assert third.final_obs[:, 0].tolist() == [2.0, 2.0]  # the last good observation
+        assert [ret for _, ret in third.episode_returns] == [2.0, 2.0]
+        assert batch.envs[0] is not first
+        assert all(np.isfinite(r.obs).all() and np.isfinite(r.rewards).all() for r in results)
+        assert results[3].obs[:, 0].tolist() == [1.0, 1.0]  # the new env's first step

@@ -38,6 +38,7 @@ from m2flow.envs.registry import make_env
 # Later episodes of group g reset with seed + _EPISODE_SEED_STRIDE * episode + g: a prime
 # stride keeps the seeds of different (episode, group) pairs apart for any realistic count.
 _EPISODE_SEED_STRIDE = 100_003
+_FAULT_SEED_STRIDE = 1_000_033  # an env made again after a fault starts from seed + i + stride * faults
 _EPS = 1e-8
 # EnvBatch's per-env arrays that a snapshot carries (the episodes under way).
 _EPISODE_STATE = ("_obs", "_episodes_started", "_episode_return", "_episode_length", "_episode_success",
@@ -124,7 +125,9 @@ class EnvBatch:
         self.clip_obs = clip_obs
         self.auto_reset = auto_reset
         self.training = True
-        self.envs = [make_env(env_id, **(env_kwargs or {})) for _ in range(num_envs)]
+        self.env_id, self.env_kwargs = env_id, dict(env_kwargs or {})
+        self.envs = [make_env(env_id, **self.env_kwargs) for _ in range(num_envs)]
+        self.faults = 0  # env steps that raised or gave a non-finite reward or observation (env_faults)
         self.observation_space: gym.spaces.Space = self.envs[0].observation_space
         self.action_space: gym.spaces.Space = self.envs[0].action_space
         self._discrete = isinstance(self.action_space, gym.spaces.Discrete)
@@ -282,6 +285,19 @@ class EnvBatch:
         obs, _ = self.envs[i].reset(seed=seed)
         return obs
 
+    def _fault(self, i: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        """Env ``i`` raised, or gave a non-finite reward or observation: the step counts as a
+        truncation at the last good observation with reward 0, and the env is made again and
+        seeded from the batch's seed and the fault count (so a rerun is the same run)."""
+        self.faults += 1
+        try:
+            self.envs[i].close()
+        except Exception:  # noqa: BLE001 -- it is replaced either way
+            pass
+        self.envs[i] = make_env(self.env_id, **self.env_kwargs)
+        self.envs[i].reset(seed=self.seed + i + _FAULT_SEED_STRIDE * self.faults)
+        return self._obs[i].copy(), 0.0, False, True, {}
+
     def _prepare_actions(self, actions: np.ndarray) -> np.ndarray:
         if len(actions) != self.num_envs:
             raise ValueError(f"got actions for {len(actions)} envs, the batch has {self.num_envs}")
@@ -308,7 +324,12 @@ class EnvBatch:
         if self._discrete:
             actions = actions.tolist()  # plain ints, as Discrete envs expect
         for k, i in enumerate(ids.tolist()):
-            obs, reward, term, trunc, info = envs[i].step(actions[i])
+            try:
+                obs, reward, term, trunc, info = envs[i].step(actions[i])
+                if not (np.isfinite(reward).all() and np.isfinite(obs).all()):
+                    raise FloatingPointError("a non-finite reward or observation")
+            except Exception:  # noqa: BLE001 -- a simulator's fault ends its episode, not the run
+                obs, reward, term, trunc, info = self._fault(i)
             rewards[k] = reward
             if "success" in info:  # recorded before an auto-reset below starts the next episode
                 self._reports_success = True

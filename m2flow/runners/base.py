@@ -25,7 +25,7 @@ from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.cluster import cpu_slot_count
-from m2flow.runtime.group import GroupHandle, WorkerError, WorkerPool, start_together, wait
+from m2flow.runtime.group import GroupHandle, WorkerDiedError, WorkerError, WorkerPool, start_together, wait
 from m2flow.runtime.watchdog import Watchdog
 
 NO_SYNC = {"weight_sync_s": 0.0}
@@ -201,30 +201,59 @@ class Runner:
     # -- the loop ---------------------------------------------------------------------------
     def train(self, evaluate: bool = True, checkpoint: bool = True) -> list[dict[str, float]]:
         """The run: every update, with evaluations and checkpoints (unless told not to: a
-        profiling run only times updates)."""
+        profiling run only times updates). A worker process that dies restarts every group
+        from the last checkpoint this run wrote (or from where it started), up to
+        ``runner.max_restarts`` times; the watchdog stops a run in which nothing moves."""
         r = self.cfg.runner
         log = RunLog(r.out_dir, self.metrics.progress_total, x=self.metrics.x, y=self.metrics.y, progress=r.progress)
-        watchdog = Watchdog(r.hang_timeout_s, r.out_dir, self.distinct_groups, self.channels, self.lock_devices) \
-            if r.hang_timeout_s else None
+        initial = {"metrics": self.metrics.state_dict(), "extra": self.extra_state()}  # to start over from
+        self.written: list[Path] = []
+        restarts = 0
         try:
-            with watchdog or contextlib.nullcontext():
-                return self._loop(log, evaluate, checkpoint, watchdog)
-        except BaseException as e:
-            if watchdog is not None and watchdog.report is not None:  # the watchdog stopped the run
-                log.write(f"{watchdog.error()}\n(then: {type(e).__name__}: {e})")
-                raise watchdog.error() from None
-            if isinstance(e, WorkerError):
-                log.write(f"{e}\n\nthe worker's whole traceback:\n{e.traceback}")
-            raise
+            origin = self.resume_path(log) if r.resume else None
+            point = origin
+            while True:
+                watchdog = Watchdog(r.hang_timeout_s, r.out_dir, self.distinct_groups, self.channels,
+                                    self.lock_devices) if r.hang_timeout_s else None
+                try:
+                    with watchdog or contextlib.nullcontext():
+                        return self._loop(log, evaluate, checkpoint, watchdog, point, initial)
+                except BaseException as e:
+                    if watchdog is not None and watchdog.report is not None:  # the watchdog stopped the run
+                        log.write(f"{watchdog.error()}\n(then: {type(e).__name__}: {e})")
+                        raise watchdog.error() from None
+                    if isinstance(e, WorkerError):
+                        log.write(f"{e}\n\nthe worker's whole traceback:\n{e.traceback}")
+                    if not isinstance(e, WorkerDiedError) or restarts >= r.max_restarts or self.pool is not None:
+                        raise
+                    died = e
+                # A worker process died: every group starts again from the last checkpoint.
+                restarts += 1
+                point = str(self.written[-1]) if self.written else origin
+                log.note(f"restart {restarts} of at most {r.max_restarts}: {died.group} rank {died.rank} died in "
+                         f"{died.method}() ({_first_line(died.cause)}); all groups start again from "
+                         f"{point or 'the beginning'}")
+                self._restart()
         finally:
             log.close()
 
-    def _loop(self, log: RunLog, evaluate: bool, checkpoint: bool, watchdog: Watchdog | None) -> list[dict[str, float]]:
-        """Every update from the first (0, or the resumed checkpoint's), with its evaluations
-        and checkpoints; ``watchdog`` hears of each update's end."""
+    def _restart(self) -> None:
+        """New processes for every group (the living ones' state is the checkpoint's now) and
+        new channels; the weights go out again before the next step."""
+        for g in self.distinct_groups:
+            g.kill()
+        for channel in self.channels.values():
+            channel.destroy()
+        self.ahead, self.synced = None, None
+        self._start()
+
+    def _loop(self, log: RunLog, evaluate: bool, checkpoint: bool, watchdog: Watchdog | None, path: str | None,
+              initial: dict[str, Any]) -> list[dict[str, float]]:
+        """Every update from the first (that of checkpoint ``path``, else 0 with the metrics and
+        the flow's own state ``initial``), with its evaluations and checkpoints; ``watchdog``
+        hears of each update's end."""
         r = self.cfg.runner
-        path = self.resume_path(log) if r.resume else None
-        first = self.resume(path, log) if path else 0
+        first = self.resume(path, log) if path else self._from_start(log, initial)
         self.checkpointed_at = time.perf_counter()
         log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}\n{self.describe(first)}")
         if evaluate and first == 0 and self.evaluates(-1, False):
@@ -259,6 +288,12 @@ class Runner:
                 break
         return log.history
 
+    def _from_start(self, log: RunLog, initial: dict[str, Any]) -> int:
+        self.metrics.load_state_dict(initial["metrics"])
+        self.load_extra_state(initial["extra"])
+        log.history = []
+        return 0
+
     def describe(self, first: int) -> str:
         return f"updates {first}-{self.total - 1}"
 
@@ -275,6 +310,7 @@ class Runner:
                                 "states": {c: states.get(c) for c in self._stateful()},
                                 "config": OmegaConf.to_container(self.cfg, resolve=True)})
         self.checkpointed_at = time.perf_counter()
+        self.written.append(path)
         return path
 
     def resume_path(self, log: RunLog) -> str | None:
@@ -347,6 +383,10 @@ def plan_of(cfg: DictConfig, workflow: Workflow, num_devices: int, kind: str, co
     granularity = options.pop("granularity", 1)
     return Plan.from_dict({"components": {c: given[c] for c in components}, "fuse": [list(workflow.fusable)] if fuse else [],
                            "granularity": {ch: granularity for ch in workflow.channels}, **options})
+
+
+def _first_line(e: BaseException | None) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" if e is not None else "no cause given"
 
 
 def start_cluster(cluster: DictConfig) -> Cluster:

@@ -11,6 +11,9 @@ update (``metrics.csv`` columns and TensorBoard scalars):
   episode_return       mean raw (unnormalised) return of the episodes that ended in this
                        update; the previous value when none ended
   episode_length       their mean length; episodes: how many ended
+  env_faults           env steps in this update that raised or gave a non-finite reward or
+                       observation: each ended its episode (truncated, reward 0) and the
+                       env was made again (EnvBatch._fault)
   success_rate         the fraction of them that reached success (the env's info["success"]
                        at any step: ManiSkill, Meta-World); the previous value when none
                        ended; absent for envs that report no success
@@ -151,6 +154,7 @@ class EmbodiedMetrics:
             "env_steps_per_s": (self.env_steps - self.start_steps) / time_s, "episode_return": self.last_return,
             "episode_length": sum(n for _, n, _ in episodes) / len(episodes) if episodes else math.nan,
             "episodes": len(episodes), "weight_sync_s": report["sync"]["weight_sync_s"],
+            "env_faults": sum(e["env_faults"] for e in env),
         }
         if not math.isnan(self.last_success):
             row["success_rate"] = self.last_success

@@ -49,6 +49,7 @@ class EnvWorker(PolicyHost):
                 auto_reset=not self.grpo,
             ))
         self.obs = [b.reset() for b in self.batches]
+        self.faults_reported = 0  # the batches' env faults already reported
 
     def interact(self, policy: str, trajectories_out: Channel, steps: int) -> dict:
         """One rollout of ``steps`` steps per env: observations go to this rank's rollout
@@ -107,7 +108,9 @@ class EnvWorker(PolicyHost):
             part["policy_version"], part["env_rank"] = version, self.rank
             trajectories_out.put(part, key=a, weight=steps * share)
         trajectories_out.flush()
-        return clock.report() | {"episodes": episodes, "env_steps": executed}
+        faults = sum(b.faults for b in self.batches)
+        self.faults_reported, faults = faults, faults - self.faults_reported
+        return clock.report() | {"episodes": episodes, "env_steps": executed, "env_faults": faults}
 
     def _next_window(self) -> list[tuple[float, int, bool | None]]:
         """GRPO: cuts the episodes still running (their partial returns are reported as

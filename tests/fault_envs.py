@@ -1,0 +1,55 @@
+"""Tasks that go wrong, for the tests of fault handling: importing this module registers them
+with gymnasium (``make_env("fault_envs:Stall-v0")``, gymnasium's ``module:EnvId`` form).
+
+Stall-v0: ``step`` sleeps for good after ``stall_after`` steps, as a simulator that deadlocks
+would: the runner's watchdog must notice and report it.
+Faulty-v0: counts up; ``step`` raises at the steps in ``raise_at`` and returns a NaN
+observation at those in ``nan_at`` (counted over the instance's life): the env batch must
+reset it and count the fault.
+"""
+
+import time
+
+import gymnasium as gym
+import numpy as np
+
+
+class Stall(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, stall_after: int = 10):
+        self.stall_after, self.steps = stall_after, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.steps += 1
+        while self.steps > self.stall_after:
+            time.sleep(3600)
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+class Faulty(gym.Env):
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, raise_at=(), nan_at=()):
+        self.raise_at, self.nan_at, self.steps = set(raise_at), set(nan_at), 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.array([self.steps], np.float32), {}
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps in self.raise_at:
+            raise RuntimeError(f"simulator exploded at step {self.steps}")
+        obs = np.array([np.nan if self.steps in self.nan_at else self.steps], np.float32)
+        return obs, 1.0, False, False, {}
+
+
+gym.register("Stall-v0", entry_point=Stall)
+gym.register("Faulty-v0", entry_point=Faulty)
