@@ -1,7 +1,7 @@
 """Command line: ``m2flow train PRESET [key=value ...]``, ``m2flow config PRESET [key=value ...]``,
 ``m2flow profile PRESET [key=value ...]``, ``m2flow plan (PRESET | --profile FILE) [--devices N]
-[--nodes M]``, ``m2flow eval PRESET checkpoint=FILE [episodes=N] [out=FILE] [key=value ...]``, ``m2flow presets``,
-``m2flow demo``.
+[--nodes M]``, ``m2flow eval PRESET checkpoint=FILE [episodes=N] [out=FILE] [key=value ...]``,
+``m2flow trace RUN_DIR``, ``m2flow presets``, ``m2flow demo``.
 
 A config mistake is one line on stderr, ``m2flow: error: key.path: ...``, and exit status 2,
 before anything starts. A worker's failure during a run is one paragraph (component, rank,
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("overrides", nargs="*", help="checkpoint=FILE (or checkpoint=auto: the latest complete one of "
                     "runner.out_dir); episodes=N (embodied, default 10); out=FILE (the JSON result, default "
                     "<checkpoint>.eval.json); and key.path=value overrides, e.g. data.source=FILE")
+    tr = sub.add_parser("trace", help="what each component of a finished run did: seconds computing, waiting "
+                                      "and syncing weights (from its trace.json)")
+    tr.add_argument("run_dir", help="the run's runner.out_dir (or a trace.json file)")
     sub.add_parser("presets", help="list the presets")
     demo = sub.add_parser("demo", help="place a few workers on an embedded Ray and stream data between them")
     demo.add_argument("--out", default="runs/demo", help="where the trace is written")
@@ -109,6 +112,15 @@ def command(args: argparse.Namespace) -> None:
         cfg = load_config(args.preset, overrides)
         path = checkpoint_file(own["checkpoint"], cfg)
         print(table(evaluate(cfg, path, episodes=int(own["episodes"]), out=own["out"])))
+    elif args.command == "trace":
+        from m2flow.config import ConfigError
+        from m2flow.runners.timeline import read, summary
+
+        try:
+            events = read(args.run_dir)
+        except FileNotFoundError as e:
+            raise ConfigError("run_dir", str(e)) from None
+        print(summary(events))
     elif args.command == "presets":
         from m2flow.config import presets
 

@@ -46,6 +46,12 @@ def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, tmp_path, capsys)
                  "env.kwargs.max_episode_steps=25", "placement.mode=custom",
                  *(f"placement.components.{c}=0-1" for c in ("env", "rollout", "actor"))]
     _train(EmbodiedRunner, cluster, preset, overrides)
+    # the run's trace, its last update drawn, and summed up per component
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    main(["trace", str(tmp_path)])
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:-1]}
+    assert {"env", "actor"} <= set(rows) and rows["env"][1] == rows["actor"][1] == "2"  # ranks
+    assert float(rows["env"][2]) > 0 and float(rows["actor"][2]) > 0  # seconds computing
     checkpoint = next((tmp_path / "checkpoints").glob("*.safetensors"))
     main(["eval", preset, f"checkpoint={checkpoint}", "episodes=7", f"out={tmp_path / 'eval.json'}", *overrides])
     printed = capsys.readouterr().out

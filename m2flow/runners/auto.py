@@ -129,7 +129,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 if i == 0:
                     pool.ready()  # none is still starting while a run is timed
                 try:
-                    rows = runner.train(evaluate=False, checkpoint=False)[1:]
+                    rows = runner.train(evaluate=False, checkpoint=False, trace=False)[1:]
                 finally:
                     runner.close()
                 layout, fused = layout_of(run.plan, s.workflow)

@@ -26,6 +26,7 @@ from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.cluster import cpu_slot_count
 from m2flow.runtime.group import GroupHandle, WorkerDiedError, WorkerError, WorkerPool, start_together, wait
+from m2flow.runtime.trace import get_tracer, write_chrome_trace
 from m2flow.runtime.watchdog import Watchdog
 
 NO_SYNC = {"weight_sync_s": 0.0}
@@ -199,9 +200,10 @@ class Runner:
             wait(*self.ahead[1].values())
 
     # -- the loop ---------------------------------------------------------------------------
-    def train(self, evaluate: bool = True, checkpoint: bool = True) -> list[dict[str, float]]:
-        """The run: every update, with evaluations and checkpoints (unless told not to: a
-        profiling run only times updates). A worker process that dies restarts every group
+    def train(self, evaluate: bool = True, checkpoint: bool = True, trace: bool = True) -> list[dict[str, float]]:
+        """The run: every update, with evaluations, checkpoints and at the end its trace
+        (``trace.json``, ``timeline.png`` of the last update), unless told not to (a profiling
+        run only times updates). A worker process that dies restarts every group
         from the last checkpoint this run wrote (or from where it started), up to
         ``runner.max_restarts`` times; the watchdog stops a run in which nothing moves."""
         r = self.cfg.runner
@@ -217,7 +219,10 @@ class Runner:
                                     self.lock_devices) if r.hang_timeout_s else None
                 try:
                     with watchdog or contextlib.nullcontext():
-                        return self._loop(log, evaluate, checkpoint, watchdog, point, initial)
+                        history = self._loop(log, evaluate, checkpoint, watchdog, point, initial)
+                    if trace:
+                        self.write_trace(log)
+                    return history
                 except BaseException as e:
                     if watchdog is not None and watchdog.report is not None:  # the watchdog stopped the run
                         log.write(f"{watchdog.error()}\n(then: {type(e).__name__}: {e})")
@@ -268,7 +273,10 @@ class Runner:
             evaluating = evaluate and self.evaluates(i, last)
             # Nothing runs ahead past the last update, an evaluation or a checkpoint (which holds
             # no stream in flight).
+            wall = time.time()
             report = self.step(i, ahead=bool(self.plan.run_ahead) and not (last or saving or evaluating))
+            self.last_update = (wall * 1e6, time.time() * 1e6)  # the timeline's window
+            get_tracer().record(f"update {i}", wall, time.time(), cat="update")
             if i == first and "weight_mb" in report["sync"]:
                 s = report["sync"]
                 log.note(f"weights: {s['weight_mb']:.0f} MB in {s['weight_buckets']} bucket(s) by {s['weight_transport']}")
@@ -287,6 +295,23 @@ class Runner:
             if stop:
                 break
         return log.history
+
+    def write_trace(self, log: RunLog) -> None:
+        """Every process's spans as ``trace.json`` (Perfetto), the last update as
+        ``timeline.png`` (``runners/timeline.py``)."""
+        from m2flow.runners import timeline
+
+        out = Path(self.cfg.runner.out_dir)
+        try:
+            events = [e for g in self.distinct_groups for e in g.trace_events()] + get_tracer().drain()
+        except Exception as e:  # noqa: BLE001 -- a trace is worth having, not worth failing a finished run
+            log.write(f"no trace written: {type(e).__name__}: {e}")
+            return
+        write_chrome_trace(out / "trace.json", events)
+        if getattr(self, "last_update", None):
+            timeline.render(events, out / "timeline.png", self.last_update, title=f"the last update of {self.cfg.name}")
+        log.note(f"trace: {out / 'trace.json'} (open in ui.perfetto.dev; m2flow trace {out} sums it up), "
+                 f"{out / 'timeline.png'}")
 
     def _from_start(self, log: RunLog, initial: dict[str, Any]) -> int:
         self.metrics.load_state_dict(initial["metrics"])

@@ -44,7 +44,7 @@ from m2flow.algorithms import (
 from m2flow.engines.batch import SequenceBatch, concat_batches
 from m2flow.engines.trainer import LMTrainer, LossScale
 from m2flow.runtime import Channel, Clock, DeviceLock, Worker, dispatch
-from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb
+from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb, switch
 
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
 ALGORITHMS = (*GROUP_LOCAL, "reinforce_pp", "ppo")
@@ -153,18 +153,18 @@ class LMActorWorker(Worker):
                 continue
             rows = batch.select((~inert).nonzero().squeeze(1)) if inert.any() else batch
             with clock.turn(self.turns), clock.busy():
-                self.trainer.onload_optimizer()
+                switch(self.trainer.onload_optimizer)
                 raw = LossScale(tokens=self.world_size, sequences=self.world_size, world_size=self.world_size)
                 part = self.trainer.accumulate(rows, self._loss, raw)
             _add_weighted(stats, part, int(rows.completion_mask.sum()))
         with clock.turn(self.together), clock.busy():
-            self.trainer.onload_optimizer()
+            switch(self.trainer.onload_optimizer)
             if self.streaming:
                 result = self._finish_streamed(stats, tokens, seqs) | {"inert_rows": inert_rows}
             else:
                 result = self._train_gathered(batches)
             peak = memory_mb(self.device)
-            self.trainer.offload_optimizer()  # context switching: the rollout gets the room
+            switch(self.trainer.offload_optimizer)  # context switching: the rollout gets the room
         self.version += 1
         return result | clock.report() | {"peak_memory_mb": peak, "version": self.version, "time_s": clock.elapsed(),
                                           "policy_lag": policy_lag}

@@ -1,13 +1,16 @@
 """What the reasoning components share: loading the model a config names, memory readings,
-and the marker that ends a step's stream, and reading a stream up to it."""
+the marker that ends a step's stream, and reading a stream up to it; context switches as
+trace spans."""
 
 from __future__ import annotations
 
 import resource
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from m2flow.runtime.trace import get_tracer
 
 if TYPE_CHECKING:
     from m2flow.runtime import Channel, Clock
@@ -50,3 +53,10 @@ def memory_mb(device: str) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def switch(move: Callable[[], Any]) -> Any:
+    """``move`` (a trainer's ``onload_optimizer`` / ``offload_optimizer``) as a "switch" span
+    of the trace: the cost of a context switch, drawn in the run's timeline."""
+    with get_tracer().span(move.__name__, cat="switch"):
+        return move()

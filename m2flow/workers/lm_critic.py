@@ -27,7 +27,7 @@ from m2flow.engines.critic import CriticTrainer, ValueModel
 from m2flow.engines.batch import SequenceBatch, concat_batches
 from m2flow.engines.trainer import LossScale
 from m2flow.runtime import Channel, Clock, Worker, dispatch
-from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb, until_end
+from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb, switch, until_end
 
 
 def add_gae(batch: SequenceBatch, values: torch.Tensor, algo: dict) -> None:
@@ -84,10 +84,10 @@ class LMCriticWorker(Worker):
             for batch in batches:
                 batches_out.put(batch, key, weight=batch.extras["groups"])
         with clock.turn(self.turns), clock.busy():
-            self.trainer.onload_optimizer()
+            switch(self.trainer.onload_optimizer)
             stats = self._update(batches) if batches else {}
             peak = memory_mb(self.device)
-            self.trainer.offload_optimizer()  # context switching: the others get the room
+            switch(self.trainer.offload_optimizer)  # context switching: the others get the room
         # The end markers only now: an actor rank that held one of these devices while the
         # critic waited for the rest would wait for it in the actor's all-reduce: a deadlock.
         for _ in range(actor_ranks):

@@ -14,7 +14,7 @@ import torch
 from m2flow.engines import SamplingParams, build_engine
 from m2flow.engines.batch import SequenceBatch
 from m2flow.engines.weights import weights_hash
-from m2flow.runtime import Channel, Clock, Worker, dispatch
+from m2flow.runtime import Channel, Clock, Worker, dispatch, get_tracer
 from m2flow.workers.lm_common import load_model, memory_mb
 
 
@@ -85,11 +85,13 @@ class LMRolloutWorker(WeightReceiver):
 
     def _onload(self) -> None:
         if self.shared:
-            self.engine.onload()
+            with get_tracer().span("onload", cat="switch"):
+                self.engine.onload()
 
     def _offload(self) -> None:
         if self.shared:
-            self.engine.offload()
+            with get_tracer().span("offload", cat="switch"):
+                self.engine.offload()
 
     @dispatch(split="scatter")
     def generate(self, prompts: list[dict], samples_out: Channel, granularity: int, key: int = 0) -> dict:
