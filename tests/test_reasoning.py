@@ -128,14 +128,15 @@ def test_training_raises_the_reward(cluster, tmp_path, case):
 
 
 def test_resume_reaches_the_same_weights(cluster, tmp_path):
-    """Stopped at step 2 and resumed to step 4: the same weights as 4 steps in one go.
-    Bit-exact needs the full forward: the shared-prompt one is reproducible within a process,
-    but two runs in fresh processes differed in the last bits (a loss differed by 2e-7)."""
-    exact = "algorithm.share_prompts=false"
-    straight = _train(cluster, tmp_path / "straight", "runner.steps=4", exact)[1]
-    _train(cluster, tmp_path / "split", "runner.steps=2", exact)
+    """Stopped at step 2 and resumed to step 4: the same weights as 4 steps in one go, with a
+    KL term to the reference model in the loss. Bit-exact needs the full forward: the
+    shared-prompt one is reproducible within a process, but two runs in fresh processes
+    differed in the last bits (a loss differed by 2e-7)."""
+    exact = ("algorithm.share_prompts=false", "algorithm.kl_coef=0.05")
+    straight = _train(cluster, tmp_path / "straight", "runner.steps=4", *exact)[1]
+    _train(cluster, tmp_path / "split", "runner.steps=2", *exact)
     checkpoint = tmp_path / "split" / "checkpoints" / "step_000002.safetensors"
-    resumed = _train(cluster, tmp_path / "split", "runner.steps=4", f"runner.resume={checkpoint}", exact)[1]
+    resumed = _train(cluster, tmp_path / "split", "runner.steps=4", f"runner.resume={checkpoint}", *exact)[1]
     assert resumed[0] == straight[0]
     history = (tmp_path / "split" / "metrics.csv").read_text().splitlines()
     assert [float(row.split(",")[0]) for row in history[1:]] == [0, 1, 2, 3, 4]
