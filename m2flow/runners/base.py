@@ -232,13 +232,21 @@ class Runner:
                     if not isinstance(e, WorkerDiedError) or restarts >= r.max_restarts or self.pool is not None:
                         raise
                     died = e
-                # A worker process died: every group starts again from the last checkpoint.
-                restarts += 1
+                # A worker process died: every group starts again from the last checkpoint (a
+                # process that dies while they start counts as a restart too).
                 point = str(self.written[-1]) if self.written else origin
-                log.note(f"restart {restarts} of at most {r.max_restarts}: {died.group} rank {died.rank} died in "
-                         f"{died.method}() ({_first_line(died.cause)}); all groups start again from "
-                         f"{point or 'the beginning'}")
-                self._restart()
+                while True:
+                    restarts += 1
+                    log.note(f"restart {restarts} of at most {r.max_restarts}: {died.group} rank {died.rank} died in "
+                             f"{died.method}() ({_first_line(died.cause)}); all groups start again from "
+                             f"{point or 'the beginning'}")
+                    try:
+                        self._restart()
+                        break
+                    except WorkerDiedError as e:
+                        if restarts >= r.max_restarts:
+                            raise
+                        died = e
         finally:
             log.close()
 
