@@ -137,7 +137,7 @@ class EnvWorker(PolicyHost):
     def load_state(self, state: dict[str, Any]) -> None:
         for b, snap in zip(self.batches, state["batches"], strict=True):
             b.restore(snap)
-        self.obs = state["obs"]
+        self.obs = [o.copy() for o in state["obs"]]  # writable: Ray hands arrays over read-only
         torch.set_rng_state(state["rng"])
 
 
