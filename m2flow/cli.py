@@ -139,9 +139,10 @@ def checkpoint_file(given: str, cfg) -> str:
     from m2flow.runners import checkpoint as checkpoints
 
     if given == "auto":
-        found = checkpoints.latest(Path(cfg.runner.out_dir) / "checkpoints", log=lambda m: print(m, file=sys.stderr))
+        where = checkpoints.directory(cfg.runner.out_dir)
+        found = checkpoints.latest(where, log=lambda m: print(m, file=sys.stderr))
         if found is None:
-            raise ConfigError("checkpoint", f"no complete checkpoint in {Path(cfg.runner.out_dir) / 'checkpoints'}")
+            raise ConfigError("checkpoint", f"no complete checkpoint in {where}")
         return str(found)
     if not Path(given).is_file():
         raise ConfigError("checkpoint", f"no such checkpoint file {given!r}")

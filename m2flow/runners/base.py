@@ -209,7 +209,7 @@ class Runner:
         r = self.cfg.runner
         log = RunLog(r.out_dir, self.metrics.progress_total, x=self.metrics.x, y=self.metrics.y, progress=r.progress)
         initial = {"metrics": self.metrics.state_dict(), "extra": self.extra_state()}  # to start over from
-        self.written: list[Path] = []
+        self.last_checkpoint: Path | None = None  # the last this run wrote: where a restart starts
         restarts = 0
         try:
             origin = self.resume_path(log) if r.resume else None
@@ -234,7 +234,7 @@ class Runner:
                     died = e
                 # A worker process died: every group starts again from the last checkpoint (a
                 # process that dies while they start counts as a restart too).
-                point = str(self.written[-1]) if self.written else origin
+                point = str(self.last_checkpoint) if self.last_checkpoint else origin
                 while True:
                     restarts += 1
                     log.note(f"restart {restarts} of at most {r.max_restarts}: {died.group} rank {died.rank} died in "
@@ -337,13 +337,13 @@ class Runner:
         One safetensors file, written atomically (``m2flow.runners.checkpoint``)."""
         owned = {c: g for c, g in self._stateful().items() if g is not None}
         states = dict(zip(owned, wait(*(g.state() for g in owned.values()))))
-        path = Path(self.cfg.runner.out_dir) / "checkpoints" / f"{self.metrics.x_name}_{done:06d}{checkpoints.SUFFIX}"
+        path = checkpoints.directory(self.cfg.runner.out_dir) / f"{self.metrics.x_name}_{done:06d}{checkpoints.SUFFIX}"
         checkpoints.save(path, {"done": done, "logged_to": log.history[-1][log.x] if log.history else 0,
                                 "metrics": self.metrics.state_dict(), "extra": self.extra_state(),
                                 "states": {c: states.get(c) for c in self._stateful()},
                                 "config": OmegaConf.to_container(self.cfg, resolve=True)})
         self.checkpointed_at = time.perf_counter()
-        self.written.append(path)
+        self.last_checkpoint = path
         return path
 
     def resume_path(self, log: RunLog) -> str | None:
@@ -352,9 +352,9 @@ class Runner:
         r = self.cfg.runner
         if r.resume != "auto":
             return r.resume
-        found = checkpoints.latest(Path(r.out_dir) / "checkpoints", log=log.note)
+        found = checkpoints.latest(checkpoints.directory(r.out_dir), log=log.note)
         log.note(f"resume=auto: continuing from {found}" if found else
-                 f"resume=auto: no complete checkpoint in {Path(r.out_dir) / 'checkpoints'}; starting afresh")
+                 f"resume=auto: no complete checkpoint in {checkpoints.directory(r.out_dir)}; starting afresh")
         return None if found is None else str(found)
 
     def resume(self, path: str, log: RunLog) -> int:

@@ -86,10 +86,15 @@ def load(path: str | Path) -> dict[str, Any]:
     return _decode(tree, tensors)
 
 
-def latest(directory: str | Path, log=print) -> Path | None:
-    """The newest complete checkpoint in ``directory`` (``runner.resume=auto``); those that are
+def directory(out_dir: str | Path) -> Path:
+    """Where a run (``runner.out_dir``) keeps its checkpoints."""
+    return Path(out_dir) / "checkpoints"
+
+
+def latest(folder: str | Path, log=print) -> Path | None:
+    """The newest complete checkpoint in ``folder`` (``runner.resume=auto``); those that are
     not are named through ``log`` and passed over."""
-    for path in sorted(Path(directory).glob(f"*{SUFFIX}"), reverse=True):  # names sort by the step
+    for path in sorted(Path(folder).glob(f"*{SUFFIX}"), reverse=True):  # names sort by the step
         try:
             check(path)
         except CheckpointError as e:
