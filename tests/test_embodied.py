@@ -83,13 +83,15 @@ def test_ppo_cartpole_learns_in_every_mode(cluster, tmp_path, mode, stages, env,
     assert (tmp_path / "metrics.csv").exists() and (tmp_path / "learning_curve.png").exists()
 
 
-@pytest.mark.parametrize("rollout", ["0", "1"], ids=["fused", "separate"])
-def test_collect_ahead_learns(cluster, tmp_path, rollout):
+@pytest.mark.parametrize("rollout,correction", [("0", "decoupled"), ("1", "none")], ids=["fused", "separate"])
+def test_collect_ahead_learns(cluster, tmp_path, rollout, correction):
     """Env on one device (the rollout fused into it, or on a device of its own), the actor on
     another; each update's rollout is collected while the actor trains on the previous one:
-    the data is one version old, and PPO still learns CartPole."""
+    the data is one version old, and PPO still learns CartPole (fused: with the decoupled
+    objective, the actor's own proximal log-probs)."""
     overrides = ["placement.mode=custom", "placement.components.env=0", f"placement.components.rollout={rollout}",
                  "placement.components.actor=2", "placement.actor_devices_per_proc=1", "runner.collect_ahead=true",
+                 f"algorithm.off_policy={correction}",
                  "runner.progress=false", f"runner.out_dir={tmp_path}", "runner.target_return=450"]
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
     try:

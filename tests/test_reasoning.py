@@ -66,16 +66,20 @@ LEARNING = {
     # gathered: batch-whitened advantages, KL in the reward, 2 epochs x 2 mini-batches, 2 actor ranks
     "reinforce_pp-hybrid": ("algorithm.name=reinforce_pp", "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true",
                             "algorithm.epochs=2", "algorithm.mini_batches=2", "placement.mode=hybrid"),
-    # pipelined, each step's rollout generated while the actor trains on the previous one
+    # pipelined, each step's rollout generated while the actor trains on the previous one; the
+    # decoupled objective (proximal log-probs recomputed, the sampling ones kept as behaviour)
     "rloo-pipelined-ahead": ("algorithm.name=rloo", "algorithm.dual_clip=3.0", "algorithm.entropy_coef=0.01",
-                             "placement.mode=disaggregated", "runner.collect_ahead=true", "algorithm.old_logprobs=recompute"),
+                             "placement.mode=disaggregated", "runner.collect_ahead=true", "algorithm.old_logprobs=recompute",
+                             "algorithm.off_policy=decoupled"),
     # the 2 hybrid actor ranks shard weights, gradients and optimizer state (FSDP)
     "grpo-hybrid-fsdp": ("algorithm.name=grpo", "placement.mode=hybrid", "algorithm.data_parallel=fsdp",
                          "algorithm.mini_batches=2"),
     # an actor rank per slot; rollout and inference one rank each over both slots, the next
     # step's stream running while the actor finishes: were each actor rank to all-reduce under
-    # its own lock, the inference (holding slot 0, wanting slot 1) would close a cycle
+    # its own lock, the inference (holding slot 0, wanting slot 1) would close a cycle. Truncated
+    # importance sampling against the sampling log-probs, one version old.
     "grpo-spanning-inference-ahead": ("algorithm.name=grpo", "algorithm.kl_coef=0.05", "runner.collect_ahead=true",
+                                      "algorithm.off_policy=tis",
                                       "placement.mode=custom",
                                       "placement.components.rollout={devices: '0-1', devices_per_proc: 2}",
                                       "placement.components.inference={devices: '0-1', devices_per_proc: 2}",
@@ -117,6 +121,11 @@ def test_training_raises_the_reward(cluster, tmp_path, case):
     # The inference worker recomputed the sampling log-probs with the weights that sampled them.
     if "algorithm.old_logprobs=recompute" in overrides:
         assert max(row["logprob_diff_max"] for row in steps) <= 1e-3
+    correction = _option(overrides, "algorithm.off_policy", "none")
+    if correction == "tis":  # one version old: weights near 1, none far above the cap
+        assert all(0.5 < row["is_weight_mean"] < 1.5 for row in steps), [row["is_weight_mean"] for row in steps]
+    if correction == "decoupled":  # proximal = behaviour weights here: w = 1 up to round-off, none dropped
+        assert all(abs(row["is_weight_mean"] - 1) < 1e-3 and row["is_capped_fraction"] == 0 for row in steps)
     # Each step takes epochs x mini-batches optimizer steps (none when dynamic sampling drops
     # every group), and no step is skipped for a non-finite gradient.
     passes = int(_option(overrides, "algorithm.epochs", 1)) * int(_option(overrides, "algorithm.mini_batches", 1))

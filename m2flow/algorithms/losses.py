@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from m2flow.algorithms.advantages import normalize
+from m2flow.algorithms.offpolicy import surrogate
 
 # The stats of ppo_minibatch_loss, in the order of the tensor it returns.
 PPO_STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
@@ -19,6 +20,10 @@ def ppo_policy_loss(
     clip_low: float,
     clip_high: float | None = None,
     weights: Tensor | None = None,
+    *,
+    correction: str = "none",
+    behaviour_logp: Tensor | None = None,
+    is_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss; returns (loss, stats).
 
@@ -29,27 +34,28 @@ def ppo_policy_loss(
     ``weights`` (GRPO's masks): the loss is ``mean(weights * surrogate)``, so the caller
     decides how masked samples are normalised; the stats are means weighted by ``weights``.
 
+    ``correction`` (``tis`` | ``decoupled``, cap ``is_cap``) for actions older weights
+    sampled (``behaviour_logp``): see ``m2flow.algorithms.offpolicy``.
+
     stats (detached 0-dim tensors, so that the loss compiles into one graph and the caller
     reads them all at once):
-      - ``clip_fraction``: share of elements whose ratio lies outside the clip range;
+      - ``clip_fraction``: share of elements whose ratio lies outside the clip range (``tis``:
+        above the cap);
       - ``approx_kl``: mean of ``(ratio - 1) - log ratio``, the k3 estimator of
         KL(old || new): unbiased and never negative.
     """
     clip_high = clip_low if clip_high is None else clip_high
-    log_ratio = logp - old_logp
-    ratio = log_ratio.exp()
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    # The pessimistic (smaller) objective: clipping only ever removes an incentive.
-    surrogate = torch.min(ratio * advantages, clipped * advantages)
+    s = surrogate(logp, old_logp, advantages, clip_low, clip_high, correction=correction,
+                  behaviour_logp=behaviour_logp, cap=is_cap)
     with torch.no_grad():
-        kl = (ratio - 1.0) - log_ratio
-        outside = (ratio != clipped).float()
+        kl = (s["ratio"] - 1.0) - s["log_ratio"]
+        outside = s["outside"].float()
         if weights is None:
             stats = {"clip_fraction": outside.mean(), "approx_kl": kl.mean()}
         else:
             total = weights.sum().clamp_min(1e-8)
             stats = {"clip_fraction": (outside * weights).sum() / total, "approx_kl": (kl * weights).sum() / total}
-    loss = -surrogate.mean() if weights is None else -(weights * surrogate).mean()
+    loss = s["loss"].mean() if weights is None else (weights * s["loss"]).mean()
     return loss, stats
 
 
@@ -69,9 +75,10 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float 
 
 
 def ppo_minibatch_loss(policy: nn.Module, obs: Tensor, actions: Tensor, old_logp: Tensor, advantages: Tensor,
-                       weights: Tensor | None, old_values: Tensor | None, returns: Tensor | None, *, clip: float,
-                       clip_high: float | None, ent_coef: float, vf_coef: float, value_clip: float | None,
-                       norm_adv: bool) -> tuple[Tensor, Tensor]:
+                       weights: Tensor | None, old_values: Tensor | None, returns: Tensor | None,
+                       behaviour_logp: Tensor | None = None, *, clip: float, clip_high: float | None, ent_coef: float,
+                       vf_coef: float, value_clip: float | None, norm_adv: bool, correction: str = "none",
+                       is_cap: float = 2.0) -> tuple[Tensor, Tensor]:
     """The PPO loss of one minibatch of an embodied policy and its detached ``PPO_STATS``, float64.
 
     ``policy.evaluate(obs, actions)`` gives (log-probs, entropies, values). The loss is the
@@ -79,11 +86,14 @@ def ppo_minibatch_loss(policy: nn.Module, obs: Tensor, actions: Tensor, old_logp
     advantages, normalised over the minibatch when ``norm_adv``, minus ``ent_coef`` times the
     mean entropy, plus ``vf_coef`` times ``value_loss`` (clipped by ``value_clip``) when
     ``returns`` are given (value loss 0 in the stats without them: GRPO has no critic).
-    ``weights`` (GRPO): per-sample weights, 0 for padding. Pure tensor code, no host syncs:
+    ``weights`` (GRPO): per-sample weights, 0 for padding. ``correction`` (cap ``is_cap``):
+    ``algorithm.off_policy``, with ``behaviour_logp`` the sampling log-probs where ``old_logp``
+    are the proximal ones (``decoupled``). Pure tensor code, no host syncs:
     under ``torch.compile`` it is one compiled graph, forward and backward."""
     logp, entropy, values = policy.evaluate(obs, actions)
     adv = normalize(advantages) if norm_adv else advantages
-    pg_loss, st = ppo_policy_loss(logp, old_logp, adv, clip, clip_high, weights)
+    pg_loss, st = ppo_policy_loss(logp, old_logp, adv, clip, clip_high, weights, correction=correction,
+                                  behaviour_logp=behaviour_logp, is_cap=is_cap)
     with torch.set_grad_enabled(bool(ent_coef)):  # without a bonus, a statistic only
         ent = entropy.mean() if weights is None else (entropy * weights).mean()
     loss = pg_loss - ent_coef * ent if ent_coef else pg_loss

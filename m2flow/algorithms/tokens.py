@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from m2flow.algorithms.advantages import group_normalized
+from m2flow.algorithms.offpolicy import surrogate
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "abs", "none")
@@ -260,6 +261,10 @@ def policy_loss(
     norm_len: float | None = None,
     total_tokens: float | Tensor | None = None,
     total_seqs: float | Tensor | None = None,
+    *,
+    correction: str = "none",
+    behaviour_logp: Tensor | None = None,
+    is_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate (PPO, Schulman et al. 2017) per token, aggregated by
     :func:`aggregate`; returns (loss, stats). All of [B, T]; gradients reach ``logp`` only.
@@ -271,39 +276,51 @@ def policy_loss(
     (Ye et al. 2020) bounds the loss of negative-advantage tokens by ``-c * A``:
     ``l = min(l, -c * A)`` where ``A < 0``, so a huge ratio on a bad token cannot blow up.
 
+    ``correction`` (``tis`` | ``decoupled``, cap ``is_cap``), for tokens older weights sampled
+    (``behaviour_logp``, the sampling log-probs): see ``m2flow.algorithms.offpolicy``. With
+    ``decoupled`` the dual-clip bound is weighted like the surrogate; ``tis`` has no clip.
+
     stats (floats, means over the masked tokens of this batch, whatever ``agg``):
-      - ``clip_fraction``: share of tokens whose ratio lies outside the clip range;
+      - ``clip_fraction``: share of tokens whose ratio lies outside the clip range (``tis``:
+        above the cap);
       - ``dual_clip_fraction``: share of tokens where the dual-clip bound is the loss;
       - ``approx_kl``: mean of ``(rho - 1) - log rho``, the k3 estimate of KL(old || new);
-      - ``ratio_mean``, ``ratio_max``: of rho.
+      - ``ratio_mean``, ``ratio_max``: of rho;
+      - with a correction, ``is_weight_mean`` (the importance weights) and ``is_capped_fraction``
+        (tokens truncated, ``tis``, or dropped, ``decoupled``).
     """
     clip_high = clip_low if clip_high is None else clip_high
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if dual_clip is not None and correction == "tis":
+        raise ValueError("dual_clip bounds a clipped surrogate; the tis correction has none")
     m = mask.bool()
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    log_ratio = torch.where(m, logp - old_logp.detach(), zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    s = surrogate(logp, old_logp, advantages, clip_low, clip_high, correction=correction,
+                  behaviour_logp=behaviour_logp, cap=is_cap, mask=m, max_log_ratio=MAX_LOG_RATIO)
+    loss_tokens, ratio, log_ratio = s["loss"], s["ratio"], s["log_ratio"]
     adv = torch.where(m, advantages.detach().to(logp.dtype), zero)
-    ratio = log_ratio.exp()
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    # the pessimistic objective: clipping only removes an incentive to move further
-    loss_tokens = torch.max(-ratio * adv, -clipped_ratio * adv)
     dual_bound = torch.zeros_like(m)
     if dual_clip is not None:
-        bounded = torch.min(loss_tokens, -dual_clip * adv)
+        bound = -dual_clip * adv * s["weight"]
+        bounded = torch.min(loss_tokens, bound)
         dual_bound = (adv < 0) & (bounded < loss_tokens)
         loss_tokens = torch.where(adv < 0, bounded, loss_tokens)
     loss = aggregate(loss_tokens, m, agg, norm_len, total_tokens, total_seqs)
 
     with torch.no_grad():
-        values = torch.stack([
-            masked_mean((ratio != clipped_ratio).to(logp.dtype), m),
+        parts = [
+            masked_mean(s["outside"].to(logp.dtype), m),
             masked_mean(dual_bound.to(logp.dtype), m),
             masked_mean((ratio - 1.0) - log_ratio, m),
             masked_mean(ratio, m),
             torch.where(m, ratio, zero).amax(),  # ratios are > 0: 0 only if nothing is masked
-        ]).tolist()  # one device sync for all stats
-    names = ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean", "ratio_max")
+        ]
+        names = ["clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
+        if correction != "none":
+            parts += [masked_mean(s["weight"], m), masked_mean(s["capped"].to(logp.dtype), m)]
+            names += ["is_weight_mean", "is_capped_fraction"]
+        values = torch.stack(parts).tolist()  # one device sync for all stats
     return loss, dict(zip(names, values))
 
 

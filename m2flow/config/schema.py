@@ -29,6 +29,7 @@ BUILTIN_REWARDS = ("format", "last_number", "math")  # m2flow.rewards.scorer.BUI
 ARITHMETIC_LEVELS = (1, 2, 3, 4, 5)  # m2flow.data.arithmetic.LEVELS
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "abs")
+CORRECTIONS = ("none", "tis", "decoupled")  # m2flow.algorithms.offpolicy.CORRECTIONS
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,11 @@ class EmbodiedAlgorithmConfig:
     target_kl: Optional[float] = opt(None, "stop an update's epochs once the mean KL exceeds it; null: never",
                                      within=POSITIVE)
     compile: bool = opt(False, "torch.compile the minibatch loss: faster updates after a one-off compile")
+    off_policy: str = opt("none", "the correction for data older weights sampled: none | tis (truncated importance "
+                                  "sampling) | decoupled (PPO around the newest weights; docs/reasoning.md)",
+                          choices=CORRECTIONS)
+    is_cap: float = opt(2.0, "off_policy: the importance weight's cap (tis: truncated to it; decoupled: actions "
+                             "above it dropped)", within=POSITIVE)
 
 
 @dataclass
@@ -263,6 +269,11 @@ class ReasoningAlgorithmConfig:
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal")
     old_logprobs: str = opt("rollout", "rollout (the sampling log-probs) | recompute (inference worker)",
                             choices=("rollout", "recompute"))
+    off_policy: str = opt("none", "the correction for data older weights sampled: none | tis (truncated importance "
+                                  "sampling) | decoupled (PPO around the newest weights; docs/reasoning.md)",
+                          choices=CORRECTIONS)
+    is_cap: float = opt(2.0, "off_policy: the importance weight's cap (tis: truncated to it; decoupled: tokens "
+                             "above it dropped)", within=POSITIVE)
     lr: float = opt(MISSING, "the actor's AdamW learning rate", within=POSITIVE)
     weight_decay: float = opt(0.0, "AdamW's weight decay", within=NON_NEGATIVE)
     max_grad_norm: Optional[float] = opt(1.0, "gradients are clipped to this global norm; 0 or null: no clipping",

@@ -170,6 +170,12 @@ def check_reasoning(d: Mapping) -> None:
         raise ConfigError("algorithm.kl_in_reward", f"true needs algorithm.name={' | '.join(GROUP_FREE)}, not "
                                                     f"{a['name']} (group-relative advantages take the KL term in the "
                                                     "loss)")
+    if a["off_policy"] == "decoupled" and a["old_logprobs"] != "recompute":
+        raise ConfigError("algorithm.off_policy", "decoupled takes its trust region around the newest weights' "
+                                                  "log-probs: it needs algorithm.old_logprobs=recompute")
+    if a["off_policy"] == "tis" and a["dual_clip"] is not None:
+        raise ConfigError("algorithm.dual_clip", "bounds a clipped surrogate; algorithm.off_policy=tis has none "
+                                                 "(set dual_clip=null)")
     buffer = d["reward"]["overlong_buffer"]
     if buffer > r["max_new_tokens"]:
         raise ConfigError("reward.overlong_buffer", f"must be <= rollout.max_new_tokens={r['max_new_tokens']}, "

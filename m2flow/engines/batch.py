@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "values", "returns")
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "values", "returns", "behaviour_logprobs")
 
 
 @dataclass
@@ -45,6 +45,7 @@ class SequenceBatch:
     advantages: Tensor | None = None
     values: Tensor | None = None
     returns: Tensor | None = None
+    behaviour_logprobs: Tensor | None = None  # the sampling log-probs, kept where old_logprobs are recomputed
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ class ActorWorker(Worker):
         a = self.algo
         loss = partial(ppo_minibatch_loss, self.policy, clip=a["clip"], clip_high=a["clip_high"],
                        ent_coef=a["ent_coef"], vf_coef=a["vf_coef"], value_clip=a["value_clip"],
-                       norm_adv=a["norm_adv"])
+                       norm_adv=a["norm_adv"], correction=a["off_policy"], is_cap=a["is_cap"])
         self._loss = torch.compile(loss) if a["compile"] else loss
         self.version = 0
         if self.world_size > 1:
@@ -92,6 +92,8 @@ class ActorWorker(Worker):
                 g["lr"] = self.algo["lr"] * (1.0 - update / total_updates)
         with clock.turn(self.turns):
             batch, stats = self._group_advantages(data) if self.grpo else self._advantages(data)
+            if self.algo["off_policy"] == "decoupled":
+                self._proximal(batch)
             stats |= self._optimize(batch)
         self.version += 1
         stats |= clock.report(lock_wait=True) | {"policy_lag": lag}
@@ -153,13 +155,22 @@ class ActorWorker(Worker):
                  "advantages": adv.reshape(-1)[idx], "weights": weights}
         return batch, {}
 
+    def _proximal(self, b: dict[str, torch.Tensor]) -> None:
+        """The decoupled objective (``algorithm.off_policy=decoupled``): its trust region is
+        around the weights this update starts from, so their log-probs of the actions become the
+        loss's ``logp``, and the sampling ones its ``behaviour_logp``."""
+        with torch.no_grad():
+            proximal = self.policy.evaluate(b["obs"], b["actions"])[0].float()
+        b["behaviour_logp"], b["logp"] = b["logp"], proximal
+
     def _optimize(self, b: dict[str, torch.Tensor]) -> dict:
         a = self.algo
         size = len(b["obs"])
         mb = a["minibatch_size"] // self.world_size
         if mb < 1 or size % mb:
             raise ValueError(f"{size} samples per actor rank cannot be cut into minibatches of {mb}")
-        fields = [b.get(k) for k in ("obs", "actions", "logp", "advantages", "weights", "values", "returns")]
+        fields = [b.get(k) for k in ("obs", "actions", "logp", "advantages", "weights", "values", "returns",
+                                     "behaviour_logp")]
         max_norm = a["max_grad_norm"]
         kl = PPO_STATS.index("approx_kl")
         rows: list[torch.Tensor] = []  # per minibatch: its PPO_STATS, averaged at the end

@@ -24,6 +24,7 @@ class InferenceWorker(WeightReceiver):
         self.ref = load_model(cfg, self.device)[0].requires_grad_(False) if a["kl_coef"] > 0 else None
         self.policy = load_model(cfg, self.device)[0].requires_grad_(False) if a["old_logprobs"] == "recompute" else None
         self.turns = self.device_turns(take_turns and (self.ref is not None or self.policy is not None))
+        self.keep_behaviour = a["off_policy"] != "none"
         self.version = -1
 
     def _receive_model(self) -> torch.nn.Module:
@@ -50,6 +51,8 @@ class InferenceWorker(WeightReceiver):
                                                           share_prompts=self.share_prompts)
                             mask = batch.completion_mask.bool()
                             diffs.append(float((recomputed - batch.old_logprobs)[mask].abs().max()) if mask.any() else 0.0)
+                            if self.keep_behaviour:  # the off-policy correction weighs by them
+                                batch.behaviour_logprobs = batch.old_logprobs
                             batch.old_logprobs = recomputed
                 batches_out.put(batch, key, weight=batch.extras["groups"])
         for _ in range(readers):  # after every batch: a rank that takes one has nothing left to take

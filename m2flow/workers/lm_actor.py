@@ -233,7 +233,8 @@ class LMActorWorker(Worker):
         totals = {"agg": a["loss_agg"], "norm_len": self.norm_len, "total_tokens": scale.tokens / scale.world_size,
                   "total_seqs": scale.sequences / scale.world_size}
         loss, stats = policy_loss(logp, mb.old_logprobs, mb.advantages, mask, a["clip"], a["clip_high"],
-                                  a["dual_clip"], **totals)
+                                  a["dual_clip"], **totals, correction=a["off_policy"],
+                                  behaviour_logp=mb.behaviour_logprobs, is_cap=a["is_cap"])
         if a["kl_coef"] > 0 and not a["kl_in_reward"]:
             kl = kl_loss(logp, mb.ref_logprobs, mask, a["kl_kind"], **totals)
             loss = loss + a["kl_coef"] * kl
