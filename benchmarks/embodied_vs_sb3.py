@@ -31,8 +31,10 @@ with a ``DummyVecEnv`` of several envs in each process (one process per core).
 m2flow's side is the preset ``embodied/ppo_halfcheetah`` (its env id replaced by ``--env``) with
 the set's values as overrides, one run per placement mode (``MODES``): ``hybrid`` runs with
 ``runner.stages=2`` (elastic pipelining); ``ahead`` puts the env workers (rollout fused) on
-slot 0 and the actor on slot 1 with ``runner.collect_ahead=true``, so each update's rollout
-overlaps the training on the previous one (off-policy by one version); ``collocated-compiled``
+slot 0 and the actor on slot 1 with ``runner.max_staleness=1``, so each update's rollout
+overlaps the training on the previous one (off-policy by one version), ``ahead2`` the same up
+to two versions ahead, ``async-auto`` the scheduler's plan with up to two versions allowed
+(``placement=auto runner.max_staleness=2``); ``collocated-compiled``
 is ``collocated`` with ``algorithm.compile=true`` (the compile counted in its time).
 
 Every side (each SB3 configuration, each m2flow mode) runs in a fresh process, one at a time.
@@ -134,7 +136,12 @@ MODES = {
     # Env with the fused rollout on slot 0, the actor on slot 1; each update's rollout runs
     # while the actor trains on the previous one (its data one policy version old).
     "ahead": ["placement.mode=custom", "placement.components.env=0", "placement.components.rollout=0",
-              "placement.components.actor=1", "placement.actor_devices_per_proc=1", "runner.collect_ahead=true"],
+              "placement.components.actor=1", "placement.actor_devices_per_proc=1", "runner.max_staleness=1"],
+    # The same, up to two versions ahead (asynchronous, staleness bounded by 2).
+    "ahead2": ["placement.mode=custom", "placement.components.env=0", "placement.components.rollout=0",
+               "placement.components.actor=1", "placement.actor_devices_per_proc=1", "runner.max_staleness=2"],
+    # Staleness up to 2 allowed, the plan the scheduler picks (profiled, or a reused profile).
+    "async-auto": ["placement=auto", "runner.max_staleness=2"],
 }
 
 

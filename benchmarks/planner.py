@@ -14,7 +14,7 @@ Workloads (``--workloads``):
 Per workload, one run:
   1. ``m2flow profile`` in a fresh process, timed (a new profile: ``--profile-dir`` is emptied);
   2. the planner's ranked list of feasible plans (``runners.auto.choose``), within the
-     staleness allowance (``--staleness``: 0, on-policy only; 1, plans one update ahead too);
+     staleness allowance (``--staleness``: 0, on-policy only; k, plans up to k updates ahead too);
   3. every plan (or ``--max-plans`` of them, the planner's order, then every mode's best)
      run for ``--updates`` updates in a fresh process (``m2flow train ... placement=@plan``),
      its step time the median after the first (warm-up) update;
@@ -73,6 +73,7 @@ def measure(preset: str, overrides: list[str], out: Path) -> dict:
     start, before = time.perf_counter(), load1()
     subprocess.run([*M2FLOW, "train", preset, *overrides, f"runner.out_dir={out}", "runner.progress=false",
                     "runner.checkpoint_every=0"], check=True, stdout=sys.stderr, stderr=sys.stderr)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a SmolLM2 run's last checkpoint is ~1.6 GB
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     col = "update_s" if "update_s" in rows[0] else "step_s"
     steps = [float(r[col]) for r in rows if r.get(col) not in (None, "")]
@@ -87,7 +88,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     from m2flow.runners.auto import choose
 
     preset, extra = WORKLOADS[name]
-    staleness = [f"placement.staleness={args.staleness}"]
+    staleness = [f"runner.max_staleness={args.staleness}"]
     base = [*extra, *args.override, *staleness, f"placement.profile={tmp / (name + '-profile.json')}"]
     cfg = load_config(preset, base)
     log(f"== {name}: profiling")
@@ -152,7 +153,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=["halfcheetah", "ant", "smollm2"], choices=sorted(WORKLOADS))
-    p.add_argument("--staleness", type=int, default=0, help="0: on-policy plans only; 1: one update ahead too")
+    p.add_argument("--staleness", type=int, default=0, help="0: on-policy plans only; k: up to k updates ahead too")
     p.add_argument("--updates", type=int, default=12, help="updates per measured run (the first is warm-up)")
     p.add_argument("--max-plans", type=int, default=0, help="measure only the planner's first N (0: all)")
     p.add_argument("--repeats", type=int, default=2, help="auto vs best, each this many times, alternately")

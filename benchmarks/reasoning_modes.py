@@ -9,7 +9,7 @@ prompts, sampling, micro-batching and seed), one after the other in this process
               the rest; completed groups stream on while the rollout generates, and the actor
               runs forward and backward on each as it arrives.
 
-  <mode>-ahead  the same placement with ``runner.collect_ahead=true``: each step's rollout
+  <mode>-ahead  the same placement with ``runner.max_staleness=1``: each step's rollout
               runs while the actor trains on the previous step's completions (one policy
               version old); the last timed step also counts the wait for the rollout it
               started (a step returns before it ends), then one more, untimed step trains on it.
@@ -48,9 +48,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     placement, *flags = mode.split("-")
     if set(flags) - {"ahead", "fsdp"}:
         raise ValueError(f"mode {mode!r}: a placement mode, optionally with -ahead and/or -fsdp")
-    ahead = "ahead" in flags
+    ahead = int("ahead" in flags)
     overrides = [f"model.path={args.model}", f"placement.mode={placement}", f"data.prompts_per_step={args.prompts}",
-                 f"runner.collect_ahead={str(bool(ahead)).lower()}",
+                 f"runner.max_staleness={ahead}",
                  f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
                  f"placement.granularity={args.granularity}", "runner.progress=false",
                  f"runner.out_dir={tempfile.mkdtemp(prefix=f'm2flow-{mode}-')}",

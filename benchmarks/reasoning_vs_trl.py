@@ -29,7 +29,7 @@ actor does not forward the completions of zero advantage, whose gradient is exac
 with this sparse reward, most groups' rewards are all equal; ``inert_rows`` counts them per
 step), ``m2flow_collocated_all_rows`` (the same, forwarding every row as TRL does),
 ``m2flow_disaggregated``, ``m2flow_hybrid_ahead`` (hybrid placement with
-``runner.collect_ahead=true``: each step trains on completions of the weights before the
+``runner.max_staleness=1``: each step trains on completions of the weights before the
 last update, where TRL and the other variants are on-policy; the last timed step also counts
 the wait for the rollout it started, and one extra, untimed step then trains on it). The
 default runs both TRL configurations and the two collocated m2flow variants; the ratios are
@@ -244,7 +244,7 @@ def run_m2flow(spec: dict) -> dict:
     cfg = base_config(spec["model_dir"], spec["beta"], mode, spec["micro_batch_tokens"], spec["seed"],
                       spec["max_new_tokens"])
     cfg.runner.out_dir = spec["out_dir"]
-    cfg.runner.collect_ahead = suffix == "ahead"
+    cfg.runner.max_staleness = int(suffix == "ahead")
     cfg.algorithm.skip_inert_rows = suffix != "all_rows"
     with contextlib.redirect_stdout(sys.stderr):
         runner = ReasoningRunner(cfg)
@@ -252,11 +252,11 @@ def run_m2flow(spec: dict) -> dict:
             rows = []
             for i in range(spec["warmup"] + spec["steps"]):
                 t0 = time.perf_counter()
-                report = runner.step(i, ahead=cfg.runner.collect_ahead)
+                report = runner.step(i, ahead=cfg.runner.max_staleness)
                 dt = time.perf_counter() - t0
                 rows.append(ReasoningMetrics(0).row(i, report, dt, dt))
                 log(f"    step {i + 1}: {dt:.1f} s")
-            if cfg.runner.collect_ahead:
+            if cfg.runner.max_staleness:
                 # The timed window ends once the rollout its last step started is done: a step
                 # that generates ahead returns before that rollout ends, which would leave it out.
                 t0 = time.perf_counter()
@@ -273,7 +273,7 @@ def run_m2flow(spec: dict) -> dict:
         "completion_length": statistics.fmean(r["completion_length"] for r in timed),
         "reward": statistics.fmean(r["reward"] for r in timed),
         "inert_rows": [r["inert_rows"] for r in timed],
-        "settings": {"placement.mode": mode, "runner.collect_ahead": cfg.runner.collect_ahead,
+        "settings": {"placement.mode": mode, "runner.max_staleness": cfg.runner.max_staleness,
                      "algorithm.max_tokens_per_micro_batch": spec["micro_batch_tokens"],
                      "algorithm.skip_inert_rows": cfg.algorithm.skip_inert_rows,
                      "placement.granularity": cfg.placement.granularity,

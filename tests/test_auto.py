@@ -68,7 +68,7 @@ def test_a_plan_file_that_runs_ahead_runs_as_written(tmp_path):
                                                 "runner.rollout_steps=64", "runner.total_env_steps=1024",
                                                 "algorithm.minibatch_size=64", "runner.target_return=null",
                                                 f"runner.out_dir={tmp_path}", "runner.progress=false"])
-    assert cfg.runner.collect_ahead is False
+    assert cfg.runner.max_staleness == 0
     rows = run(cfg)
     assert len(rows) == 4
     lags = [float(r["policy_lag"]) for r in csv.DictReader(open(tmp_path / "metrics.csv"))]

@@ -164,6 +164,8 @@ def test_some_messages_in_full(capsys, no_ray):
         ([R, "model.dtype=fp8"], "model.dtype: must be one of float32 | bfloat16 | float16, got 'fp8'"),
         ([RG, "algorithm.norm_adv=true"], "algorithm.norm_adv: must be false for algorithm.name=grpo: its advantages "
                                           "are already normalised within each group"),
+        ([E, "runner.collect_ahead=true"], "runner.collect_ahead: renamed: use runner.max_staleness (true: 1)"),
+        ([R, "placement.staleness=1"], "placement.staleness: renamed: use runner.max_staleness"),
     ]
     for argv, message in cases:
         assert cli_error(capsys, ["train", *argv]) == f"m2flow: error: {message}"

@@ -90,7 +90,7 @@ def test_collect_ahead_learns(cluster, tmp_path, rollout, correction):
     the data is one version old, and PPO still learns CartPole (fused: with the decoupled
     objective, the actor's own proximal log-probs)."""
     overrides = ["placement.mode=custom", "placement.components.env=0", f"placement.components.rollout={rollout}",
-                 "placement.components.actor=2", "placement.actor_devices_per_proc=1", "runner.collect_ahead=true",
+                 "placement.components.actor=2", "placement.actor_devices_per_proc=1", "runner.max_staleness=1",
                  f"algorithm.off_policy={correction}",
                  "runner.progress=false", f"runner.out_dir={tmp_path}", "runner.target_return=450"]
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
@@ -112,15 +112,19 @@ def test_bad_overrides_are_clear_errors():
 
 
 # Collecting ahead also runs in test_collect_ahead_learns; its resume variant is slow.
-@pytest.mark.parametrize("ahead", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["on-policy", "ahead"])
-def test_resume_continues_exactly(cluster, tmp_path, ahead):
+@pytest.mark.parametrize("ahead, updates, lags", [
+    (0, 4, [0] * 4),
+    pytest.param(1, 4, [0, 1, 0, 1], marks=pytest.mark.slow),
+    # two versions ahead, but nothing in flight at the checkpoint after update 4
+    (2, 8, [0, 1, 2, 2, 0, 1, 2, 2])], ids=["on-policy", "ahead", "two-ahead"])
+def test_resume_continues_exactly(cluster, tmp_path, ahead, updates, lags):
     """A run resumed from its checkpoint at update N reaches the same weights at 2N as
     the uninterrupted run: simulators, sampling RNGs, optimizer and shuffling all restored.
     Collecting ahead, no rollout runs past a checkpoint."""
     common = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
               "placement.components.actor=0-1", "runner.stages=2", "runner.progress=false",
-              "runner.total_env_steps=1024", "env.kwargs.max_episode_steps=20",  # 4 updates; truncations too
-              f"runner.collect_ahead={str(ahead).lower()}"]
+              f"runner.total_env_steps={256 * updates}", "env.kwargs.max_episode_steps=20",  # truncations too
+              f"runner.max_staleness={ahead}"]
 
     def run(out, *extra):
         runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", common + [f"runner.out_dir={out}", *extra]), cluster)
@@ -130,16 +134,16 @@ def test_resume_continues_exactly(cluster, tmp_path, ahead):
         finally:
             runner.close()
 
-    straight, history = run(tmp_path / "a", "runner.checkpoint_every=2")
-    assert len(history) == 4 and len(set(straight)) == 1  # both actor ranks hold the same weights
+    straight, history = run(tmp_path / "a", f"runner.checkpoint_every={updates // 2}")
+    assert len(history) == updates and len(set(straight)) == 1  # both actor ranks hold the same weights
     # resume=auto in a copy of the run whose last checkpoint was cut short: it takes the one before
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    last = tmp_path / "b" / "checkpoints" / "update_000004.safetensors"
+    last = tmp_path / "b" / "checkpoints" / f"update_{updates:06d}.safetensors"
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
     resumed, rest = run(tmp_path / "b", "runner.resume=auto")
-    assert [row["update"] for row in rest] == [0, 1, 2, 3]  # the copied log's rows to the checkpoint, then its own
+    assert [row["update"] for row in rest] == list(range(updates))  # the copied log's rows to the checkpoint, then its own
     assert "skipping" in (tmp_path / "b" / "log.txt").read_text()
-    assert [row["policy_lag"] for row in history] == ([0, 1, 0, 1] if ahead else [0] * 4)
+    assert [row["policy_lag"] for row in history] == lags
     assert resumed == straight
     assert rest[-1]["env_steps"] == history[-1]["env_steps"]
 

@@ -191,6 +191,38 @@ def test_load_weights_then_generate_uses_them():
         engine.load_weights([("model.norm.weight", torch.zeros(3))])
 
 
+def test_weights_loaded_between_steps_continue_the_sequences_in_flight():
+    """New weights mid-generation (an in-flight update): the sequences in flight keep their
+    cached keys and values and go on with the new weights; each token records the version
+    that sampled it; sequences admitted later are the new weights' own."""
+    model, tok = lively_lm("tiny-llama")
+    other, _ = lively_lm("tiny-llama")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p.std())
+    prompts = make_prompts([6, 11, 4, 9], seed=8)
+    old = greedy_ids(TorchEngine(model, tok, max_batch_size=2), prompts, 12)
+    new = greedy_ids(TorchEngine(other, tok, max_batch_size=2), prompts, 12)
+    engine = TorchEngine(model, tok, max_batch_size=2)  # prompts 0 and 1 first, 2 and 3 once they end
+    calls = []
+
+    def between():
+        calls.append(1)
+        if len(calls) == 4:  # after the first token and three decode steps
+            engine.load_weights(other.state_dict().items(), version=1)
+
+    got = {g[0].prompt_index: g[0] for g in engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12),
+                                                           between=between)}
+    for i in (0, 1):
+        assert got[i].versions == [0] * 4 + [1] * 8
+        assert got[i].token_ids[:4] == old[i][:4]
+    assert any(got[i].token_ids != old[i] for i in (0, 1))  # the new weights took over mid-sequence
+    for i in (2, 3):
+        assert got[i].versions == [1] * 12 and got[i].token_ids == new[i] != old[i]
+
+
 def test_offload_onload_round_trip():
     model, tok = lively_lm("tiny-qwen2")
     engine = build_engine("torch", model, tok)

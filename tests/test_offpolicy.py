@@ -112,3 +112,17 @@ def test_config_rules():
         load_config("embodied/ppo_cartpole", ["algorithm.off_policy=vtrace"])
     cfg = load_config("reasoning/grpo_arith_tiny", ["algorithm.off_policy=decoupled", "algorithm.old_logprobs=recompute"])
     assert (cfg.algorithm.off_policy, cfg.algorithm.is_cap) == ("decoupled", 2.0)
+
+
+def test_trained_tokens_are_counted_by_their_lag():
+    import torch as th
+
+    from m2flow.engines.batch import SequenceBatch
+    from m2flow.workers.lm_actor import _count_lags
+
+    ids = th.zeros(2, 5, dtype=th.long)
+    completion = th.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]])
+    batch = SequenceBatch(ids, th.ones_like(ids), completion, versions=th.tensor([[9, 9, 3, 4, 5], [9, 5, 5, 9, 9]]))
+    counts = {}
+    _count_lags(counts, batch, 5)  # tokens of versions 3, 4, 5 | 5, 5: prompt and padding positions never count
+    assert counts == {2: 1, 1: 1, 0: 3}

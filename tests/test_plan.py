@@ -41,8 +41,8 @@ def test_embodied_modes():
     assert disaggregated.mode(EMBODIED) == "disaggregated"
     spans = embodied("collocated", 4, "placement.actor_devices_per_proc=2")
     assert spans.components["actor"].devices_per_proc == 2 and spans.world_size("actor") == 2
-    assert embodied("collocated", 2, "runner.stages=2", "runner.collect_ahead=true").stages == 2
-    assert embodied("collocated", 2, "runner.collect_ahead=true").run_ahead == 1
+    assert embodied("collocated", 2, "runner.stages=2", "runner.max_staleness=1").stages == 2
+    assert embodied("collocated", 2, "runner.max_staleness=1").run_ahead == 1
 
 
 def test_reasoning_modes():
@@ -83,7 +83,7 @@ def test_plan_round_trips_through_yaml(tmp_path):
     ({"components": {"actor": {"devices": "0-2", "devices_per_proc": 2}}}, "3 device.* cannot be split into processes of 2"),
     ({"fuse": [["rollout", "actor"]]}, "cannot fuse"),
     ({"granularity": {"sample": 2}}, r"unknown channel\(s\) \['sample'\]"),
-    ({"run_ahead": 2}, "run_ahead must be 0 or 1"),
+    ({"run_ahead": -1}, "run_ahead must be >= 0"),
     ({"stages": 0}, "stages must be >= 1"),
 ])
 def test_plans_that_cannot_run_name_the_component(change, message):

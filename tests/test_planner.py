@@ -98,7 +98,7 @@ def test_planner_picks_the_fastest_simulated_plan_and_explains_it():
 def test_run_ahead_only_within_the_staleness_allowed():
     cfg, prof = _embodied_profile(env_s_per_env=0.0008, actor_s=0.4)
     on_policy = choose(cfg, prof)
-    cfg.placement.staleness = 1
+    cfg.runner.max_staleness = 1
     ahead = choose(cfg, prof)
     assert any(c.plan.run_ahead for c in ahead.ranked)
     # one version ahead, makers and trainer on devices of their own overlap: strictly faster here
@@ -111,7 +111,7 @@ def test_what_does_not_scale_decides_the_plan():
     # it with collection. Envs that scale and an actor that does not: everything collocated.
     def profile(env_fixed, env_per_env, actor_fixed, actor_per_sample):
         cfg, prof = _embodied_profile()
-        cfg.placement.staleness = 1
+        cfg.runner.max_staleness = 1
         prof.points = [p for p in prof.points if p.component == "rollout"]
         for d in (1, 2, 4):
             for items in (4, 8):

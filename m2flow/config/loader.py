@@ -21,7 +21,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from m2flow.config.schema import ROOTS
+from m2flow.config.schema import RENAMED, ROOTS
 from m2flow.config.validate import ConfigError, resolved, validate
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
@@ -142,6 +142,8 @@ def _given(e: OmegaConfBaseException, value: str | None) -> str:
 
 def unknown_key(root: type, key: str) -> str:
     """'no such key', with the closest known key, or the keys there are."""
+    if key in RENAMED:
+        return f"renamed: use {RENAMED[key]}"
     parent, _, leaf = key.rpartition(".")
     hint = hint_at(root, parent) if parent else root
     if not dataclasses.is_dataclass(hint):

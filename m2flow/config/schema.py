@@ -92,8 +92,9 @@ class ClusterConfig:
 class RunnerConfig:
     """The runner keys both flows have."""
 
-    collect_ahead: bool = opt(False, "true: the next update's data is collected while the actor trains "
-                                     "(its data then one policy version old)")
+    max_staleness: int = opt(0, "policy versions the trained data may lag the weights: 0 on-policy; k: the rollout "
+                                "runs up to k updates ahead of the actor (placement=auto: plans may)",
+                             within=NON_NEGATIVE)
     log_every: int = opt(1, "kept for older presets: every update is logged")
     checkpoint_every: int = opt(0, "updates between checkpoints; 0: only at the end", within=NON_NEGATIVE)
     checkpoint_every_min: float = opt(0.0, "minutes between checkpoints (also); 0: by updates only", within=NON_NEGATIVE)
@@ -179,8 +180,8 @@ class EmbodiedRunnerConfig(RunnerConfig):
 
 MODES = ("collocated", "disaggregated", "hybrid", "custom", "auto")
 PLAN_DOC = "a plan file (YAML: components, fuse, granularity, stages, run_ahead) run as it is, instead of mode"
-STALENESS_DOC = ("mode auto: how many versions old the data may be (0: on-policy; 1: plans may collect or "
-                 "generate one update ahead)")
+# Keys that were renamed: their old name's error says the new one.
+RENAMED = {"runner.collect_ahead": "runner.max_staleness (true: 1)", "placement.staleness": "runner.max_staleness"}
 PROFILE_DOC = "mode auto: the profile file to reuse or write (null: runs/profiles/<preset>-<config hash>.json)"
 
 
@@ -188,7 +189,6 @@ PROFILE_DOC = "mode auto: the profile file to reuse or write (null: runs/profile
 class EmbodiedPlacementConfig:
     mode: str = opt("collocated", " | ".join(MODES) + " (auto: profiled, planned, run)", choices=MODES)
     plan: Optional[str] = opt(None, PLAN_DOC)
-    staleness: int = opt(0, STALENESS_DOC, within=NON_NEGATIVE)
     profile: Optional[str] = opt(None, PROFILE_DOC)
     actor_devices_per_proc: int = opt(1, "> 1: each actor rank spans that many devices (fewer ranks, fewer "
                                          "all-reduces)", within=AT_LEAST_1)
@@ -243,6 +243,9 @@ class RolloutConfig:
     max_new_tokens: int = opt(MISSING, "tokens per completion at most", within=AT_LEAST_1)
     stop: List[str] = opt([], "strings that end a completion")
     max_batch_size: int = opt(32, "sequences generated at once (continuous batching refills slots)", within=AT_LEAST_1)
+    partial: bool = opt(True, "runner.max_staleness >= 1: new weights reach the rollout between decode steps and the "
+                              "sequences in flight go on with them (each token records its version); false: a step's "
+                              "generation ends with the weights it started with")
 
 
 @dataclass
@@ -305,7 +308,6 @@ class ReasoningRunnerConfig(RunnerConfig):
 class ReasoningPlacementConfig:
     mode: str = opt("collocated", " | ".join(MODES) + " (auto: profiled, planned, run)", choices=MODES)
     plan: Optional[str] = opt(None, PLAN_DOC)
-    staleness: int = opt(0, STALENESS_DOC, within=NON_NEGATIVE)
     profile: Optional[str] = opt(None, PROFILE_DOC)
     granularity: int = opt(1, "prompt groups per streamed micro-batch", within=AT_LEAST_1)
     components: Dict[str, Any] = opt({"rollout": None, "reward": None, "inference": None, "actor": None,

@@ -173,6 +173,15 @@ def check_reasoning(d: Mapping) -> None:
     if a["off_policy"] == "decoupled" and a["old_logprobs"] != "recompute":
         raise ConfigError("algorithm.off_policy", "decoupled takes its trust region around the newest weights' "
                                                   "log-probs: it needs algorithm.old_logprobs=recompute")
+    if d["runner"]["max_staleness"] and r["partial"]:
+        if r["backend"] != "torch":
+            raise ConfigError("rollout.partial", f"true takes weights while sequences are in flight: rollout.backend="
+                                                 f"{r['backend']} does not (set rollout.partial=false)")
+        if a["old_logprobs"] == "recompute" and a["off_policy"] != "decoupled":
+            raise ConfigError("rollout.partial", "true samples a sequence's tokens with several weight versions: "
+                                                 "algorithm.old_logprobs=recompute cannot redo that (use "
+                                                 "algorithm.off_policy=decoupled, or old_logprobs=rollout, or "
+                                                 "rollout.partial=false)")
     if a["off_policy"] == "tis" and a["dual_clip"] is not None:
         raise ConfigError("algorithm.dual_clip", "bounds a clipped surrogate; algorithm.off_policy=tis has none "
                                                  "(set dual_clip=null)")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "values", "returns", "behaviour_logprobs")
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "values", "returns", "behaviour_logprobs", "versions")
 
 
 @dataclass
@@ -46,6 +46,7 @@ class SequenceBatch:
     values: Tensor | None = None
     returns: Tensor | None = None
     behaviour_logprobs: Tensor | None = None  # the sampling log-probs, kept where old_logprobs are recomputed
+    versions: Tensor | None = None  # int64: the policy version that sampled each token
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,7 @@ class Completion:
                                # T = temperature (1 when greedy), of the full distribution before top-k/top-p
     finish_reason: str         # "stop" (EOS or stop string) | "length"
     text: str                  # decoded token_ids, special tokens skipped; a stop string stays in it
+    versions: list[int] | None = None  # the engine's weights version that sampled each token
 
 
 class GenerationEngine(ABC):
@@ -59,12 +60,16 @@ class GenerationEngine(ABC):
     One ``generate`` call runs at a time per engine."""
 
     @abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[list[Completion]]:
-        """Yields each prompt's group of n completions (sorted by sample_index) the moment the whole group is done."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 between: Callable[[], None] | None = None) -> Iterator[list[Completion]]:
+        """Yields each prompt's group of n completions (sorted by sample_index) the moment the
+        whole group is done. ``between`` runs before each forward: it may load newer weights,
+        which the sequences in flight continue with (their cached keys and values stay)."""
 
     @abstractmethod
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies weights in place; names as in ``model.named_parameters()`` / ``model.state_dict()``."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Copies weights in place; names as in ``model.named_parameters()`` / ``model.state_dict()``.
+        ``version``: the weights' version, recorded with each token sampled from then on."""
 
     @abstractmethod
     def weights_hash(self) -> str:

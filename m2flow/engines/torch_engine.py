@@ -9,6 +9,9 @@ the batch stays dense and finished rows cost nothing). A prompt is prefilled onc
 ``n``: its KV is copied into each of its samples' slots, and their first tokens are sampled
 from the same last-position logits. Every forward gets explicit per-row position ids and a 4D
 additive mask, so padding never shifts a position and log-probs equal a plain forward's.
+A ``between`` hook runs before each forward (e.g. loading newer weights: the sequences in
+flight keep their KV cache, and each token records the ``version`` of the weights that
+sampled it).
 
 Why this and not the alternatives (SmolLM2-135M fp32, 2 CPU threads, 32 sequences in flight;
 figures from benchmarks/rollout_engine.py and a side run of ``generate_batch``):
@@ -29,7 +32,7 @@ sampling and bookkeeping share the rest.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +94,7 @@ class _Sequence:
     prompt_length: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -155,6 +159,7 @@ class TorchEngine(GenerationEngine):
         self.cache: SlotKVCache | None = None
         self.offloaded, self.offloaded_from = False, None  # offloaded_from: the device the weights left
         self.stats: dict[str, int] = {}
+        self.version = 0  # of the weights: set by load_weights, recorded with every token sampled
 
     @property
     def device(self) -> torch.device:
@@ -162,13 +167,14 @@ class TorchEngine(GenerationEngine):
 
     # -- the GenerationEngine contract -------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 between: Callable[[], None] | None = None) -> Iterator[list[Completion]]:
         if self.offloaded:
             raise RuntimeError("the engine is offloaded: call onload() before generate()")
         checked = validate_prompts(prompts, self.model.config.vocab_size, self.max_positions)
-        return self._generate(checked, params)  # validated now, not at the first next()
+        return self._generate(checked, params, between)  # validated now, not at the first next()
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         state = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -178,6 +184,8 @@ class TorchEngine(GenerationEngine):
                     raise ValueError(f"load_weights: {name} has shape {tuple(state[name].shape)}, "
                                      f"got {tuple(tensor.shape)}")
                 state[name].copy_(tensor)  # in place: tied weights stay tied
+        if version is not None:
+            self.version = version
 
     def weights_hash(self) -> str:
         return weights_hash(self.model)
@@ -198,7 +206,8 @@ class TorchEngine(GenerationEngine):
     # -- the loop -------------------------------------------------------------------------
 
     @torch.inference_mode()  # torch re-enters it around each resumption, so callers never run in it
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                  between: Callable[[], None] | None) -> Iterator[list[Completion]]:
         device = self.device
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
@@ -216,6 +225,8 @@ class TorchEngine(GenerationEngine):
         groups: dict[int, list[Completion]] = {}
 
         while waiting or rows:
+            if between is not None:  # e.g. new weights: the sequences in flight keep their KV cache
+                between()
             # Fill every free slot, holes first; sequences done at their first token never take one.
             while waiting and (free := rows.count(None) + self.max_batch_size - len(rows)):
                 take = [waiting.popleft() for _ in range(min(len(waiting), free))]
@@ -312,6 +323,7 @@ class TorchEngine(GenerationEngine):
         """Adds a token; True (and a finish_reason) when the sequence is done."""
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
+        seq.versions.append(self.version)
         if token in self.eos_ids or (params.stop and self._ends_with_stop(seq.tokens, params.stop)):
             seq.finish_reason = "stop"
         elif len(seq.tokens) >= params.max_new_tokens or (
@@ -331,7 +343,7 @@ class TorchEngine(GenerationEngine):
         group = groups.setdefault(seq.prompt_index, [])
         group.append(Completion(seq.prompt_index, seq.sample_index, seq.tokens,
                                 torch.tensor(seq.logprobs, dtype=torch.float32), seq.finish_reason,
-                                self.tokenizer.decode(seq.tokens, skip_special_tokens=True)))
+                                self.tokenizer.decode(seq.tokens, skip_special_tokens=True), seq.versions))
         if len(group) == params.n:
             del groups[seq.prompt_index]
             yield sorted(group, key=lambda c: c.sample_index)

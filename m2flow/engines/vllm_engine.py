@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -96,7 +96,11 @@ class VLLMEngine(GenerationEngine):
 
     # -- the GenerationEngine contract -------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 between: Callable[[], None] | None = None) -> Iterator[list[Completion]]:
+        if between is not None:
+            raise NotImplementedError("weights updated while sequences are in flight (rollout.partial=true) need "
+                                      "rollout.backend=torch")
         if self.asleep:
             raise RuntimeError("the engine is offloaded: call onload() before generate()")
         checked = validate_prompts(prompts, self.config.vocab_size,
@@ -104,7 +108,7 @@ class VLLMEngine(GenerationEngine):
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
         return self._generate(checked, params, seed)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         bucket = {}
         for name, tensor in named_tensors:
             if name not in self.weight_shapes:

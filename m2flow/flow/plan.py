@@ -213,8 +213,8 @@ class Plan:
             raise PlanError(f"granularity must be >= 1, got {self.granularity}")
         if self.stages < 1:
             raise PlanError(f"stages must be >= 1, got {self.stages}")
-        if self.run_ahead not in (0, 1):
-            raise PlanError(f"run_ahead must be 0 or 1 (collection at most one update ahead), got {self.run_ahead}")
+        if self.run_ahead < 0:
+            raise PlanError(f"run_ahead must be >= 0 (the streams launched ahead of training), got {self.run_ahead}")
 
     def placement(self, cluster) -> Placement:
         """The runtime placement of the plan's components on ``cluster``'s devices."""

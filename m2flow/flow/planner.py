@@ -100,7 +100,7 @@ def candidates(workflow: Workflow, num_devices: int, kind: str, components: tupl
                trainer_devices_per_proc: int = 1) -> list[Candidate]:
     """Every plan of the workflow's modes on ``num_devices`` devices (not yet checked)."""
     out = []
-    aheads = [0, 1] if staleness >= 1 else [0]
+    aheads = range(staleness + 1)  # run ahead by up to the staleness the algorithm allows
     fuses = [True, False] if workflow.fusable else [False]
     # collocated on all the devices, or on fewer (a small model may run best on one)
     layouts: list[tuple[str, tuple[int, ...], Workflow]] = [("collocated", (k,), workflow) for k in _fewer(num_devices)]

@@ -32,7 +32,7 @@ from m2flow.runtime.group import WorkerPool
 
 # Keys whose value does not change what a step costs: a profile is reused across them.
 RUN_KEYS = ("total_env_steps", "steps", "out_dir", "resume", "progress", "checkpoint_every", "checkpoint_every_min",
-            "target_return", "eval_every", "log_every", "collect_ahead", "stages", "hang_timeout_s",
+            "target_return", "eval_every", "log_every", "max_staleness", "stages", "hang_timeout_s",
             "max_restarts")
 
 
@@ -101,7 +101,7 @@ def probe_config(s: Schedule, run: ProbeRun, tmp: Path) -> DictConfig:
     slug = run.name.replace(" ", "-").replace(",", "").replace("=", "")
     for k, v in s.length(s.probe_updates).items() | run.overrides.items() | {
             "runner.out_dir": str(tmp / slug), "runner.progress": False, "runner.resume": None,
-            "runner.collect_ahead": False, "placement.plan": str(run.plan.save(tmp / f"{slug}.yaml"))}.items():
+            "runner.max_staleness": 0, "placement.plan": str(run.plan.save(tmp / f"{slug}.yaml"))}.items():
         OmegaConf.update(cfg, k, v, merge=False)
     return cfg
 
@@ -251,8 +251,7 @@ def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes
         p.check(s.workflow, n, s.components)
         s.check(p)
 
-    staleness = max(cfg.placement.staleness, int(cfg.runner.collect_ahead))
-    return plan(s.workflow, s.shape, model, n, kind, s.components, check=check, staleness=staleness,
+    return plan(s.workflow, s.shape, model, n, kind, s.components, check=check, staleness=cfg.runner.max_staleness,
                 trainer_devices_per_proc=opts.get("trainer_devices_per_proc", 1), **s.knobs())
 
 

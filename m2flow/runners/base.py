@@ -1,6 +1,6 @@
 """What every flow shares: its Plan, cluster, worker groups, channels and device locks; the
 train loop with progress, metrics, evaluation, checkpoints and resume; weight sync; and the
-stream launched ahead of training (``Plan.run_ahead``).
+streams launched ahead of training (``Plan.run_ahead``, ``runner.max_staleness``).
 
 A flow subclasses ``Runner`` with its ``Workflow``, a ``{component: worker class}`` table,
 its metrics, and ``launch`` (start one step's data stream) and ``step`` (one update).
@@ -13,6 +13,7 @@ import copy
 import os
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -66,13 +67,14 @@ class Runner:
         self.updates = 0  # steps that train (each changes the weights a sync sends)
         self.synced: int | None = None  # ``updates`` at the last weight sync (None: never synced)
         self.streams = 0  # data streams launched: each is keyed by its number
-        self.ahead: tuple[int, dict[str, GroupHandle]] | None = None  # a stream launched ahead of its step
+        # streams launched ahead of their step: key, calls, the sync started before them (or None)
+        self.ahead: deque[tuple[int, dict[str, GroupHandle], list[GroupHandle] | None]] = deque()
 
     def _plan(self, num_devices: int, kind: str) -> Plan:
         plan = plan_of(self.cfg, self.workflow, num_devices, kind, self.components, **self.plan_options(self.cfg))
         plan.check(self.workflow, num_devices, self.components)
         # The workers take data as old as the plan makes it (a plan file may run ahead).
-        self.cfg.runner.collect_ahead = bool(plan.run_ahead)
+        self.cfg.runner.max_staleness = plan.run_ahead
         return plan
 
     def _start(self) -> None:
@@ -129,7 +131,7 @@ class Runner:
         """Starts one step's data stream (keyed ``key``): the calls of the components that make it."""
         raise NotImplementedError
 
-    def step(self, i: int, ahead: bool) -> dict[str, Any]:
+    def step(self, i: int, ahead: int) -> dict[str, Any]:
         raise NotImplementedError
 
     def receivers(self) -> list[str]:
@@ -139,6 +141,11 @@ class Runner:
     def senders(self) -> list[int] | None:
         """The trainer ranks that send weights (None: every rank)."""
         return [0]
+
+    def refreshing(self) -> set[str]:
+        """The receivers that take the trainer's pushes themselves, as they arrive, while
+        streams run ahead (in-flight weight updates): no pull call is queued for them."""
+        return set()
 
     def evaluate(self) -> dict[str, float]:
         return {}
@@ -164,40 +171,65 @@ class Runner:
         """The trainer sends its weights, tagged with their version, to every rank of each
         receiver; skipped when they have not changed since the last sync. Only receivers are
         sent to: a message nobody takes would pin the sender's shared-memory segment."""
-        if self.synced == self.updates:
-            return NO_SYNC
         start = time.perf_counter()
-        receivers = [self.groups[c] for c in self.receivers()]
-        (pushed, *_), *_ = wait(self.trainer.call("push_weights", [g.name for g in receivers], ranks=self.senders()),
-                                *(g.pull_weights(self.trainer.name) for g in receivers))
-        self.synced = self.updates
-        return (pushed if isinstance(pushed, dict) else {}) | {"weight_sync_s": time.perf_counter() - start}
+        pending = self.send_weights(ahead=False)
+        if pending is None:
+            return NO_SYNC
+        return self.synced_report(pending) | {"weight_sync_s": time.perf_counter() - start}
 
-    def stream(self, ahead: bool) -> tuple[int, dict[str, GroupHandle], dict[str, Any]]:
-        """This step's data stream: launched ahead by the last step, or now after a weight
-        sync. With ``ahead``, the next step's stream is launched too: on the current weights
-        when nothing was ahead (it queues behind this one), else as soon as the receivers are
-        done with this one (the calls of a worker run in order, so waiting costs nothing)
-        and have the weights of the last update: its data is then one version old."""
-        if self.ahead is None:
-            sync, current = self.sync_weights(), self._launch()
+    def send_weights(self, ahead: bool) -> list[GroupHandle] | None:
+        """Starts a sync without waiting for it: the trainer's push, queued behind the calls
+        it was given before (so it sends the weights they leave, version ``updates``), and each
+        receiver's pull, queued behind its calls (so the calls made after it use those weights).
+        The push puts the weights in the receivers' mailboxes and returns; a pull takes them in
+        order, until it has that version. ``ahead`` (for a stream launched ahead): no pull for
+        the receivers that take pushes themselves while they work (``refreshing``). None when
+        the weights have not changed since the last sync."""
+        if self.synced == self.updates:
+            return None
+        receivers = [self.groups[c] for c in self.receivers()]
+        pulled = [self.groups[c] for c in self.receivers() if not (ahead and c in self.refreshing())]
+        self.synced = self.updates
+        return [self.trainer.call("push_weights", [g.name for g in receivers], ranks=self.senders()),
+                *(g.pull_weights(self.trainer.name, self.updates) for g in pulled)]
+
+    @staticmethod
+    def synced_report(pending: list[GroupHandle] | None) -> dict[str, Any]:
+        """Waits for a sync ``send_weights`` started; the trainer's report of its push."""
+        if pending is None:
+            return NO_SYNC
+        (pushed, *_), *_ = wait(*pending)
+        return {"weight_sync_s": 0.0} | (pushed if isinstance(pushed, dict) else {})
+
+    def stream(self, ahead: int) -> tuple[int, dict[str, GroupHandle], dict[str, Any]]:
+        """This step's data stream: launched ahead by an earlier step (its sync reported now),
+        or now after a weight sync. Then streams are launched until ``ahead`` of them are in
+        flight behind this one, without waiting for anything: on the current weights while
+        those have not changed (at the start), else after a sync that ``send_weights`` starts
+        (the trainer pushes the weights before this step's update; each receiver takes them
+        once done with the streams launched before). Launched at step i with ``ahead = k``,
+        stream i + k's data is k versions old when it is trained on."""
+        if not self.ahead:
+            sync, (key, calls) = self.sync_weights(), self._launch()
         else:
-            current = self.ahead
-            wait(*(current[1][c] for c in self.receivers() if c in current[1]))
-            sync = self.sync_weights() if ahead else NO_SYNC
-        self.ahead = self._launch() if ahead else None
+            key, calls, pending = self.ahead.popleft()
+            sync = self.synced_report(pending)
+        while len(self.ahead) < ahead:
+            pending = self.send_weights(ahead=True)
+            self.ahead.append((*self._launch(), pending))
         self.updates += 1  # the trainer trains on this stream: the next sync has new weights to send
-        return *current, sync
+        return key, calls, sync
 
     def _launch(self) -> tuple[int, dict[str, GroupHandle]]:
         self.streams += 1
         return self.streams, self.launch(self.streams)
 
     def wait_ahead(self) -> None:
-        """Blocks until the stream launched ahead (if any) is made: what ``step(i, ahead=True)``
-        leaves running when it returns. The next step trains on it."""
-        if self.ahead is not None:
-            wait(*self.ahead[1].values())
+        """Blocks until the streams launched ahead (if any) are made: what ``step(i, ahead=k)``
+        leaves running when it returns. The next steps train on them."""
+        for _, calls, pending in self.ahead:
+            self.synced_report(pending)
+            wait(*calls.values())
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self, evaluate: bool = True, checkpoint: bool = True, trace: bool = True) -> list[dict[str, float]]:
@@ -257,7 +289,7 @@ class Runner:
             g.kill()
         for channel in self.channels.values():
             channel.destroy()
-        self.ahead, self.synced = None, None
+        self.ahead, self.synced = deque(), None
         self._start()
 
     def _loop(self, log: RunLog, evaluate: bool, checkpoint: bool, watchdog: Watchdog | None, path: str | None,
@@ -267,6 +299,7 @@ class Runner:
         hears of each update's end."""
         r = self.cfg.runner
         first = self.resume(path, log) if path else self._from_start(log, initial)
+        self.updates = first  # the trainer's weights are version ``first``: a sync sends that version
         self.checkpointed_at = time.perf_counter()
         log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}\n{self.describe(first)}")
         if evaluate and first == 0 and self.evaluates(-1, False):
@@ -275,14 +308,14 @@ class Runner:
         for i in range(first, self.total):
             t0 = time.perf_counter()
             last = i + 1 == self.total
-            saving = checkpoint and (last or (bool(r.checkpoint_every) and (i + 1) % r.checkpoint_every == 0)
-                                     or (bool(r.checkpoint_every_min)
-                                         and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min))
+            # A checkpoint holds no stream in flight: one due by time waits until those launched
+            # ahead are trained on, launching no more.
+            due = (checkpoint and bool(r.checkpoint_every_min)
+                   and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min)
+            saving = checkpoint and (self._barrier(i, True, False) or (due and len(self.ahead) <= 1))
             evaluating = evaluate and self.evaluates(i, last)
-            # Nothing runs ahead past the last update, an evaluation or a checkpoint (which holds
-            # no stream in flight).
             wall = time.time()
-            report = self.step(i, ahead=bool(self.plan.run_ahead) and not (last or saving or evaluating))
+            report = self.step(i, ahead=0 if due else self._lookahead(i, checkpoint, evaluate))
             self.last_update = (wall * 1e6, time.time() * 1e6)  # the timeline's window
             get_tracer().record(f"update {i}", wall, time.time(), cat="update")
             if i == first and "weight_mb" in report["sync"]:
@@ -295,14 +328,29 @@ class Runner:
             if watchdog is not None:
                 watchdog.beat()
             stop = last or self.stop_early(row, log)
-            if stop:  # stopped early: the stream launched ahead is made, then dropped untrained
+            if stop:  # stopped early: the streams launched ahead are made, then dropped untrained
                 self.wait_ahead()
-                self.ahead = None
+                self.ahead.clear()
             if (stop and checkpoint) or saving:
                 self.checkpoint(i + 1, log)
             if stop:
                 break
         return log.history
+
+    def _barrier(self, i: int, checkpoint: bool, evaluate: bool) -> bool:
+        """Whether update ``i`` ends with nothing in flight: the last, one a checkpoint follows
+        (``runner.checkpoint_every``), or an evaluation."""
+        every, last = self.cfg.runner.checkpoint_every, i + 1 == self.total
+        return (last or (checkpoint and bool(every) and (i + 1) % every == 0)
+                or (evaluate and self.evaluates(i, last)))
+
+    def _lookahead(self, i: int, checkpoint: bool, evaluate: bool) -> int:
+        """Streams to have in flight behind update ``i``'s: up to the plan's ``run_ahead``, none
+        past a barrier (stream j > b is launched only once update b has ended)."""
+        n = 0
+        while n < self.plan.run_ahead and not self._barrier(i + n, checkpoint, evaluate):
+            n += 1
+        return n
 
     def write_trace(self, log: RunLog) -> None:
         """Every process's spans as ``trace.json`` (Perfetto), the last update as
@@ -405,7 +453,7 @@ def plan_of(cfg: DictConfig, workflow: Workflow, num_devices: int, kind: str, co
     p = cfg.placement
     if p.plan is not None:
         return Plan.load(p.plan)
-    options = {"run_ahead": int(cfg.runner.collect_ahead)} | options
+    options = {"run_ahead": cfg.runner.max_staleness} | options
     if p.mode != "custom":
         return Plan.for_mode(workflow, p.mode, num_devices, kind, components=components, **options)
     given = OmegaConf.to_container(p.components, resolve=True)  # every component's: validate checked

@@ -78,13 +78,14 @@ class EmbodiedRunner(Runner):
         return {"env": env.interact(rollout.name, self.channels["trajectories"], steps),
                 "rollout": rollout.act(env.name, steps)}
 
-    def step(self, i: int, ahead: bool = False) -> dict[str, Any]:
+    def step(self, i: int, ahead: int = 0) -> dict[str, Any]:
         """One PPO update: the macro flow. Returns what each component reported.
 
         On-policy, the rollout and the actor's training (which starts on the trajectories as
-        they stream in) make up the step. With ``ahead``, the next update's rollout runs with
-        this update's starting weights while the actor trains (its data is then one version
-        old, which the PPO ratio accounts for)."""
+        they stream in) make up the step. With ``ahead = k``, the rollouts of the next k
+        updates are in flight while the actor trains (the newest, launched now, with this
+        update's starting weights: its data is k versions old when trained on, which the PPO
+        ratio or ``algorithm.off_policy`` accounts for)."""
         _, collecting, sync = self.stream(ahead)
         training = self.groups["actor"].train(self.channels["trajectories"], i, self.total)
         env, rollout, actor = wait(collecting["env"], collecting["rollout"], training)

@@ -20,7 +20,7 @@ update (``metrics.csv`` columns and TensorBoard scalars):
   policy_loss, value_loss, entropy, approx_kl, clip_fraction, grad_norm, epochs,
   explained_variance   PPO statistics of actor rank 0, averaged over its minibatches
   policy_lag           policy versions between the weights trained and those that collected
-                       the data (0 on-policy; 1 with runner.collect_ahead)
+                       the data (0 on-policy; up to runner.max_staleness)
   weight_sync_s        actor -> rollout weight broadcast time
   {env,rollout,actor}_busy_s / _idle_s
                        per-component busy time (stepping, inferring, training) and idle
@@ -176,6 +176,7 @@ class ReasoningMetrics:
 
     def __init__(self, progress_total: int):
         self.progress_total = progress_total
+        self.update_ends: dict[int, float] = {}  # weights version -> when the update that made it ended
 
     def state_dict(self) -> dict[str, float]:
         return {}
@@ -185,6 +186,25 @@ class ReasoningMetrics:
 
     def summary(self, row: dict[str, float]) -> str:
         return f"reward {row['reward']:.3f}  {row['step_s']:.1f} s/step"
+
+    def _staleness(self, rollout: list[dict], actor: list[dict]) -> dict[str, float]:
+        """``stale_dropped``, the share of the trained tokens j versions old (``staleness_j``)
+        and ``weight_latency_s``: from an update's end to the rollout loading its weights,
+        averaged over the loads of this step's generation (NaN when it loaded none)."""
+        out: dict[str, float] = {"stale_dropped": sum(r.get("stale_dropped", 0) for r in actor)}
+        lags: dict[int, int] = {}
+        for r in actor:
+            for lag, n in r.get("token_lags", {}).items():
+                lags[lag] = lags.get(lag, 0) + n
+        total = sum(lags.values())
+        out |= {f"staleness_{lag}": n / total for lag, n in sorted(lags.items())} if total else {}
+        delays = [t - self.update_ends[v] for r in rollout for v, t in r.get("weight_loads", ())
+                  if v in self.update_ends]
+        out["weight_latency_s"] = sum(delays) / len(delays) if delays else math.nan
+        for r in actor:
+            if "update_end" in r:
+                self.update_ends[r["version"]] = max(self.update_ends.get(r["version"], 0.0), r["update_end"])
+        return out
 
     def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
         """The metrics of step ``i + 1`` (steps count from 1; row 0 is the evaluation before training)."""
@@ -197,10 +217,12 @@ class ReasoningMetrics:
         row["truncated"] = sum(r["truncated"] for r in rollout) / completions
         row["rollout_tokens_per_s"] = row["completion_tokens"] / max(max(r["busy_s"] for r in rollout), 1e-9)
         skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
-                "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows")
+                "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
+                "update_end")
         row |= {k: v for k, v in actor[0].items() if k not in skip}
         row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
         row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
+        row |= self._staleness(rollout, actor)
         if "logprob_diff_max" in inference:
             row["logprob_diff_max"] = inference["logprob_diff_max"]
         row |= {k: report["sync"][k] if k in report["sync"] else 0.0 for k in ("weight_sync_s", "weight_mb")}

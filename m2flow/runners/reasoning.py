@@ -89,27 +89,42 @@ class ReasoningRunner(Runner):
     def senders(self) -> list[int] | None:
         return None if self.sharded else [0]  # sharded: every actor rank helps gather the weights
 
+    def refreshing(self) -> set[str]:
+        """Generating ahead: the rollout takes new weights between decode steps
+        (``rollout.partial``); the inference worker takes them before each batch when it
+        recomputes the decoupled objective's proximal log-probs (the newest weights')."""
+        if not self.plan.run_ahead:
+            return set()
+        a = self.cfg.algorithm
+        return ({"rollout"} if self.cfg.rollout.partial else set()) | (
+            {"inference"} if a.old_logprobs == "recompute" and a.off_policy == "decoupled" else set())
+
     def launch(self, key: int) -> dict[str, GroupHandle]:
         """One step's stream, up to the batches channel: rollout -> reward -> inference (->
         critic). Items carry the stream's key: a reader that prefetches can then never take
         items of the next step's stream, generated ahead into the same channels."""
         prompts, ch, g = next(self.loader), self.channels, self.groups
-        calls = {"rollout": g["rollout"].generate(prompts, ch["samples"], self.plan.granularity["samples"], key),
+        fresh = {c: (self.trainer.name if c in self.refreshing() else None) for c in ("rollout", "inference")}
+        # a rollout that takes weights itself starts on those of the last sync at the earliest
+        calls = {"rollout": g["rollout"].generate(prompts, ch["samples"], self.plan.granularity["samples"], key,
+                                                  fresh["rollout"], self.synced or 0),
                  "reward": g["reward"].score(ch["samples"], ch["scored"], len(prompts), key)}
         if "critic" in g:  # ppo: the critic adds values, advantages and returns on the way to the actor
-            calls["inference"] = g["inference"].logprobs(ch["scored"], ch["logprobs"], 1, key)
+            calls["inference"] = g["inference"].logprobs(ch["scored"], ch["logprobs"], 1, key, fresh["inference"])
             calls["critic"] = g["critic"].train(ch["logprobs"], ch["batches"], g["actor"].world_size, key)
         else:
-            calls["inference"] = g["inference"].logprobs(ch["scored"], ch["batches"], g["actor"].world_size, key)
+            calls["inference"] = g["inference"].logprobs(ch["scored"], ch["batches"], g["actor"].world_size, key,
+                                                         fresh["inference"])
         return calls
 
-    def step(self, i: int, ahead: bool = False) -> dict[str, Any]:
+    def step(self, i: int, ahead: int = 0) -> dict[str, Any]:
         """One policy update: the macro flow. Returns what each component reported.
 
         On-policy, the actor trains on the completions of the weights it starts from, as they
-        stream in. With ``ahead``, the next step's rollout starts with those weights as soon
-        as this step's rollout is done, and runs while the actor trains: its data is then one
-        version old (the ratio is taken against the log-probs it was sampled with)."""
+        stream in. With ``ahead = k``, the next k steps' rollouts are in flight while the actor
+        trains, the newest started with this step's starting weights once the rollout is done
+        with the one before: its data is k versions old when trained on (the ratio is taken
+        against the log-probs it was sampled with, or ``algorithm.off_policy`` corrects)."""
         key, calls, sync = self.stream(ahead)
         calls = calls | {"actor": self.groups["actor"].train(self.channels["batches"], key)}
         return dict(zip(calls, wait(*calls.values()))) | {"sync": sync}

@@ -411,6 +411,12 @@ class Communicator:
         self._record("recv", tuple(src), packed, start)
         return obj
 
+    def ready(self, src: tuple[str, int], tag: Hashable = 0) -> int:
+        """Messages from ``src`` under ``tag`` that a ``recv`` would take now, without waiting."""
+        with self._mail_cv:
+            box = self._mail.get((tuple(src), tag))
+            return len(box.ready) if box is not None else 0
+
     def irecv(self, src: tuple[str, int], tag: Hashable = 0, timeout: float | None = None) -> CommWork:
         return CommWork("pending", future=self._executor.submit(self.recv, src, tag, timeout))
 

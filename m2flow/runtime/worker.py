@@ -203,6 +203,10 @@ class Worker:
         """Collective over ``src`` and every rank of ``group``: all return the source's ``obj``."""
         return self.comm.broadcast(obj, tuple(src), [(group, r) for r in range(self.group_size(group))], tag, timeout)
 
+    def broadcast_ready(self, src: tuple[str, int], tag: Hashable = 0) -> bool:
+        """Whether a ``broadcast`` from ``src`` has arrived (its receiving side would not wait)."""
+        return self.comm.ready(tuple(src), ("broadcast", tag)) > 0
+
     def group_size(self, group: str) -> int:
         """World size of a running group, found by its actors' names."""
         if group == self.group:

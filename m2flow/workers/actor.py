@@ -7,6 +7,7 @@ minibatch (gloo: the policies of this flow are small and stay on the CPU).
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any
 
@@ -46,11 +47,12 @@ class ActorWorker(Worker):
             self.init_process_group("gloo")  # the policy and its gradients live on the CPU
 
     # -- weights ----------------------------------------------------------------------
-    def push_weights(self, groups: list[str]) -> int:
+    def push_weights(self, groups: list[str]) -> dict:
         """Broadcasts the current weights, tagged with their version, to every rank of each group."""
+        start = time.perf_counter()
         for group in groups:
             self.broadcast({"weights": self.policy.state_dict(), "version": self.version}, (self.group, self.rank), group)
-        return self.version
+        return {"version": self.version, "weight_sync_s": time.perf_counter() - start}
 
     def state(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,
@@ -78,8 +80,8 @@ class ActorWorker(Worker):
         with clock.idle():
             parts = [trajectories_in.get(key=self.rank) for _ in range(self.layout.env_ranks)]
             parts.sort(key=lambda p: p["env_rank"])  # arrival order varies; the batch must not
-        # Collected ahead (runner.collect_ahead), the data is one version behind the weights.
-        allowed = {self.version - 1, self.version} if self.cfg["runner"]["collect_ahead"] else {self.version}
+        # Collected ahead (runner.max_staleness = k), the data is up to k versions behind the weights.
+        allowed = {self.version - lag for lag in range(self.cfg["runner"]["max_staleness"] + 1)}
         stale = {p["policy_version"] for p in parts} - allowed
         if stale:
             raise RuntimeError(f"actor rank {self.rank} at policy version {self.version} got trajectories of version(s) "

@@ -30,10 +30,15 @@ class InferenceWorker(WeightReceiver):
     def _receive_model(self) -> torch.nn.Module:
         return self.policy
 
-    def logprobs(self, scored_in: Channel, batches_out: Channel, readers: int, key: int = 0) -> dict:
+    def logprobs(self, scored_in: Channel, batches_out: Channel, readers: int, key: int = 0,
+                 weights_from: str | None = None) -> dict:
         """Adds ``ref_logprobs`` / ``old_logprobs`` to each batch and passes it on, to the actor
         ranks (which take batches as they become free) or the critic. Then one end marker per
-        reader of ``batches_out``. In and out under ``key``, the stream's channel key."""
+        reader of ``batches_out``. In and out under ``key``, the stream's channel key.
+
+        ``weights_from`` (the decoupled objective, data generated ahead): before each batch the
+        newest pushes of that actor group are taken, so the recomputed log-probs are the
+        proximal policy's (the newest weights), not the sampling ones."""
         clock = Clock()
         diffs = []
         for batch in until_end(scored_in, key, clock):
@@ -44,13 +49,18 @@ class InferenceWorker(WeightReceiver):
                             batch.ref_logprobs = compute_logprobs(self.ref, batch, self.max_tokens, self.temperature,
                                                                    share_prompts=self.share_prompts)
                         if self.policy is not None:
-                            if batch.extras["version"] != self.version:
+                            if weights_from:
+                                self.take_newer(weights_from)
+                            same = _sampled_by(batch, self.version)
+                            if not weights_from and not same:
                                 raise RuntimeError(f"batch from policy version {batch.extras['version']}, the "
                                                    f"inference worker holds version {self.version}")
                             recomputed = compute_logprobs(self.policy, batch, self.max_tokens, self.temperature,
                                                           share_prompts=self.share_prompts)
                             mask = batch.completion_mask.bool()
-                            diffs.append(float((recomputed - batch.old_logprobs)[mask].abs().max()) if mask.any() else 0.0)
+                            if same:  # the same weights: the difference is round-off
+                                diffs.append(float((recomputed - batch.old_logprobs)[mask].abs().max())
+                                             if mask.any() else 0.0)
                             if self.keep_behaviour:  # the off-policy correction weighs by them
                                 batch.behaviour_logprobs = batch.old_logprobs
                             batch.old_logprobs = recomputed
@@ -62,3 +72,10 @@ class InferenceWorker(WeightReceiver):
         if diffs:  # sampling vs recomputed log-probs of the same weights: should be round-off
             out["logprob_diff_max"] = max(diffs)
         return out
+
+
+def _sampled_by(batch, version: int) -> bool:
+    """Whether every completion token of ``batch`` was sampled by weights of ``version``."""
+    if batch.versions is None:
+        return batch.extras["version"] == version
+    return bool((batch.versions[batch.completion_mask.bool()] == version).all())

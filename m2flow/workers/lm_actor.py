@@ -75,8 +75,8 @@ class LMActorWorker(Worker):
         self.turns = self.device_turns(take_turns)  # one rank's: forward and backward of a batch
         self.together = self.device_turns(take_turns, all_ranks=True)  # all ranks': their all-reduces
         self.version = 0
-        # Generated ahead (runner.collect_ahead), a batch may be one version behind the weights.
-        self.lags = (0, 1) if cfg["runner"]["collect_ahead"] else (0,)
+        # Generated ahead (runner.max_staleness = k), a batch may be up to k versions behind the weights.
+        self.lags = tuple(range(cfg["runner"]["max_staleness"] + 1))
         self.trainer.offload_optimizer()  # until its first turn
 
     # -- weights ----------------------------------------------------------------------
@@ -123,7 +123,8 @@ class LMActorWorker(Worker):
         clock = Clock()
         batches = []
         stats: dict[str, Any] = {}
-        tokens = seqs = policy_lag = inert_rows = 0
+        tokens = seqs = policy_lag = inert_rows = stale_dropped = 0
+        token_lags: dict[int, int] = {}  # versions behind -> completion tokens trained on
         # A rank whose devices another component holds (hybrid: the rank beside the rollout)
         # takes a batch only once they are free: meanwhile the batches go to ranks that can
         # train on them at once, instead of one waiting here for the whole generation.
@@ -135,11 +136,14 @@ class LMActorWorker(Worker):
                 batch = batches_in.get(key)  # whichever rank is free takes the next batch
             if batch == END:
                 break
-            lag = self.version - batch.extras["version"]
-            if lag not in self.lags:
+            lag = self.version - batch.extras["version"]  # of its oldest token
+            if lag < 0:
                 raise RuntimeError(f"actor rank {self.rank} got a batch from policy version {batch.extras['version']}, "
-                                   f"it holds version {self.version} and accepts a lag of {list(self.lags)}: "
-                                   "the rollout's weights are stale")
+                                   f"newer than its own {self.version}")
+            if lag > self.lags[-1]:  # older than the algorithm allows: dropped, counted, never trained on
+                stale_dropped += len(batch)
+                continue
+            _count_lags(token_lags, batch, self.version)
             policy_lag = max(policy_lag, lag)
             if not self.streaming:
                 batches.append(batch)
@@ -167,7 +171,8 @@ class LMActorWorker(Worker):
             switch(self.trainer.offload_optimizer)  # context switching: the rollout gets the room
         self.version += 1
         return result | clock.report() | {"peak_memory_mb": peak, "version": self.version, "time_s": clock.elapsed(),
-                                          "policy_lag": policy_lag}
+                                          "policy_lag": policy_lag, "stale_dropped": stale_dropped,
+                                          "token_lags": token_lags, "update_end": time.time()}
 
     def _finish_streamed(self, stats: dict[str, Any], tokens: int, seqs: int) -> dict:
         counts = torch.tensor([tokens, seqs], dtype=torch.float64)
@@ -256,6 +261,17 @@ class LMActorWorker(Worker):
         self.trainer.offload_optimizer()
         self.version = state["version"]
         self.shuffle.set_state(state["shuffle"])
+
+
+def _count_lags(counts: dict[int, int], batch: SequenceBatch, version: int) -> None:
+    """Adds the batch's completion tokens to ``counts`` by how many versions behind ``version``
+    the weights that sampled each were."""
+    mask = batch.completion_mask.bool()
+    sampled = batch.versions[mask] if batch.versions is not None else torch.full((int(mask.sum()),),
+                                                                                   batch.extras["version"])
+    lags, n = torch.unique(version - sampled, return_counts=True)
+    for lag, k in zip(lags.tolist(), n.tolist()):
+        counts[lag] = counts.get(lag, 0) + k
 
 
 def _add_weighted(sums: dict[str, Any], stats: dict[str, float], weight: int) -> None:

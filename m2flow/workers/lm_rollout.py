@@ -7,6 +7,7 @@ bucket as it arrives, so no process holds a second full copy of the model.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -32,14 +33,37 @@ class WeightReceiver(Worker):
             for name, t in tensors.items():
                 state[name].copy_(t)  # in place: tied weights stay tied
 
-    def pull_weights(self, actor_group: str) -> int:
-        """Receives the actor's buckets until the last; returns the new version."""
+    def pull_weights(self, actor_group: str, version: int | None = None) -> int:
+        """Receives the actor's buckets until the last; returns the new version. With
+        ``version``, pushes are taken until that version is in (an older one that in-flight
+        updates left untaken is loaded and superseded)."""
+        while version is None or self.version < version:
+            self._receive(actor_group)
+            if version is None:
+                break
+        return self.version
+
+    def take_newer(self, actor_group: str) -> bool:
+        """Loads every push of the actor's that has arrived, in order, without waiting for one
+        (in-flight weight updates); whether any was."""
+        took = False
+        while self.broadcast_ready((actor_group, 0)):
+            self._receive(actor_group)
+            took = True
+        return took
+
+    def _receive(self, actor_group: str) -> None:
+        """One push: its buckets until the last (they follow each other at once)."""
         while True:
             message = self.broadcast(None, (actor_group, 0), self.group)
             self._load_bucket(message["tensors"])
             if message["last"]:
                 self.version = message["version"]
-                return self.version
+                self._loaded(self.version)
+                return
+
+    def _loaded(self, version: int) -> None:
+        """Called once a push's weights are all in."""
 
     def weights_hash(self) -> str:
         return weights_hash(self._receive_model())
@@ -70,15 +94,20 @@ class LMRolloutWorker(WeightReceiver):
         self.turns = self.device_turns(take_turns)
         self.shared = take_turns  # offload between turns only when another component uses the devices
         self.version = -1  # no weights from the actor yet: generating before the first sync is an error
+        self.loads: list[tuple[int, float]] = []  # (version, wall time) of the weights loaded in a generate call
         self._offload()  # until its first turn
 
     def _load_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
         self.engine.load_weights(tensors.items())
 
-    def pull_weights(self, actor_group: str) -> int:
-        version = super().pull_weights(actor_group)
+    def pull_weights(self, actor_group: str, version: int | None = None) -> int:
+        version = super().pull_weights(actor_group, version)
         self._offload()  # a load may bring weights onto the device outside the rollout's turn
         return version
+
+    def _loaded(self, version: int) -> None:
+        self.engine.version = version  # recorded with every token sampled from now on
+        self.loads.append((version, time.time()))
 
     def weights_hash(self) -> str:
         return self.engine.weights_hash()  # the engine's own weights (vLLM's, in its worker process)
@@ -94,19 +123,29 @@ class LMRolloutWorker(WeightReceiver):
                 self.engine.offload()
 
     @dispatch(split="scatter")
-    def generate(self, prompts: list[dict], samples_out: Channel, granularity: int, key: int = 0) -> dict:
+    def generate(self, prompts: list[dict], samples_out: Channel, granularity: int, key: int = 0,
+                 weights_from: str | None = None, min_version: int = 0) -> dict:
         """Generates ``rollout.n`` completions per prompt; every ``granularity`` completed groups
         go out as one ``SequenceBatch`` (``extras``: prompt index, answers, texts, finish
-        reasons, group size and policy version; ``old_logprobs``: the sampling log-probs), put
-        under ``key``, the stream's channel key."""
+        reasons, group size and the oldest policy version of its tokens; ``old_logprobs``: the
+        sampling log-probs; ``versions``: each token's), put under ``key``, the stream's channel
+        key. ``weights_from`` (in-flight weight updates, ``rollout.partial``): the actor group
+        whose pushes are taken between decode steps, as they arrive; generation starts once
+        weights of at least ``min_version`` are in (waiting for them outside the device turn),
+        so no token is older than the runner allows."""
+        clock = Clock()
+        self.loads = []
+        if weights_from and self.version < min_version:
+            with clock.idle():
+                self.pull_weights(weights_from, min_version)
         if self.version < 0:
             raise RuntimeError("the rollout has no weights: the actor must sync them first")
-        clock = Clock()
         stats = {"groups": 0, "completions": 0, "completion_tokens": 0, "truncated": 0}
+        between = (lambda: self.take_newer(weights_from)) if weights_from else None
         with clock.busy(), clock.turn(self.turns):  # busy: from the grant of the turn to its release
             self._onload()
             pending: list[tuple[dict, list]] = []
-            for group in self.engine.generate([p["token_ids"] for p in prompts], self.params):
+            for group in self.engine.generate([p["token_ids"] for p in prompts], self.params, between=between):
                 pending.append((prompts[group[0].prompt_index], group))
                 stats["groups"] += 1
                 stats["completions"] += len(group)
@@ -122,20 +161,23 @@ class LMRolloutWorker(WeightReceiver):
             self._offload()  # context switching: the KV cache (and on a GPU the weights) make room
         return stats | clock.report(lock_wait=True) | {
             "peak_memory_mb": peak, "tokens_per_s": stats["completion_tokens"] / max(clock.busy_s, 1e-9),
-            "time_s": clock.elapsed()}
+            "time_s": clock.elapsed(), "weight_loads": self.loads}
 
     def _batch(self, groups: list[tuple[dict, list]]) -> SequenceBatch:
         rows = [(prompt, c) for prompt, group in groups for c in group]
         batch = SequenceBatch.from_completions([p["token_ids"] for p, _ in rows], [c.token_ids for _, c in rows],
                                                pad_id=self.tokenizer.pad_token_id or 0)
         sampled = torch.zeros(batch.input_ids.shape)
+        versions = torch.zeros(batch.input_ids.shape, dtype=torch.long)
         for i, (p, c) in enumerate(rows):
             start = len(p["token_ids"])
             sampled[i, start:start + len(c.token_ids)] = c.logprobs
-        batch.old_logprobs = sampled
+            versions[i, start:start + len(c.token_ids)] = torch.tensor(c.versions or [self.version] * len(c.token_ids))
+        batch.old_logprobs, batch.versions = sampled, versions
+        oldest = int(versions[batch.completion_mask.bool()].min()) if batch.completion_mask.any() else self.version
         batch.extras = {"prompt_index": [p["index"] for p, _ in rows], "answer": [p["answer"] for p, _ in rows],
                         "text": [c.text for _, c in rows], "finish_reason": [c.finish_reason for _, c in rows],
-                        "group_size": self.params.n, "groups": len(groups), "version": self.version}
+                        "group_size": self.params.n, "groups": len(groups), "version": oldest}
         return batch
 
     @dispatch(split="scatter", gather="concat")

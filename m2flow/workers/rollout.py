@@ -43,9 +43,14 @@ class PolicyHost(Worker):
 
     replica: PolicyReplica
 
-    def pull_weights(self, actor_group: str) -> int:
-        """The receiving side of the actor's weight broadcast; returns the new version."""
-        return self.replica.load(self.broadcast(None, (actor_group, 0), self.group))
+    def pull_weights(self, actor_group: str, version: int | None = None) -> int:
+        """The receiving side of the actor's weight broadcast; returns the new version. With
+        ``version``, pushes are taken until that version is in (an older one a run left
+        untaken is loaded and superseded)."""
+        while True:
+            got = self.replica.load(self.broadcast(None, (actor_group, 0), self.group))
+            if version is None or got >= version:
+                return got
 
 
 class RolloutWorker(PolicyHost):
