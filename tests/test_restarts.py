@@ -75,6 +75,25 @@ def test_embodied_run_survives_an_env_worker_and_an_actor_rank_killed(cluster, t
     assert hit == weights  # the same samples trained on, in the same order
 
 
+def test_embodied_async_run_survives_a_rollout_worker_killed(cluster, tmp_path):
+    """Two versions ahead (runner.max_staleness=2): an env worker hosting the rollout is killed
+    while the rollouts of the updates after checkpoint 4 are in flight. The run starts again
+    from that checkpoint and ends as the undisturbed run: every update once, the same lags,
+    the same weights (no sample lost or trained twice)."""
+    overrides = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
+                 "placement.components.actor=0-1", "runner.total_env_steps=2048", "runner.checkpoint_every=4",
+                 "runner.max_staleness=2", "env.kwargs.max_episode_steps=20"]  # 8 updates
+    straight, weights, _ = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "a")
+    history, hit, killed = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "b",
+                                kills=[("update_000004.safetensors", "env", 1)])
+    assert killed == [("env", 1)]
+    assert (tmp_path / "b" / "log.txt").read_text().count("restart ") == 1
+    assert [row["update"] for row in history] == list(range(8))
+    lags = [0, 1, 2, 2, 0, 1, 2, 2]  # nothing in flight at the checkpoint after update 4
+    assert [row["policy_lag"] for row in straight] == lags and [row["policy_lag"] for row in history] == lags
+    assert hit == weights
+
+
 @pytest.mark.slow  # two reasoning runs and two restarts: about two minutes
 def test_reasoning_run_survives_the_rollout_and_an_actor_rank_killed(cluster, tmp_path):
     # the default placement; bit-exact needs the full forward (see test_reasoning.py's resume test)

@@ -28,7 +28,7 @@ def test_two_stage_pipeline():
 def test_two_stage_pipeline_step_with_sync_and_trainer():
     # Per step: sync 0.5, three chunks of a (2 s) then b (1 s), the trainer (4 s) on the batch.
     # a: 0.5-2.5, 2.5-4.5, 4.5-6.5; b: 2.5-3.5, 4.5-5.5, 6.5-7.5; train 7.5-11.5: 11.5 s a step.
-    shape = Shape(chain=("a", "b"), trainer="t", items=3, chunks=3)
+    shape = Shape(chain=("a", "b"), trainer="t", items=3, chunks=3, receivers=("a",))
     layout = Layout({c: c for c in "abt"}, {c: frozenset([i]) for i, c in enumerate("abt")}, dict.fromkeys("abt", False))
     cost = table_cost({("a", "work"): 2.0, ("b", "work"): 1.0, ("t", "train"): 4 / 3, ("t", "sync"): 0.5 / 3})
     p = predict(shape, layout, cost, steps=4)
@@ -42,7 +42,7 @@ def test_two_stage_pipeline_step_with_sync_and_trainer():
 def test_collocated_chain_pays_the_switch_cost():
     # a (2 s) and the trainer (3 s) share device 0; each pays 0.5 s when it takes the device
     # from the other. Step 0: a 0-2 (nobody held it), t 2-5.5; step 1: a 5.5-8, t 8-11.5.
-    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1)
+    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1, receivers=("a",))
     dev = frozenset([0])
     layout = Layout({"a": "a", "t": "t"}, {"a": dev, "t": dev}, {"a": True, "t": True})
     cost = table_cost({("a", "work"): 2.0, ("t", "train"): 3.0})
@@ -68,9 +68,9 @@ def test_device_lock_is_first_come_first_served():
 def test_run_ahead_by_one_version(make, train, expected):
     # Makers and trainer on devices of their own. On-policy a step is make + train; one
     # version ahead the next stream is made while the trainer trains: max(make, train).
-    # By hand (make 3, train 2): a0 0-3, a1 3-6 (same weights), train0 3-5; the trainer pushes
-    # update 0's weights at 5, a2 starts when a1 is done (6): 6-9, train1 6-8; train ends 5, 8, 11.
-    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1)
+    # By hand (make 3, train 2): a0 0-3, a1 3-6 (same weights), train0 3-5; a2 starts when
+    # a1 is done and update 0 is in (6): 6-9, train1 6-8; train ends 5, 8, 11, ...
+    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1, receivers=("a",))
     layout = Layout({"a": "a", "t": "t"}, {"a": frozenset([0]), "t": frozenset([1])}, {"a": False, "t": False})
     cost = table_cost({("a", "work"): make, ("t", "train"): train})
     assert predict(shape, layout, cost, steps=5).step_s == pytest.approx(make + train)
@@ -78,31 +78,31 @@ def test_run_ahead_by_one_version(make, train, expected):
     assert ahead.step_s == pytest.approx(expected)
     if make == 3.0:
         assert [(s.start, s.end) for s in ahead.spans if s.kind == "train"][:3] == [(3, 5), (6, 8), (9, 11)]
-        # stream k+1 uses the weights of update k-1: they are pushed once that update ends
+        # stream k+1 uses the weights of update k-1: its sync waits for that update
         syncs = {s.name: s.start for s in ahead.spans if s.kind == "sync"}
-        assert syncs["sync[2]"] == 5.0 and syncs["sync[3]"] == 8.0
+        assert syncs["sync[2]"] == 6.0 and syncs["sync[3]"] == 9.0
 
 
 def test_run_ahead_by_two_versions():
-    # Make 3, train 2, two versions ahead: streams 0-2 start on the first weights back to back
-    # (a0 0-3, a1 3-6, a2 6-9); the trainer pushes update k-1's weights before update k (sync[3]
-    # at 5, sync[4] at 8), and stream k+2 starts once they are in and the maker is done with
-    # stream k+1: a3 9-12, a4 12-15. The trainer takes each stream as it is made: 3-5, 6-8, ...
-    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1)
+    # Make 3, train 2, two versions ahead: streams 0-2 on the first weights, each launched once
+    # the one before is made (a0 0-3, a1 3-6, a2 6-9), then update 0: 6-8. At step k >= 1 the
+    # runner waits for the maker to finish stream k+1, syncs update k-1's weights and launches
+    # stream k+2, then the update: sync[3] at 9, a3 9-12, train1 9-11; sync[4] at 12, a4 12-15,
+    # train2 12-14, train3 14-16.
+    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1, receivers=("a",))
     layout = Layout({"a": "a", "t": "t"}, {"a": frozenset([0]), "t": frozenset([1])}, {"a": False, "t": False})
     p = predict(shape, layout, table_cost({("a", "work"): 3.0, ("t", "train"): 2.0}), run_ahead=2, steps=5)
     assert spans_of(p.spans, "a") == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 15)]
-    assert [(s.start, s.end) for s in p.spans if s.kind == "train"][:4] == [(3, 5), (6, 8), (9, 11), (12, 14)]
+    assert [(s.start, s.end) for s in p.spans if s.kind == "train"][:4] == [(6, 8), (9, 11), (12, 14), (14, 16)]
     syncs = {s.name: s.start for s in p.spans if s.kind == "sync"}
-    assert (syncs["sync[3]"], syncs["sync[4]"]) == (5.0, 8.0) and "sync[1]" not in syncs
-    assert p.step_s == pytest.approx(3.0)
+    assert [syncs[f"sync[{k}]"] for k in range(1, 5)] == [3.0, 6.0, 9.0, 12.0]
 
 
 def test_env_stages_pipeline_the_rollout():
     # Two env stages: while the rollout acts on one half of the envs, the other half steps.
     # env 1 s and rollout 1 s per half, 2 rollout steps: one stage takes 2 * (2 + 2) = 8 s,
     # two stages overlap them: env 0-1, 1-2, 2-3, 3-4; rollout 1-2, 2-3, 3-4, 4-5.
-    shape = Shape(chain=("env", "rollout"), trainer="t", items=2, chunks=2, repeats=2)
+    shape = Shape(chain=("env", "rollout"), trainer="t", items=2, chunks=2, repeats=2, receivers=("rollout",))
     layout = Layout({"env": "env", "rollout": "rollout", "t": "t"},
                     {"env": frozenset([0]), "rollout": frozenset([1]), "t": frozenset([2])},
                     {"env": False, "rollout": False, "t": False})
@@ -116,7 +116,7 @@ def test_env_stages_pipeline_the_rollout():
 
 
 def test_streaming_trainer_starts_on_the_first_chunk():
-    shape = Shape(chain=("a",), trainer="t", items=2, chunks=2, trainer_streams=True)
+    shape = Shape(chain=("a",), trainer="t", items=2, chunks=2, trainer_streams=True, receivers=("a",))
     layout = Layout({"a": "a", "t": "t"}, {"a": frozenset([0]), "t": frozenset([1])}, {"a": False, "t": False})
     cost = table_cost({("a", "work"): 2.0, ("t", "train"): 1.0, ("t", "update"): 0.5})
     spans = simulate(step_tasks(shape, layout, cost, steps=1))
@@ -132,7 +132,7 @@ def test_tasks_that_wait_on_each_other_are_reported():
 
 
 def test_timeline_draws_each_process():
-    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1)
+    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1, receivers=("a",))
     layout = Layout({"a": "a", "t": "t"}, {"a": frozenset([0]), "t": frozenset([0])}, {"a": True, "t": True})
     p = predict(shape, layout, table_cost({("a", "work"): 1.0, ("t", "train"): 1.0}), steps=2)
     picture = p.timeline(width=20)
@@ -176,7 +176,7 @@ def test_a_whole_call_turn_pays_one_switch_per_step():
     # rollout holds device 0 for its whole call, the trainer takes it after. By hand (env 1,
     # rollout 1, two rollout steps, train 2, switch 0.5): step 1: env 6.5-7.5, rollout
     # 7.5-9 (switch), env 9-10, rollout 10-11 (kept: no switch), train 11-13.5: 7 s a step.
-    shape = Shape(chain=("env", "rollout"), trainer="t", items=1, chunks=1, repeats=2,
+    shape = Shape(chain=("env", "rollout"), trainer="t", items=1, chunks=1, repeats=2, receivers=("rollout",),
                   whole_turns=("env", "rollout"))
     dev = frozenset([0])
     layout = Layout({"env": "env", "rollout": "rollout", "t": "t"}, {"env": dev, "rollout": dev, "t": dev},

@@ -123,7 +123,8 @@ class Shape:
     rollout that decodes its sequences in W waves completes its first group after about one
     wave: 1/W; with one wave, every group at the end); taking device turns, it holds the
     devices for all of them. A ``whole_turns`` link that takes device turns takes one per
-    step: from its first task to its last (a fused process's links share it)."""
+    step: from its first task to its last (a fused process's links share it). ``receivers``
+    take the trainer's weights before a step's stream starts."""
 
     chain: tuple[str, ...]
     trainer: str
@@ -131,6 +132,7 @@ class Shape:
     chunks: int
     repeats: int = 1
     trainer_streams: bool = False
+    receivers: tuple[str, ...] = ("rollout",)
     batched: tuple[str, ...] = ()  # links that work on the whole batch at once, its chunks done in turn
     samples: int | None = None  # what the trainer trains on per step (default: items)
     whole_turns: tuple[str, ...] = ()  # links whose device turn spans their whole call (the step's stream)
@@ -167,11 +169,13 @@ Cost = Callable[[str, str, float, int], float]
 def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: int = 0) -> list[Task]:
     """``steps`` steps of ``shape`` under ``layout`` as tasks, in the order the runner makes
     its calls. With ``run_ahead = a`` streams 0..a start on the first weights, each queued
-    behind the one before on its processes; at step k >= 1 the trainer pushes the weights of
-    update k-1 before it trains on stream k, and stream k+a starts once the receivers are done
-    with stream k+a-1 and the push is in (the runner's ``stream``)."""
+    behind the one before on its processes; at step k >= 1 the runner waits for the receivers
+    to finish stream k+a-1, syncs the weights of update k-1 and launches stream k+a, then the
+    trainer's update k (the runner's ``stream``; in-flight updates, which skip that wait, are
+    not modelled)."""
     tasks: list[Task] = []
     trained: list[int] = []  # the last trainer task of each step
+    last_made: list[int] = []  # the last task of each stream on a receiver (a sync after it waits for it)
 
     def add(task: Task) -> int:
         tasks.append(task)
@@ -213,6 +217,8 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
                                 prev[i] = add(Task(f"{comp}[{k}.{r}.{i}]", layout.process[comp], comp,
                                                    whole * share + hop, deps if i == 0 else (), frozenset(), k))
         _one_turn(tasks, first, shape, layout)
+        on_receiver = [i for i in range(first, len(tasks)) if tasks[i].component in shape.receivers]
+        last_made.append(on_receiver[-1] if on_receiver else prev[-1])
         return prev
 
     def train(k: int, ends: list[int]) -> None:
@@ -234,13 +240,16 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
             ends = stream(k, sync(k, (trained[-1],) if trained else (), changed=True))
             train(k, ends)
         return tasks
-    # Ahead by a: step 0 launches streams 0..a on the first weights; step k >= 1 pushes update
-    # k-1's weights (on the trainer, before its update k) and launches stream k+a behind them.
-    synced = sync(0, (), changed=True)
-    streams = [stream(j, synced) for j in range(min(run_ahead, steps - 1) + 1)]
+    # Ahead by a: step 0 launches streams 0..a on the first weights, each once the one before
+    # is made; step k >= 1 waits for the receivers to finish stream k+a-1, syncs update k-1's
+    # weights and launches stream k+a.
+    streams = [stream(0, sync(0, (), changed=True))]
+    for j in range(1, min(run_ahead, steps - 1) + 1):
+        streams.append(stream(j, sync(j, (last_made[j - 1],), changed=False)))
     for k in range(steps):
         if k >= 1 and k + run_ahead < steps:
-            streams.append(stream(k + run_ahead, sync(k + run_ahead, (trained[k - 1],), changed=True)))
+            deps = (trained[k - 1], last_made[k + run_ahead - 1])
+            streams.append(stream(k + run_ahead, sync(k + run_ahead, deps, changed=True)))
         train(k, streams[k])
     return tasks
 

@@ -202,20 +202,29 @@ class Runner:
         return {"weight_sync_s": 0.0} | (pushed if isinstance(pushed, dict) else {})
 
     def stream(self, ahead: int) -> tuple[int, dict[str, GroupHandle], dict[str, Any]]:
-        """This step's data stream: launched ahead by an earlier step (its sync reported now),
-        or now after a weight sync. Then streams are launched until ``ahead`` of them are in
-        flight behind this one, without waiting for anything: on the current weights while
-        those have not changed (at the start), else after a sync that ``send_weights`` starts
-        (the trainer pushes the weights before this step's update; each receiver takes them
-        once done with the streams launched before). Launched at step i with ``ahead = k``,
-        stream i + k's data is k versions old when it is trained on."""
+        """This step's data stream: launched ahead by an earlier step, or now after a weight
+        sync. Then streams are launched until ``ahead`` of them are in flight behind this one,
+        each once the last one launched is made, after a sync of the weights this step starts
+        from if they changed; or, when every receiver takes pushes itself (``refreshing``:
+        in-flight updates), at once, after only the trainer's push (its report comes with the
+        step that trains on that stream). Launched at step i with ``ahead = k``, stream i + k's
+        data is at most k versions old when it is trained on."""
         if not self.ahead:
             sync, (key, calls) = self.sync_weights(), self._launch()
         else:
             key, calls, pending = self.ahead.popleft()
             sync = self.synced_report(pending)
         while len(self.ahead) < ahead:
-            pending = self.send_weights(ahead=True)
+            pending = None
+            if self.refreshing() >= set(self.receivers()):  # every receiver takes pushes itself
+                pending = self.send_weights(ahead=True)
+            else:
+                # Ray runs a threaded actor's calls in no guaranteed order: a stream's calls
+                # are made once the last stream's are done (the same data and the same state
+                # per stream, run after run), and a pull only then.
+                wait(*(self.ahead[-1][1] if self.ahead else calls).values())
+                if self.synced != self.updates:
+                    sync = self.sync_weights()
             self.ahead.append((*self._launch(), pending))
         self.updates += 1  # the trainer trains on this stream: the next sync has new weights to send
         return key, calls, sync

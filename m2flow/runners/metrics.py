@@ -177,6 +177,7 @@ class ReasoningMetrics:
     def __init__(self, progress_total: int):
         self.progress_total = progress_total
         self.update_ends: dict[int, float] = {}  # weights version -> when the update that made it ended
+        self.trained: list[list[int]] = []  # per step: the prompt index of every completion trained on
 
     def state_dict(self) -> dict[str, float]:
         return {}
@@ -200,7 +201,8 @@ class ReasoningMetrics:
         out |= {f"staleness_{lag}": n / total for lag, n in sorted(lags.items())} if total else {}
         delays = [t - self.update_ends[v] for r in rollout for v, t in r.get("weight_loads", ())
                   if v in self.update_ends]
-        out["weight_latency_s"] = sum(delays) / len(delays) if delays else math.nan
+        if delays:
+            out["weight_latency_s"] = sum(delays) / len(delays)
         for r in actor:
             if "update_end" in r:
                 self.update_ends[r["version"]] = max(self.update_ends.get(r["version"], 0.0), r["update_end"])
@@ -218,11 +220,12 @@ class ReasoningMetrics:
         row["rollout_tokens_per_s"] = row["completion_tokens"] / max(max(r["busy_s"] for r in rollout), 1e-9)
         skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
                 "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
-                "update_end")
+                "update_end", "trained_prompts")
         row |= {k: v for k, v in actor[0].items() if k not in skip}
         row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
         row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
         row |= self._staleness(rollout, actor)
+        self.trained.append([p for r in actor for p in r.get("trained_prompts", ())])
         if "logprob_diff_max" in inference:
             row["logprob_diff_max"] = inference["logprob_diff_max"]
         row |= {k: report["sync"][k] if k in report["sync"] else 0.0 for k in ("weight_sync_s", "weight_mb")}

@@ -125,6 +125,7 @@ class LMActorWorker(Worker):
         stats: dict[str, Any] = {}
         tokens = seqs = policy_lag = inert_rows = stale_dropped = 0
         token_lags: dict[int, int] = {}  # versions behind -> completion tokens trained on
+        trained: list[int] = []  # the prompt index of every completion trained on (ids, for checks)
         # A rank whose devices another component holds (hybrid: the rank beside the rollout)
         # takes a batch only once they are free: meanwhile the batches go to ranks that can
         # train on them at once, instead of one waiting here for the whole generation.
@@ -144,6 +145,7 @@ class LMActorWorker(Worker):
                 stale_dropped += len(batch)
                 continue
             _count_lags(token_lags, batch, self.version)
+            trained += batch.extras["prompt_index"]
             policy_lag = max(policy_lag, lag)
             if not self.streaming:
                 batches.append(batch)
@@ -172,7 +174,8 @@ class LMActorWorker(Worker):
         self.version += 1
         return result | clock.report() | {"peak_memory_mb": peak, "version": self.version, "time_s": clock.elapsed(),
                                           "policy_lag": policy_lag, "stale_dropped": stale_dropped,
-                                          "token_lags": token_lags, "update_end": time.time()}
+                                          "token_lags": token_lags, "update_end": time.time(),
+                                          "trained_prompts": trained}
 
     def _finish_streamed(self, stats: dict[str, Any], tokens: int, seqs: int) -> dict:
         counts = torch.tensor([tokens, seqs], dtype=torch.float64)

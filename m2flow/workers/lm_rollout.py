@@ -36,12 +36,12 @@ class WeightReceiver(Worker):
     def pull_weights(self, actor_group: str, version: int | None = None) -> int:
         """Receives the actor's buckets until the last; returns the new version. With
         ``version``, pushes are taken until that version is in (an older one that in-flight
-        updates left untaken is loaded and superseded)."""
-        while version is None or self.version < version:
+        updates left untaken is loaded and superseded). At least one push is taken: a resumed
+        run may send an older version than the one held."""
+        while True:
             self._receive(actor_group)
-            if version is None:
-                break
-        return self.version
+            if version is None or self.version >= version:
+                return self.version
 
     def take_newer(self, actor_group: str) -> bool:
         """Loads every push of the actor's that has arrived, in order, without waiting for one
