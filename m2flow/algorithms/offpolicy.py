@@ -40,7 +40,8 @@ def surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: floa
     """Per-element loss ``loss`` (to be aggregated by the caller) and what its stats need:
     ``log_ratio``/``ratio`` (against ``old_logp``; ``tis``: against the behaviour), ``outside``
     (the clip range, or ``tis``: above the cap), ``weight`` (the importance weight, 1 without a
-    correction) and ``capped`` (``tis``: truncated, ``decoupled``: dropped).
+    correction), ``capped`` (``tis``: truncated, ``decoupled``: dropped) and ``adv`` (the
+    advantages as the loss took them: detached, in ``logp``'s dtype, 0 outside ``mask``).
 
     ``mask`` (bool): elements outside it hold 0 in every output, whatever the inputs hold.
     ``max_log_ratio``: log-ratios are clamped to ``+-max_log_ratio`` (an element beyond gets no
@@ -57,7 +58,6 @@ def surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: floa
     if mask is not None:
         adv = torch.where(mask, adv, zero)
     behaviour = old_logp if behaviour_logp is None else behaviour_logp
-    one = torch.ones_like(adv)
     if correction == "tis":
         log_ratio = diff(logp, behaviour.detach())
         ratio = log_ratio.exp()
@@ -66,13 +66,13 @@ def surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: floa
             capped = ratio > cap
         loss = -weight * adv * (ratio / ratio.detach())
         return {"loss": loss, "log_ratio": log_ratio, "ratio": ratio, "outside": capped, "weight": weight,
-                "capped": capped}
+                "capped": capped, "adv": adv}
     log_ratio = diff(logp, old_logp.detach())
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.max(-ratio * adv, -clipped * adv)  # the pessimistic objective
-    out = {"log_ratio": log_ratio, "ratio": ratio, "outside": ratio != clipped, "weight": one,
-           "capped": torch.zeros_like(adv, dtype=torch.bool)}
+    out = {"log_ratio": log_ratio, "ratio": ratio, "outside": ratio != clipped, "weight": torch.ones_like(adv),
+           "capped": torch.zeros_like(adv, dtype=torch.bool), "adv": adv}
     if correction == "decoupled":
         with torch.no_grad():
             w = diff(old_logp, behaviour).exp()

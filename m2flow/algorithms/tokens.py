@@ -298,8 +298,7 @@ def policy_loss(
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     s = surrogate(logp, old_logp, advantages, clip_low, clip_high, correction=correction,
                   behaviour_logp=behaviour_logp, cap=is_cap, mask=m, max_log_ratio=MAX_LOG_RATIO)
-    loss_tokens, ratio, log_ratio = s["loss"], s["ratio"], s["log_ratio"]
-    adv = torch.where(m, advantages.detach().to(logp.dtype), zero)
+    loss_tokens, ratio, log_ratio, adv = s["loss"], s["ratio"], s["log_ratio"], s["adv"]
     dual_bound = torch.zeros_like(m)
     if dual_clip is not None:
         bound = -dual_clip * adv * s["weight"]

@@ -172,26 +172,23 @@ class Runner:
         receiver; skipped when they have not changed since the last sync. Only receivers are
         sent to: a message nobody takes would pin the sender's shared-memory segment."""
         start = time.perf_counter()
-        pending = self.send_weights(ahead=False)
+        pending = self.send_weights()
         if pending is None:
             return NO_SYNC
         return self.synced_report(pending) | {"weight_sync_s": time.perf_counter() - start}
 
-    def send_weights(self, ahead: bool) -> list[GroupHandle] | None:
-        """Starts a sync without waiting for it: the trainer's push, queued behind the calls
-        it was given before (so it sends the weights they leave, version ``updates``), and each
-        receiver's pull, queued behind its calls (so the calls made after it use those weights).
-        The push puts the weights in the receivers' mailboxes and returns; a pull takes them in
-        order, until it has that version. ``ahead`` (for a stream launched ahead): no pull for
-        the receivers that take pushes themselves while they work (``refreshing``). None when
-        the weights have not changed since the last sync."""
+    def send_weights(self, pull: bool = True) -> list[GroupHandle] | None:
+        """Starts a sync without waiting for it: the trainer's push (the weights of version
+        ``updates``) into every receiver's mailbox and, with ``pull``, each receiver's pull,
+        which takes pushes in order until it has that version (without: the receivers take
+        them themselves, ``refreshing``). None when the weights have not changed since the
+        last sync."""
         if self.synced == self.updates:
             return None
         receivers = [self.groups[c] for c in self.receivers()]
-        pulled = [self.groups[c] for c in self.receivers() if not (ahead and c in self.refreshing())]
         self.synced = self.updates
         return [self.trainer.call("push_weights", [g.name for g in receivers], ranks=self.senders()),
-                *(g.pull_weights(self.trainer.name, self.updates) for g in pulled)]
+                *(g.pull_weights(self.trainer.name, self.updates) for g in receivers if pull)]
 
     @staticmethod
     def synced_report(pending: list[GroupHandle] | None) -> dict[str, Any]:
@@ -217,7 +214,7 @@ class Runner:
         while len(self.ahead) < ahead:
             pending = None
             if self.refreshing() >= set(self.receivers()):  # every receiver takes pushes itself
-                pending = self.send_weights(ahead=True)
+                pending = self.send_weights(pull=False)
             else:
                 # Ray runs a threaded actor's calls in no guaranteed order: a stream's calls
                 # are made once the last stream's are done (the same data and the same state

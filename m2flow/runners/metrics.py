@@ -191,7 +191,7 @@ class ReasoningMetrics:
     def _staleness(self, rollout: list[dict], actor: list[dict]) -> dict[str, float]:
         """``stale_dropped``, the share of the trained tokens j versions old (``staleness_j``)
         and ``weight_latency_s``: from an update's end to the rollout loading its weights,
-        averaged over the loads of this step's generation (NaN when it loaded none)."""
+        averaged over the loads of this step's generation (absent when it loaded none)."""
         out: dict[str, float] = {"stale_dropped": sum(r.get("stale_dropped", 0) for r in actor)}
         lags: dict[int, int] = {}
         for r in actor:

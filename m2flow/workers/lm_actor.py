@@ -76,7 +76,7 @@ class LMActorWorker(Worker):
         self.together = self.device_turns(take_turns, all_ranks=True)  # all ranks': their all-reduces
         self.version = 0
         # Generated ahead (runner.max_staleness = k), a batch may be up to k versions behind the weights.
-        self.lags = tuple(range(cfg["runner"]["max_staleness"] + 1))
+        self.max_lag = cfg["runner"]["max_staleness"]
         self.trainer.offload_optimizer()  # until its first turn
 
     # -- weights ----------------------------------------------------------------------
@@ -141,7 +141,7 @@ class LMActorWorker(Worker):
             if lag < 0:
                 raise RuntimeError(f"actor rank {self.rank} got a batch from policy version {batch.extras['version']}, "
                                    f"newer than its own {self.version}")
-            if lag > self.lags[-1]:  # older than the algorithm allows: dropped, counted, never trained on
+            if lag > self.max_lag:  # older than the algorithm allows: dropped, counted, never trained on
                 stale_dropped += len(batch)
                 continue
             _count_lags(token_lags, batch, self.version)
