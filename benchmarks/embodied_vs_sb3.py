@@ -33,7 +33,9 @@ the set's values as overrides, one run per placement mode (``MODES``): ``hybrid`
 ``runner.stages=2`` (elastic pipelining); ``ahead`` puts the env workers (rollout fused) on
 slot 0 and the actor on slot 1 with ``runner.max_staleness=1``, so each update's rollout
 overlaps the training on the previous one (off-policy by one version), ``ahead2`` the same up
-to two versions ahead, ``async-auto`` the scheduler's plan with up to two versions allowed
+to two versions ahead, ``async`` that with new weights taken between env steps
+(``runner.in_flight_updates=true``) and the decoupled objective (``algorithm.off_policy=decoupled``),
+``async-auto`` the scheduler's plan with up to two versions allowed
 (``placement=auto runner.max_staleness=2``); ``collocated-compiled``
 is ``collocated`` with ``algorithm.compile=true`` (the compile counted in its time).
 
@@ -140,6 +142,10 @@ MODES = {
     # The same, up to two versions ahead (asynchronous, staleness bounded by 2).
     "ahead2": ["placement.mode=custom", "placement.components.env=0", "placement.components.rollout=0",
                "placement.components.actor=1", "placement.actor_devices_per_proc=1", "runner.max_staleness=2"],
+    # The same, weights taken between env steps, PPO around the newest weights (decoupled).
+    "async": ["placement.mode=custom", "placement.components.env=0", "placement.components.rollout=0",
+              "placement.components.actor=1", "placement.actor_devices_per_proc=1", "runner.max_staleness=2",
+              "runner.in_flight_updates=true", "algorithm.off_policy=decoupled"],
     # Staleness up to 2 allowed, the plan the scheduler picks (profiled, or a reused profile).
     "async-auto": ["placement=auto", "runner.max_staleness=2"],
 }

@@ -1,11 +1,14 @@
-"""Tasks that go wrong, for the tests of fault handling: importing this module registers them
-with gymnasium (``make_env("fault_envs:Stall-v0")``, gymnasium's ``module:EnvId`` form).
+"""Tasks that go wrong or run slow, for the tests of fault handling and of asynchrony:
+importing this module registers them with gymnasium (``make_env("fault_envs:Stall-v0")``,
+gymnasium's ``module:EnvId`` form).
 
 Stall-v0: ``step`` sleeps for good after ``stall_after`` steps, as a simulator that deadlocks
 would: the runner's watchdog must notice and report it.
 Faulty-v0: counts up; ``step`` raises at the steps in ``raise_at`` and returns a NaN
 observation at those in ``nan_at`` (counted over the instance's life): the env batch must
 reset it and count the fault.
+Slow-v0: a coin-flip task whose ``step`` takes ``step_s`` seconds: a simulator slower than
+the learner, so that the actor's updates end while a rollout runs.
 """
 
 import time
@@ -51,5 +54,25 @@ class Faulty(gym.Env):
         return obs, 1.0, False, False, {}
 
 
+class Slow(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, step_s: float = 0.002):
+        self.step_s = step_s
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.side = self.np_random.choice([-1.0, 1.0])
+        return np.array([self.side, 0.0], np.float32), {}
+
+    def step(self, action):
+        time.sleep(self.step_s)
+        reward = 1.0 if (2 * action - 1) == self.side else 0.0  # the action that matches the side
+        self.side = self.np_random.choice([-1.0, 1.0])
+        return np.array([self.side, 0.0], np.float32), reward, False, False, {}
+
+
 gym.register("Stall-v0", entry_point=Stall)
+gym.register("Slow-v0", entry_point=Slow, max_episode_steps=16)
 gym.register("Faulty-v0", entry_point=Faulty)

@@ -201,7 +201,7 @@ def test_success_rate_is_logged_where_envs_report_success(tmp_path):
 
     def report(episodes):
         ranks = [{"env_steps": 10, "episodes": episodes, "env_faults": 0, "busy_s": 1.0, "idle_s": 0.0}]
-        return {"env": ranks, "rollout": ranks, "actor": [{"busy_s": 1.0, "idle_s": 0.0}], "sync": {"weight_sync_s": 0.0}}
+        return {"env": ranks, "rollout": ranks, "actor": [{"busy_s": 1.0, "idle_s": 0.0, "step_lags": {0: 10}}], "sync": {"weight_sync_s": 0.0}}
 
     metrics, log = EmbodiedMetrics(30), RunLog(tmp_path / "with", 30, x="env_steps", y="episode_return", progress=False)
     rows = [log.record(metrics.row(u, report(eps), 1.0, u + 1.0), "")
@@ -209,6 +209,7 @@ def test_success_rate_is_logged_where_envs_report_success(tmp_path):
                                      [(0.0, 5, False)]])]
     log.close()
     assert [r["success_rate"] for r in rows] == [0.75, 0.75, 0.0]  # kept while no episode ends
+    assert all(r["staleness_0"] == 1.0 and "weight_latency_s" not in r for r in rows)  # on-policy, no loads
     assert "success_rate" in (tmp_path / "with" / "metrics.csv").read_text().splitlines()[0]
     assert "success_rate" not in EmbodiedMetrics(10).row(0, report([(1.0, 5, None)]), 1.0, 1.0)
 

@@ -131,3 +131,33 @@ def test_a_run_whose_simulator_hangs_stops_with_a_report(cluster, tmp_path):
     assert "== stacks" in text and "in step\n" in text and "in interact\n" in text
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 2  # the header and the first update
     assert f"report: {report}" in (tmp_path / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_in_flight_updates_reach_a_running_rollout(cluster, tmp_path, fused):
+    """Two versions ahead with in-flight updates, on a simulator slower than the learner: the
+    actor's pushes reach the rollout between env steps, so an update's data holds steps of
+    several versions, each recorded per step and none beyond the bound; the rollout reports
+    when it took them (weight_latency_s)."""
+    rollout = "0" if fused else "1"
+    overrides = ["env.id=fault_envs:Slow-v0", "env.num_envs=4", "runner.rollout_steps=32", "runner.total_env_steps=1024",
+                 "algorithm.minibatch_size=64", "algorithm.epochs=2", "placement.mode=custom",
+                 "placement.components.env=0", f"placement.components.rollout={rollout}", "placement.components.actor=1",
+                 "placement.actor_devices_per_proc=1", "runner.max_staleness=2", "runner.in_flight_updates=true",
+                 "runner.progress=false", f"runner.out_dir={tmp_path}"]
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    try:
+        assert runner.fused is fused and runner.refreshing() == {"rollout"}
+        history = runner.train()
+    finally:
+        runner.close()
+    assert [row["env_steps"] for row in history] == [128 * (u + 1) for u in range(8)]
+    for row in history:
+        shares = {int(k.removeprefix("staleness_")): v for k, v in row.items() if k.startswith("staleness_")}
+        assert set(shares) <= {0, 1, 2} and max(shares) == row["policy_lag"], row
+        assert sum(shares.values()) == pytest.approx(1.0)
+    mixed = [row for row in history if sum(1 for k in row if k.startswith("staleness_")) > 1]
+    assert mixed, "no update trained on steps of two versions"
+    latencies = [row["weight_latency_s"] for row in history if "weight_latency_s" in row]
+    assert latencies and all(0 <= s < 5 for s in latencies), latencies
+    assert history[0]["policy_lag"] == 0 and max(row["policy_lag"] for row in history) <= 2

@@ -189,3 +189,23 @@ def test_layout_turns_as_the_runner_gives_them():
     assert not is_fused and loose.turns == {"env": False, "rollout": True, "actor": True}
     hybrid, _ = layout_of(_plan(REASONING, "hybrid", 2), REASONING)
     assert hybrid.turns["reward"] is False and hybrid.turns["actor"] and hybrid.turns["inference"]
+
+
+def test_env_and_rollout_fused_on_devices_of_their_own_are_a_candidate():
+    # On two devices the three-group split (env | rollout | actor) does not fit; with env and
+    # rollout in one group it does, fused only: env workers running the rollout on device 0,
+    # the actor on device 1. One version ahead allowed, it overlaps collection and training.
+    cfg, prof = _embodied_profile(devices=2)
+    cands = candidates(EMBODIED, 2, "cpu", ("env", "rollout", "actor"), staleness=1)
+    apart = [c for c in cands if c.mode == "disaggregated"]
+    assert apart and all(c.fused and c.split == (1, 1) for c in apart)
+    assert {(min(i for _, i in c.plan.devices("env")), min(i for _, i in c.plan.devices("actor"))) for c in apart} == {(0, 1)}
+    # envs at a fixed cost per call (no faster on two devices), an actor that scales: the
+    # overlap wins
+    prof.points = [p for p in prof.points if p.component == "rollout"]
+    for d in (1, 2):
+        prof.points += [Point("env", "work", items, d, 0.004) for items in (4, 8)]
+        prof.points.append(Point("actor", "train", 2048, d, 0.0005 * 2048 / d))
+    cfg.runner.max_staleness = 1
+    best = choose(cfg, prof).best
+    assert best.mode == "disaggregated" and best.fused and best.plan.run_ahead == 1

@@ -176,6 +176,9 @@ class EmbodiedRunnerConfig(RunnerConfig):
                                within=AT_LEAST_1)
     target_return: Optional[float] = opt(None, "stop early once an update's mean episode return reaches it")
     stages: int = opt(1, "elastic pipelining: env batches per env rank (1: no pipelining)", within=AT_LEAST_1)
+    in_flight_updates: bool = opt(False, "runner.max_staleness >= 1: new weights reach the rollout between env steps, "
+                                         "each step records its version (fresher data, not reproducible run to run); "
+                                         "false: a rollout ends with the weights it started with")
 
 
 MODES = ("collocated", "disaggregated", "hybrid", "custom", "auto")

@@ -83,6 +83,20 @@ def splits(groups: int, n: int) -> list[tuple[int, ...]]:
     return sorted(set(s for s in out if s[-1] >= 1))
 
 
+def _together(groups: tuple, pair: tuple[str, str] | None) -> list[tuple]:
+    """The mode's groups with the fusable pair in one group, where the mode splits them and
+    leaves at least two groups (else none): planned fused only, the env workers running the
+    rollout on devices of their own (unfused, two busy processes would share each CPU slot,
+    which the simulator does not model: it would overlap them)."""
+    if pair is None:
+        return []
+    where = [next((i for i, (g, _) in enumerate(groups) if c in g), None) for c in pair]
+    if None in where or where[0] == where[1] or len(groups) < 3:
+        return []
+    a, b = where
+    return [tuple((g + groups[b][0], s) if i == a else (g, s) for i, (g, s) in enumerate(groups) if i != b)]
+
+
 def _fewer(n: int) -> list[int]:
     """``n`` and its halvings down to one device."""
     out = [n]
@@ -103,14 +117,20 @@ def candidates(workflow: Workflow, num_devices: int, kind: str, components: tupl
     aheads = range(staleness + 1)  # run ahead by up to the staleness the algorithm allows
     fuses = [True, False] if workflow.fusable else [False]
     # collocated on all the devices, or on fewer (a small model may run best on one)
-    layouts: list[tuple[str, tuple[int, ...], Workflow]] = [("collocated", (k,), workflow) for k in _fewer(num_devices)]
+    # (mode, split, workflow with that split, fused only)
+    layouts: list[tuple[str, tuple[int, ...], Workflow, bool]] = [("collocated", (k,), workflow, False)
+                                                                 for k in _fewer(num_devices)]
     for mode, groups in workflow.splits.items():
         groups = tuple((tuple(c for c in g if c in components), s) for g, s in groups)
         groups = tuple((g, s) for g, s in groups if g)
-        for split in splits(len(groups), num_devices):
-            wf = dataclasses.replace(workflow, splits={mode: tuple((g, n) for (g, _), n in zip(groups, split))})
-            layouts.append((mode, split, wf))
-    for (mode, split, wf), g, st, fuse, ahead in itertools.product(layouts, granularities, stages, fuses, aheads):
+        for grouping in (groups, *_together(groups, workflow.fusable)):
+            for split in splits(len(grouping), num_devices):
+                wf = dataclasses.replace(workflow, splits={mode: tuple((g, n) for (g, _), n in zip(grouping, split))})
+                layouts.append((mode, split, wf, grouping is not groups))
+    for (mode, split, wf, fused_only), g, st, fuse, ahead in itertools.product(layouts, granularities, stages, fuses,
+                                                                               aheads):
+        if fused_only and not fuse:
+            continue
         def make(span: int) -> Plan:
             n = split[0] if mode == "collocated" else num_devices
             return Plan.for_mode(wf, mode, n, kind, components=components, fuse=fuse, granularity=g,

@@ -329,7 +329,9 @@ class Runner:
                 log.note(f"weights: {s['weight_mb']:.0f} MB in {s['weight_buckets']} bucket(s) by {s['weight_transport']}")
             row = self.metrics.row(i, report, time.perf_counter() - t0, time.perf_counter() - start)
             if evaluating:
+                t1 = time.perf_counter()
                 row |= self.evaluate()
+                row["eval_s"] = time.perf_counter() - t1  # in the next rows' time_s
             log.record(row, self.metrics.summary(row))
             if watchdog is not None:
                 watchdog.beat()

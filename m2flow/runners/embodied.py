@@ -72,11 +72,18 @@ class EmbodiedRunner(Runner):
             return (self.plain, self.layout, self.spaces, take_turns) if self.fused else (self.plain, self.layout)
         return self.plain, self.layout, *self.spaces, take_turns
 
+    def refreshing(self) -> set[str]:
+        """Collecting ahead with ``runner.in_flight_updates``: the rollout (fused: the env
+        workers' replica) takes new weights between env steps."""
+        return {"rollout"} if self.plan.run_ahead and self.cfg.runner.in_flight_updates else set()
+
     def launch(self, key: int) -> dict[str, GroupHandle]:
-        """One rollout: env and rollout step together and stream trajectories into the channel."""
+        """One rollout: env and rollout step together and stream trajectories into the channel
+        (taking the actor's pushes as they come, from the last sync's on, when refreshing)."""
         steps, env, rollout = self.cfg.runner.rollout_steps, self.groups["env"], self.groups["rollout"]
-        return {"env": env.interact(rollout.name, self.channels["trajectories"], steps),
-                "rollout": rollout.act(env.name, steps)}
+        fresh = (self.trainer.name, self.synced or 0) if self.refreshing() else (None, 0)
+        return {"env": env.interact(rollout.name, self.channels["trajectories"], steps, *fresh),
+                "rollout": rollout.act(env.name, steps, *fresh)}
 
     def step(self, i: int, ahead: int = 0) -> dict[str, Any]:
         """One PPO update: the macro flow. Returns what each component reported.

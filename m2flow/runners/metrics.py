@@ -19,8 +19,13 @@ update (``metrics.csv`` columns and TensorBoard scalars):
                        ended; absent for envs that report no success
   policy_loss, value_loss, entropy, approx_kl, clip_fraction, grad_norm, epochs,
   explained_variance   PPO statistics of actor rank 0, averaged over its minibatches
-  policy_lag           policy versions between the weights trained and those that collected
-                       the data (0 on-policy; up to runner.max_staleness)
+  policy_lag           policy versions between the weights trained and the oldest that
+                       collected the data (0 on-policy; up to runner.max_staleness)
+  staleness_<j>        the share of the update's env steps whose actions came from weights j
+                       versions older than those trained (staleness_0 = 1 on-policy)
+  weight_latency_s     runner.in_flight_updates: from an update's end to the rollout taking
+                       its weights between env steps, averaged over this rollout's loads
+                       (absent when it took none)
   weight_sync_s        actor -> rollout weight broadcast time
   {env,rollout,actor}_busy_s / _idle_s
                        per-component busy time (stepping, inferring, training) and idle
@@ -122,6 +127,36 @@ class RunLog:
         return path
 
 
+class Staleness:
+    """How old the trained data was, and how soon new weights reached the rollout: the share
+    of what a step trained on (tokens, env steps) j versions behind the weights trained
+    (``staleness_j``), and ``weight_latency_s``: from an update's end to the rollout loading
+    its weights, averaged over the loads during this step's stream (absent when it loaded
+    none: without in-flight updates, or when no push arrived while it ran)."""
+
+    def __init__(self) -> None:
+        self.update_ends: dict[int, float] = {}  # weights version -> when the update that made it ended
+
+    def row(self, lags: list[dict[int, int]], rollout: list[dict], actor: list[dict]) -> dict[str, float]:
+        """``lags``: per actor rank, how many trained items were j versions old; ``rollout``
+        reports carry ``weight_loads`` (version, time), ``actor`` reports ``version`` (the
+        weights the update made) and ``update_end``."""
+        total: dict[int, int] = {}
+        for counts in lags:
+            for lag, n in counts.items():
+                total[lag] = total.get(lag, 0) + n
+        n = sum(total.values())
+        out = {f"staleness_{lag}": c / n for lag, c in sorted(total.items())} if n else {}
+        delays = [t - self.update_ends[v] for r in rollout for v, t in r.get("weight_loads", ())
+                  if v in self.update_ends]
+        if delays:
+            out["weight_latency_s"] = sum(delays) / len(delays)
+        for r in actor:
+            if "update_end" in r:
+                self.update_ends[r["version"]] = max(self.update_ends.get(r["version"], 0.0), r["update_end"])
+        return out
+
+
 class EmbodiedMetrics:
     """The embodied flow's rows (module docstring), against env steps."""
 
@@ -129,6 +164,7 @@ class EmbodiedMetrics:
 
     def __init__(self, progress_total: int):
         self.progress_total = progress_total
+        self.staleness = Staleness()
         self.env_steps = self.start_steps = 0
         self.last_return = self.last_success = math.nan
 
@@ -158,7 +194,9 @@ class EmbodiedMetrics:
         }
         if not math.isnan(self.last_success):
             row["success_rate"] = self.last_success
-        row |= {k: v for k, v in actor[0].items() if k not in ("busy_s", "idle_s", "lock_wait_s")}
+        row |= {k: v for k, v in actor[0].items()
+                if k not in ("busy_s", "idle_s", "lock_wait_s", "step_lags", "version", "update_end")}
+        row |= self.staleness.row([r["step_lags"] for r in actor], rollout, actor)
         for name, ranks in (("env", env), ("rollout", rollout), ("actor", actor)):
             for k in ("busy_s", "idle_s"):
                 row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
@@ -176,7 +214,7 @@ class ReasoningMetrics:
 
     def __init__(self, progress_total: int):
         self.progress_total = progress_total
-        self.update_ends: dict[int, float] = {}  # weights version -> when the update that made it ended
+        self.staleness = Staleness()
         self.trained: list[list[int]] = []  # per step: the prompt index of every completion trained on
 
     def state_dict(self) -> dict[str, float]:
@@ -189,24 +227,8 @@ class ReasoningMetrics:
         return f"reward {row['reward']:.3f}  {row['step_s']:.1f} s/step"
 
     def _staleness(self, rollout: list[dict], actor: list[dict]) -> dict[str, float]:
-        """``stale_dropped``, the share of the trained tokens j versions old (``staleness_j``)
-        and ``weight_latency_s``: from an update's end to the rollout loading its weights,
-        averaged over the loads of this step's generation (absent when it loaded none)."""
-        out: dict[str, float] = {"stale_dropped": sum(r.get("stale_dropped", 0) for r in actor)}
-        lags: dict[int, int] = {}
-        for r in actor:
-            for lag, n in r.get("token_lags", {}).items():
-                lags[lag] = lags.get(lag, 0) + n
-        total = sum(lags.values())
-        out |= {f"staleness_{lag}": n / total for lag, n in sorted(lags.items())} if total else {}
-        delays = [t - self.update_ends[v] for r in rollout for v, t in r.get("weight_loads", ())
-                  if v in self.update_ends]
-        if delays:
-            out["weight_latency_s"] = sum(delays) / len(delays)
-        for r in actor:
-            if "update_end" in r:
-                self.update_ends[r["version"]] = max(self.update_ends.get(r["version"], 0.0), r["update_end"])
-        return out
+        return {"stale_dropped": sum(r.get("stale_dropped", 0) for r in actor)} | self.staleness.row(
+            [r.get("token_lags", {}) for r in actor], rollout, actor)
 
     def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
         """The metrics of step ``i + 1`` (steps count from 1; row 0 is the evaluation before training)."""

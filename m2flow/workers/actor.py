@@ -80,15 +80,16 @@ class ActorWorker(Worker):
         with clock.idle():
             parts = [trajectories_in.get(key=self.rank) for _ in range(self.layout.env_ranks)]
             parts.sort(key=lambda p: p["env_rank"])  # arrival order varies; the batch must not
-        # Collected ahead (runner.max_staleness = k), the data is up to k versions behind the weights.
-        allowed = {self.version - lag for lag in range(self.cfg["runner"]["max_staleness"] + 1)}
-        stale = {p["policy_version"] for p in parts} - allowed
-        if stale:
-            raise RuntimeError(f"actor rank {self.rank} at policy version {self.version} got trajectories of version(s) "
-                               f"{sorted(stale)}, expected {sorted(allowed)}")
-        lag = self.version - min(p["policy_version"] for p in parts)
+        # Collected ahead (runner.max_staleness = k), each step is up to k versions behind the
+        # weights: the runner launches no rollout further ahead, so an older one is a fault.
+        versions = np.concatenate([p["versions"].ravel() for p in parts])
+        lags, counts = np.unique(self.version - versions[versions >= 0], return_counts=True)  # -1: a padding row
+        if lags.min() < 0 or lags.max() > self.cfg["runner"]["max_staleness"]:
+            raise RuntimeError(f"actor rank {self.rank} at policy version {self.version} got env steps "
+                               f"{sorted(lags.tolist())} versions behind it, runner.max_staleness is "
+                               f"{self.cfg['runner']['max_staleness']}")
         data = {k: torch.as_tensor(np.concatenate([p[k] for p in parts], axis=1 if k != "last_obs" else 0))
-                for k in parts[0] if k not in ("policy_version", "env_rank")}
+                for k in parts[0] if k not in ("versions", "env_rank")}
         if self.algo["anneal_lr"]:
             for g in self.optimizer.param_groups:
                 g["lr"] = self.algo["lr"] * (1.0 - update / total_updates)
@@ -98,8 +99,9 @@ class ActorWorker(Worker):
                 self._proximal(batch)
             stats |= self._optimize(batch)
         self.version += 1
-        stats |= clock.report(lock_wait=True) | {"policy_lag": lag}
-        return stats
+        return stats | clock.report(lock_wait=True) | {
+            "policy_lag": int(lags.max()), "step_lags": dict(zip(lags.tolist(), counts.tolist())),
+            "version": self.version, "update_end": time.time()}
 
     def _advantages(self, d: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
         gamma, lam = self.algo["gamma"], self.algo["gae_lambda"]

@@ -50,22 +50,29 @@ class EnvWorker(PolicyHost):
             ))
         self.obs = [b.reset() for b in self.batches]
         self.faults_reported = 0  # the batches' env faults already reported
+        self.loads = []  # fused: the pushes the replica took during a rollout
 
-    def interact(self, policy: str, trajectories_out: Channel, steps: int) -> dict:
+    def interact(self, policy: str, trajectories_out: Channel, steps: int, weights_from: str | None = None,
+                 min_version: int = 0) -> dict:
         """One rollout of ``steps`` steps per env: observations go to this rank's rollout
         worker of group ``policy`` (point to point), or to the hosted replica when fused;
-        the trajectory goes to the actor ranks."""
+        the trajectory goes to the actor ranks. Every step records the version of the
+        weights that chose its actions: fused, with ``weights_from`` (the actor's group), the
+        replica takes the actor's pushes as they arrive, between env steps (from version
+        ``min_version`` on), so a rollout's steps may come from several versions."""
         clock, inference = Clock(), Clock()  # inference: the fused rollout's
         executed = 0  # env steps: a chunk cut short by an episode end counts its executed actions
         records = [_Recorder() for _ in self.batches]
         episodes: list[tuple[float, int, bool | None]] = []  # (raw return, length, success) of each ended one
-        versions = set()
         server = self.layout.rollout_of(self.rank)
         with clock.turn(self.turns):  # a lock only when hosting the rollout on shared devices
             if not self.replica:
                 for s in range(self.stages):
                     self.isend(self.obs[s], policy, server, tag=("obs", s))
             for t in range(steps):
+                if self.replica and weights_from is not None:
+                    with inference.idle():  # waiting for the weights of min_version, or loading pushes
+                        self.refresh(weights_from, min_version)
                 for s, batch in enumerate(self.batches):
                     if self.replica:
                         with inference.busy():
@@ -78,7 +85,6 @@ class EnvWorker(PolicyHost):
                         result = batch.step_chunk(reply["actions"]) if self.layout.chunk > 1 else batch.step(reply["actions"])
                         records[s].add(self.obs[s], reply, result)
                         executed += int(result.valid.sum()) if self.layout.chunk > 1 else result.stepped
-                        versions.add(reply["version"])
                         episodes += [(ret, length, success) for (_, ret), (_, length), success
                                      in zip(result.episode_returns, result.episode_lengths, result.episode_successes)]
                         self.obs[s] = result.obs
@@ -92,10 +98,7 @@ class EnvWorker(PolicyHost):
                 with clock.busy():
                     episodes += self._next_window()
         inference.waited(clock.lock_wait_s)  # the fused rollout waited for the same turn
-        self.inference = inference.report(lock_wait=True)
-        if len(versions) > 1:
-            raise RuntimeError(f"env rank {self.rank} got actions from policy versions {sorted(versions)} in one rollout")
-        (version,) = versions
+        self.inference = inference.report(lock_wait=True) | {"weight_loads": self.take_loads() if self.replica else []}
         # GRPO: last_obs is then the next window's first observation, which it never reads.
         trajectory = _Recorder.merge(records, self.obs)
         if self.grpo:
@@ -105,7 +108,7 @@ class EnvWorker(PolicyHost):
         for a in range(self.layout.actor_ranks):
             part = {k: v[a * share:(a + 1) * share] if k == "last_obs" else v[:, a * share:(a + 1) * share]
                     for k, v in trajectory.items()}
-            part["policy_version"], part["env_rank"] = version, self.rank
+            part["env_rank"] = self.rank
             trajectories_out.put(part, key=a, weight=steps * share)
         trajectories_out.flush()
         faults = sum(b.faults for b in self.batches)
@@ -121,9 +124,9 @@ class EnvWorker(PolicyHost):
             self.obs[s] = batch.reset()
         return cut
 
-    def act(self, envs: str, steps: int) -> dict:
-        """The fused rollout's report: its inference ran inside ``interact``, which Ray has
-        finished by now (one actor runs its calls in order)."""
+    def act(self, envs: str, steps: int, weights_from: str | None = None, min_version: int = 0) -> dict:
+        """The fused rollout's report: its inference (and its weight loads) ran inside
+        ``interact``, which Ray has finished by now (one actor runs its calls in order)."""
         if self.replica is None:
             raise RuntimeError(f"{self.group}:{self.rank} hosts no rollout: launch a RolloutWorker group")
         return self.inference
@@ -143,12 +146,13 @@ class EnvWorker(PolicyHost):
 
 def _pad_rows(trajectory: dict[str, Any], steps: int) -> dict[str, Any]:
     """A window that stopped early, padded to ``steps`` rows so that every env rank sends the
-    same shape: zero rows have no episode end, so they fall outside every episode's mask."""
+    same shape: zero rows have no episode end, so they fall outside every episode's mask (their
+    version is -1: no weights acted in them)."""
     rows = len(trajectory["rewards"])
     if rows == steps:
         return trajectory
-    return {k: v if k == "last_obs" else np.concatenate([v, np.zeros((steps - rows, *v.shape[1:]), v.dtype)])
-            for k, v in trajectory.items()}
+    pad = lambda v: np.full((steps - rows, *v.shape[1:]), -1 if v is trajectory["versions"] else 0, v.dtype)
+    return {k: v if k == "last_obs" else np.concatenate([v, pad(v)]) for k, v in trajectory.items()}
 
 
 class _Recorder:
@@ -156,13 +160,15 @@ class _Recorder:
 
     def __init__(self):
         self.columns: dict[str, list[np.ndarray]] = {k: [] for k in
-                                                    ("obs", "actions", "logp", "rewards", "terminated", "truncated", "final_obs")}
+                                                    ("obs", "actions", "logp", "versions", "rewards", "terminated",
+                                                              "truncated", "final_obs")}
 
     def add(self, obs: np.ndarray, reply: dict[str, Any], result: Any) -> None:
         c = self.columns
         c["obs"].append(obs)
         c["actions"].append(reply["actions"])
         c["logp"].append(reply["logp"])
+        c["versions"].append(np.full(len(obs), reply["version"], np.int64))  # of the weights that acted
         c["rewards"].append(result.rewards)  # [n], or [n, k] for action chunks
         if hasattr(result, "valid"):  # chunks: how many of the k actions ran before an episode end
             c.setdefault("executed", []).append(result.valid.sum(-1))

@@ -8,6 +8,8 @@ in its own process, with no message per step (see ``EnvWorker``).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -42,6 +44,7 @@ class PolicyHost(Worker):
     """A worker that holds a PolicyReplica and receives the actor's weight broadcasts."""
 
     replica: PolicyReplica
+    loads: list[tuple[int, float]]  # (version, wall time) of the pushes a rollout took while it ran
 
     def pull_weights(self, actor_group: str, version: int | None = None) -> int:
         """The receiving side of the actor's weight broadcast; returns the new version. With
@@ -52,6 +55,22 @@ class PolicyHost(Worker):
             if version is None or got >= version:
                 return got
 
+    def refresh(self, actor_group: str | None, min_version: int = 0) -> None:
+        """In-flight weight updates (``runner.in_flight_updates``), before each env step of a
+        rollout: waits for the weights of ``min_version`` if the replica is older (a rollout
+        starts on those of the sync launched with it), then loads every push that has
+        arrived, recording each; nothing without ``actor_group``."""
+        if actor_group is None:
+            return
+        if self.replica.version < min_version:
+            self.pull_weights(actor_group, min_version)
+        while self.broadcast_ready((actor_group, 0)):
+            self.loads.append((self.replica.load(self.broadcast(None, (actor_group, 0), self.group)), time.time()))
+
+    def take_loads(self) -> list[tuple[int, float]]:
+        loads, self.loads = self.loads, []
+        return loads
+
 
 class RolloutWorker(PolicyHost):
     def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
@@ -60,6 +79,7 @@ class RolloutWorker(PolicyHost):
         self.turns = self.device_turns(take_turns)
         self.replica = PolicyReplica(cfg, observation_space, action_space, self.rank)
         self.envs = layout.envs_of_rollout(self.rank)
+        self.loads = []
 
     def state(self) -> dict:
         return {"rng": torch.get_rng_state()}
@@ -68,16 +88,20 @@ class RolloutWorker(PolicyHost):
     def load_state(self, state: dict) -> None:
         torch.set_rng_state(state["rng"])
 
-    def act(self, envs: str, steps: int) -> dict:
+    def act(self, envs: str, steps: int, weights_from: str | None = None, min_version: int = 0) -> dict:
         """Answers ``steps`` observations per stage of each env rank of group ``envs`` that
-        it serves, batching those env ranks into one inference."""
+        it serves, batching those env ranks into one inference. With ``weights_from`` (the
+        actor's group), the actor's pushes are taken as they arrive, between env steps."""
         clock = Clock()
         with clock.turn(self.turns):
-            self._serve(envs, steps, clock)
-        return clock.report(lock_wait=True)
+            self._serve(envs, steps, clock, weights_from, min_version)
+        return clock.report(lock_wait=True) | {"weight_loads": self.take_loads()}
 
-    def _serve(self, envs: str, steps: int, clock: Clock) -> None:
+    def _serve(self, envs: str, steps: int, clock: Clock, weights_from: str | None, min_version: int) -> None:
         for _ in range(steps):
+            if weights_from is not None:
+                with clock.idle():  # waiting for the weights of min_version, or loading pushes
+                    self.refresh(weights_from, min_version)
             for s in range(self.layout.stages):
                 with clock.idle():
                     obs = [self.recv(envs, e, tag=("obs", s)) for e in self.envs]
