@@ -159,9 +159,8 @@ class _Recorder:
     """Collects one stage's steps as [T, n, ...] arrays."""
 
     def __init__(self):
-        self.columns: dict[str, list[np.ndarray]] = {k: [] for k in
-                                                    ("obs", "actions", "logp", "versions", "rewards", "terminated",
-                                                              "truncated", "final_obs")}
+        self.columns: dict[str, list[np.ndarray]] = {k: [] for k in ("obs", "actions", "logp", "versions", "rewards",
+                                                                     "terminated", "truncated", "final_obs")}
 
     def add(self, obs: np.ndarray, reply: dict[str, Any], result: Any) -> None:
         c = self.columns
