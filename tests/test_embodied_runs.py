@@ -133,7 +133,7 @@ def test_a_run_whose_simulator_hangs_stops_with_a_report(cluster, tmp_path):
     assert f"report: {report}" in (tmp_path / "log.txt").read_text()
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["fused", "separate"])
 def test_in_flight_updates_reach_a_running_rollout(cluster, tmp_path, fused):
     """Two versions ahead with in-flight updates, on a simulator slower than the learner: the
     actor's pushes reach the rollout between env steps, so an update's data holds steps of

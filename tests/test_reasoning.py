@@ -89,7 +89,10 @@ LEARNING = {
     # hybrid on-policy GRPO; reinforce_pp and fsdp above also train in hybrid mode
     "grpo-hybrid": ("placement.mode=hybrid", "algorithm.old_logprobs=recompute"),
 }
-SLOW = {"grpo-hybrid"}
+# Slow (`pytest -m slow`): hybrid runs beside grpo-hybrid-fsdp; reinforce_pp's and dr_grpo's
+# advantages, losses, dynamic sampling and overlong penalty have unit tests of their own
+# (test_reasoning_algorithms.py).
+SLOW = {"grpo-hybrid", "reinforce_pp-hybrid", "dr_grpo"}
 
 
 def _option(overrides, key, default):
