@@ -15,14 +15,13 @@ import torch
 from m2flow.engines import SamplingParams, build_engine
 from m2flow.engines.batch import SequenceBatch
 from m2flow.engines.weights import weights_hash
-from m2flow.runtime import Channel, Clock, Worker, dispatch, get_tracer
+from m2flow.runtime import Channel, Clock, dispatch, get_tracer
 from m2flow.workers.lm_common import load_model, memory_mb
+from m2flow.workers.weights import WeightFollower
 
 
-class WeightReceiver(Worker):
-    """A worker holding a model that follows the actor's weights."""
-
-    version: int
+class WeightReceiver(WeightFollower):
+    """A worker holding a language model that follows the actor's weights, pushed in buckets."""
 
     def _receive_model(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -33,26 +32,7 @@ class WeightReceiver(Worker):
             for name, t in tensors.items():
                 state[name].copy_(t)  # in place: tied weights stay tied
 
-    def pull_weights(self, actor_group: str, version: int | None = None) -> int:
-        """Receives the actor's buckets until the last; returns the new version. With
-        ``version``, pushes are taken until that version is in (an older one that in-flight
-        updates left untaken is loaded and superseded). At least one push is taken: a resumed
-        run may send an older version than the one held."""
-        while True:
-            self._receive(actor_group)
-            if version is None or self.version >= version:
-                return self.version
-
-    def take_newer(self, actor_group: str) -> bool:
-        """Loads every push of the actor's that has arrived, in order, without waiting for one
-        (in-flight weight updates); whether any was."""
-        took = False
-        while self.broadcast_ready((actor_group, 0)):
-            self._receive(actor_group)
-            took = True
-        return took
-
-    def _receive(self, actor_group: str) -> None:
+    def _receive(self, actor_group: str) -> int:
         """One push: its buckets until the last (they follow each other at once)."""
         while True:
             message = self.broadcast(None, (actor_group, 0), self.group)
@@ -60,7 +40,7 @@ class WeightReceiver(Worker):
             if message["last"]:
                 self.version = message["version"]
                 self._loaded(self.version)
-                return
+                return self.version
 
     def _loaded(self, version: int) -> None:
         """Called once a push's weights are all in."""

@@ -8,14 +8,13 @@ in its own process, with no message per step (see ``EnvWorker``).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 from m2flow.models import build_policy
-from m2flow.runtime import Clock, Worker, dispatch
+from m2flow.runtime import Clock, dispatch
 from m2flow.workers.layout import Layout
+from m2flow.workers.weights import WeightFollower
 
 
 class PolicyReplica:
@@ -40,20 +39,18 @@ class PolicyReplica:
         return actions.numpy(), logp.numpy()
 
 
-class PolicyHost(Worker):
+class PolicyHost(WeightFollower):
     """A worker that holds a PolicyReplica and receives the actor's weight broadcasts."""
 
     replica: PolicyReplica
     loads: list[tuple[int, float]]  # (version, wall time) of the pushes a rollout took while it ran
 
-    def pull_weights(self, actor_group: str, version: int | None = None) -> int:
-        """The receiving side of the actor's weight broadcast; returns the new version. With
-        ``version``, pushes are taken until that version is in (an older one a run left
-        untaken is loaded and superseded)."""
-        while True:
-            got = self.replica.load(self.broadcast(None, (actor_group, 0), self.group))
-            if version is None or got >= version:
-                return got
+    @property
+    def version(self) -> int:
+        return self.replica.version
+
+    def _receive(self, actor_group: str) -> int:
+        return self.replica.load(self.broadcast(None, (actor_group, 0), self.group))
 
     def refresh(self, actor_group: str | None, min_version: int = 0) -> None:
         """In-flight weight updates (``runner.in_flight_updates``), before each env step of a
@@ -64,8 +61,7 @@ class PolicyHost(Worker):
             return
         if self.replica.version < min_version:
             self.pull_weights(actor_group, min_version)
-        while self.broadcast_ready((actor_group, 0)):
-            self.loads.append((self.replica.load(self.broadcast(None, (actor_group, 0), self.group)), time.time()))
+        self.loads += self.take_newer(actor_group)
 
     def take_loads(self) -> list[tuple[int, float]]:
         loads, self.loads = self.loads, []
