@@ -17,7 +17,7 @@ Per workload, one run:
      staleness allowance (``--staleness``: 0, on-policy only; k, plans up to k updates ahead too);
   3. every plan (or ``--max-plans`` of them, the planner's order, then every mode's best)
      run for ``--updates`` updates in a fresh process (``m2flow train ... placement=@plan``),
-     its step time the median after the first (warm-up) update;
+     its step time the median after the first ``--warmup`` updates (default 1);
   4. ``placement=auto`` (the stored profile: no profiling) and the best measured plan, run
      alternately ``--repeats`` times each.
 
@@ -25,7 +25,9 @@ Reported: predicted vs measured step time per plan and the error; the median err
 pick's measured step over the best measured; profiling time (the profile's own, from a
 started cluster, which a run starts anyway; and the ``m2flow profile`` process's wall time)
 against a 1M-env-step run (embodied) or a one-hour run (reasoning) at the best measured
-speed; auto's throughput over the best plan's. Prints JSON on stdout (progress on stderr).
+speed; auto's throughput over the best plan's. Prints JSON on stdout (progress on stderr);
+``--journal FILE`` also appends each workload's profile and each measured plan to FILE as they
+come (JSON lines), so that a run cut short keeps what it measured.
 
     python benchmarks/planner.py --workloads halfcheetah ant smollm2 [--staleness 0 1]
 """
@@ -68,8 +70,8 @@ def length(cfg, updates: int) -> list[str]:
     return [f"{k}={'null' if v is None else v}" for k, v in overrides.items()] + extra
 
 
-def measure(preset: str, overrides: list[str], out: Path) -> dict:
-    """Runs the preset in a fresh process; the median step time after the first update."""
+def measure(preset: str, overrides: list[str], out: Path, warmup: int = 1) -> dict:
+    """Runs the preset in a fresh process; the median step time after the first ``warmup`` updates."""
     start, before = time.perf_counter(), load1()
     subprocess.run([*M2FLOW, "train", preset, *overrides, f"runner.out_dir={out}", "runner.progress=false",
                     "runner.checkpoint_every=0"], check=True, stdout=sys.stderr, stderr=sys.stderr)
@@ -77,9 +79,15 @@ def measure(preset: str, overrides: list[str], out: Path) -> dict:
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     col = "update_s" if "update_s" in rows[0] else "step_s"
     steps = [float(r[col]) for r in rows if r.get(col) not in (None, "")]
-    timed = steps[1:] or steps
+    timed = steps[warmup:] or steps
     return {"step_s": statistics.median(timed), "steps": steps, "run_s": round(time.perf_counter() - start, 1),
             "load_before": before, "load_after": load1()}
+
+
+def journal(args: argparse.Namespace, record: dict) -> None:
+    if args.journal:
+        with open(args.journal, "a") as f:
+            f.write(json.dumps(json_safe(record)) + "\n")
 
 
 def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
@@ -96,6 +104,8 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     subprocess.run([*M2FLOW, "profile", preset, *base], check=True, stdout=sys.stderr, stderr=sys.stderr)
     profile_wall = time.perf_counter() - t0
     prof = Profile.load(cfg.placement.profile)
+    journal(args, {"workload": name, "preset": preset, "overrides": base,
+                   "profile": json.loads(Path(cfg.placement.profile).read_text())})
     choice = choose(cfg, prof)
     model = CostModel(prof)
     ranked = choice.ranked
@@ -108,10 +118,11 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         path = c.plan.save(tmp / f"{name}-plan{i}.yaml")
         log(f"== {name}: plan {i + 1}/{len(chosen)}: {c.describe()} (predicted {c.step_s:.3f} s)")
         m = measure(preset, [*extra, *args.override, *length(cfg, args.updates), f"placement=@{path}"],
-                    tmp / f"{name}-run{i}")
+                    tmp / f"{name}-run{i}", args.warmup)
         rows.append({"plan": c.describe(), "rank": ranked.index(c) + 1, "predicted_s": round(c.step_s, 4),
                      "measured_s": round(m["step_s"], 4), "error": round(c.step_s / m["step_s"] - 1, 3), **m,
                      "plan_file": c.plan.to_dict()})
+        journal(args, {"workload": name, "row": rows[-1]})
     best = min(rows, key=lambda r: r["measured_s"])
     pick = rows[0]
     # placement=auto (reusing the stored profile) against the best measured plan, alternately
@@ -124,7 +135,8 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
             over = ["placement=auto", *staleness, f"placement.profile={cfg.placement.profile}"] if side == "auto" \
                 else [f"placement=@{best_path}"]
             got[side] = measure(preset, [*extra, *args.override, *length(cfg, args.updates), *over],
-                                tmp / f"{name}-{side}{r}")
+                                tmp / f"{name}-{side}{r}", args.warmup)
+            journal(args, {"workload": name, "side": side, "repeat": r, **got[side]})
         auto_vs.append({"auto_s": got["auto"]["step_s"], "best_s": got["best"]["step_s"],
                         "throughput_ratio": round(got["best"]["step_s"] / got["auto"]["step_s"], 3)})
     if cfg.flow == "embodied":
@@ -154,7 +166,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=["halfcheetah", "ant", "smollm2"], choices=sorted(WORKLOADS))
     p.add_argument("--staleness", type=int, default=0, help="0: on-policy plans only; k: up to k updates ahead too")
-    p.add_argument("--updates", type=int, default=12, help="updates per measured run (the first is warm-up)")
+    p.add_argument("--updates", type=int, default=12, help="updates per measured run")
+    p.add_argument("--warmup", type=int, default=1, help="first updates of a run left out of its step time")
+    p.add_argument("--journal", help="append the profile and each measured plan here (JSON lines) as they come")
     p.add_argument("--max-plans", type=int, default=0, help="measure only the planner's first N (0: all)")
     p.add_argument("--repeats", type=int, default=2, help="auto vs best, each this many times, alternately")
     p.add_argument("--override", nargs="*", default=[], help="key=value overrides for every run")

@@ -6,6 +6,9 @@ new measurement, and its pick is the best predicted among the plans that run mea
 
     python benchmarks/planner_replay.py RESULT.json [--profile WORKLOAD=PROFILE.json ...]
 
+RESULT may also be the journal of a run (``planner.py --journal``), finished or cut short:
+the plans it measured so far.
+
 (``planner.py`` keeps each workload's profile in its result; ``--profile`` gives one for a
 result that lacks it.) Prints JSON.
 """
@@ -26,7 +29,7 @@ def replay(result: dict, profile: dict) -> dict:
     from m2flow.config import load_config
     from m2flow.flow import Plan
     from m2flow.flow.cost import CostModel, Profile
-    from m2flow.flow.planner import layout_of
+    from m2flow.flow.planner import layout_of, preference
     from m2flow.flow.simulate import predict
     from m2flow.runners.auto import refit_hidden_costs
     from m2flow.runners.schedule import schedule_of
@@ -42,9 +45,12 @@ def replay(result: dict, profile: dict) -> dict:
         layout, fused = layout_of(plan, s.workflow)
         now = predict(s.shape(plan, fused), layout, model, model.switch_s, plan.run_ahead).step_s
         rows.append({"plan": r["plan"], "measured_s": r["measured_s"], "predicted_then_s": r["predicted_s"],
-                     "predicted_now_s": round(now, 4), "error_then": r["error"], "error_now": round(now / r["measured_s"] - 1, 3)})
+                     "predicted_now_s": round(now, 4), "error_then": r["error"], "error_now": round(now / r["measured_s"] - 1, 3),
+                     "order": preference(plan, now)})
     best = min(rows, key=lambda r: r["measured_s"])
-    pick = min(rows, key=lambda r: r["predicted_now_s"])
+    pick = min(rows, key=lambda r: r["order"])  # as the planner ranks them
+    for r in rows:
+        del r["order"]
     return {"rows": rows, "switch_s": prof.switch_s, "hop_s": prof.hop_s,
             "median_abs_error_then": round(statistics.median(abs(r["error_then"]) for r in rows), 3),
             "median_abs_error_now": round(statistics.median(abs(r["error_now"]) for r in rows), 3),
@@ -52,12 +58,29 @@ def replay(result: dict, profile: dict) -> dict:
             "pick_now_over_best": round(pick["measured_s"] / best["measured_s"], 3)}
 
 
+def load_result(path: Path) -> dict:
+    """A ``planner.py`` result, or its journal (JSON lines) made into one."""
+    text = path.read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    workloads: dict = {}
+    for line in text.splitlines():
+        record = json.loads(line)
+        if "profile" in record:  # a workload's first record
+            workloads[record["workload"]] = {k: record[k] for k in ("preset", "overrides", "profile")} | {"rows": []}
+        elif "row" in record:
+            workloads[record["workload"]]["rows"].append(record["row"])
+    return {"workloads": workloads}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("result")
     p.add_argument("--profile", nargs="*", default=[], help="WORKLOAD=PROFILE.json")
     args = p.parse_args()
-    result = json.loads(Path(args.result).read_text())
+    result = load_result(Path(args.result))
     given = dict(item.split("=", 1) for item in args.profile)
     out = {}
     for name, w in result["workloads"].items():

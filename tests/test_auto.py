@@ -73,3 +73,24 @@ def test_a_plan_file_that_runs_ahead_runs_as_written(tmp_path):
     assert len(rows) == 4
     lags = [float(r["policy_lag"]) for r in csv.DictReader(open(tmp_path / "metrics.csv"))]
     assert max(lags) == 1  # data one version old was taken, as the plan allows
+
+
+def test_embodied_probes_step_the_envs_in_batches_of_two_sizes():
+    # The collocated probe gives each device half the envs, the sized one all of them on one
+    # device: two batch sizes per call, so a fit can tell a fixed cost per call from a cost
+    # per env (with one size, every cost reads as per env, and a fused worker's one batch of
+    # 8 envs was predicted like two of 4).
+    from m2flow.flow.planner import layout_of
+    from m2flow.runners.auto import probes
+    from m2flow.runners.schedule import schedule_of
+
+    cfg = load_config("embodied/ppo_halfcheetah", ["cluster.cpu_slots=2"])
+    s = schedule_of(cfg)
+    runs = {r.role: r for r in probes(s, 2, "cpu")}
+    per_call = {}
+    for role in ("collocated", "sized"):
+        plan = runs[role].plan
+        layout, fused = layout_of(plan, s.workflow)
+        shape = s.shape(plan, fused)
+        per_call[role] = shape.items / shape.chunks / layout.count("env")
+    assert per_call == {"collocated": cfg.env.num_envs / 2, "sized": cfg.env.num_envs}

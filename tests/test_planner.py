@@ -96,13 +96,19 @@ def test_planner_picks_the_fastest_simulated_plan_and_explains_it():
 
 
 def test_run_ahead_only_within_the_staleness_allowed():
-    cfg, prof = _embodied_profile(env_s_per_env=0.0008, actor_s=0.4)
+    # An update: 256 rollout steps, each paying 0.5 ms a call (env and rollout) however many
+    # devices share the envs, and the actor's 0.4 device-seconds. On all 4 devices, in turns:
+    # about 0.128 + 0.05 (envs) + 0.1 (actor) + switches = 0.31 s. Makers on 2 devices and the
+    # actor on the other 2, one version ahead: they overlap, max(0.128 + 0.1, 0.2) = 0.23 s.
+    cfg, prof = _embodied_profile(env_s_per_env=0.0001, actor_s=0.4)
     on_policy = choose(cfg, prof)
     cfg.runner.max_staleness = 1
     ahead = choose(cfg, prof)
     assert any(c.plan.run_ahead for c in ahead.ranked)
+    assert on_policy.best.mode == "collocated" and on_policy.best.step_s == pytest.approx(0.31, rel=0.05)
     # one version ahead, makers and trainer on devices of their own overlap: strictly faster here
-    assert ahead.best.plan.run_ahead == 1 and ahead.best.step_s < on_policy.best.step_s
+    assert ahead.best.plan.run_ahead == 1 and ahead.best.mode == "disaggregated"
+    assert ahead.best.step_s == pytest.approx(0.24, rel=0.05)
 
 
 def test_what_does_not_scale_decides_the_plan():
@@ -177,6 +183,14 @@ def test_plan_command_errors_are_one_line(tmp_path, capsys):
     assert "do not spread evenly" in capsys.readouterr().err
     assert json.loads(path.read_text())["hop_s"] == 0.0002
     assert plan_command(None, [], str(path), None, 1, 1.0, None, log=lambda *_: None).best is not None
+    # a profile whose config an earlier version wrote (a key since renamed)
+    old = json.loads(path.read_text())
+    old["config"]["runner"]["collect_ahead"] = True
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit):
+        main(["plan", "--profile", str(tmp_path / "old.json")])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("m2flow: error: --profile:") and "runner.collect_ahead" in err and "\n" not in err
 
 
 def test_layout_turns_as_the_runner_gives_them():

@@ -1,5 +1,7 @@
 """The step simulator against timelines worked out by hand."""
 
+import dataclasses
+
 import pytest
 
 from m2flow.flow.simulate import Layout, Shape, SimulationError, Task, predict, simulate, step_tasks
@@ -88,14 +90,38 @@ def test_run_ahead_by_two_versions():
     # the one before is made (a0 0-3, a1 3-6, a2 6-9), then update 0: 6-8. At step k >= 1 the
     # runner waits for the maker to finish stream k+1, syncs update k-1's weights and launches
     # stream k+2, then the update: sync[3] at 9, a3 9-12, train1 9-11; sync[4] at 12, a4 12-15,
-    # train2 12-14, train3 14-16.
+    # train2 12-14; sync[5] at 15, a5 15-18, train3 15-17; sync[6] at 18, train4 18-20. The
+    # steady state is the maker's 3 s. Five updates timed: the streams of two more are made
+    # (a5, a6), else train3 and train4 would follow train2 at once (14-16, 16-18: a drain
+    # that no steady-state step has).
     shape = Shape(chain=("a",), trainer="t", items=1, chunks=1, receivers=("a",))
     layout = Layout({"a": "a", "t": "t"}, {"a": frozenset([0]), "t": frozenset([1])}, {"a": False, "t": False})
     p = predict(shape, layout, table_cost({("a", "work"): 3.0, ("t", "train"): 2.0}), run_ahead=2, steps=5)
-    assert spans_of(p.spans, "a") == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 15)]
-    assert [(s.start, s.end) for s in p.spans if s.kind == "train"][:4] == [(6, 8), (9, 11), (12, 14), (14, 16)]
+    assert spans_of(p.spans, "a") == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 15), (15, 18), (18, 21)]
+    assert [(s.start, s.end) for s in p.spans if s.kind == "train"][:5] == [(6, 8), (9, 11), (12, 14), (15, 17),
+                                                                            (18, 20)]
     syncs = {s.name: s.start for s in p.spans if s.kind == "sync"}
-    assert [syncs[f"sync[{k}]"] for k in range(1, 5)] == [3.0, 6.0, 9.0, 12.0]
+    assert [syncs[f"sync[{k}]"] for k in range(1, 7)] == [3.0, 6.0, 9.0, 12.0, 15.0, 18.0]
+    assert p.step_s == pytest.approx(3.0)
+
+
+def test_in_flight_updates_launch_ahead_without_waiting():
+    # Make 2, train 3, two versions ahead, on devices of their own. Without in-flight updates
+    # the runner launches stream j once stream j-1 is made (its sync on the trainer's process
+    # waits for it): a0 0-2, a1 2-4, sync[2] at 4, train0 4-7; at step 1 it waits for a2 (4-6)
+    # and update 0 (7): train1 7-10. In flight, every launch is a push, at once: train0 2-5
+    # (stream 0 is made at 2); at step 1 update 0's push at 5, a3 6-8 (after a2), train1 5-8.
+    # The steady state is the trainer's 3 s either way: in flight, an update starts sooner,
+    # the throughput is the same.
+    shape = Shape(chain=("a",), trainer="t", items=1, chunks=1, receivers=("a",))
+    layout = Layout({"a": "a", "t": "t"}, {"a": frozenset([0]), "t": frozenset([1])}, {"a": False, "t": False})
+    cost = table_cost({("a", "work"): 2.0, ("t", "train"): 3.0})
+    waiting = predict(shape, layout, cost, run_ahead=2, steps=5)
+    flying = predict(dataclasses.replace(shape, in_flight=True), layout, cost, run_ahead=2, steps=5)
+    assert [(s.start, s.end) for s in waiting.spans if s.kind == "train"][:3] == [(4, 7), (7, 10), (10, 13)]
+    assert [(s.start, s.end) for s in flying.spans if s.kind == "train"][:3] == [(2, 5), (5, 8), (8, 11)]
+    assert spans_of(flying.spans, "a")[:4] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert waiting.step_s == pytest.approx(3.0) and flying.step_s == pytest.approx(3.0)
 
 
 def test_env_stages_pipeline_the_rollout():

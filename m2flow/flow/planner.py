@@ -201,6 +201,12 @@ class Choice:
         return "\n".join(lines)
 
 
+def preference(plan: Plan, step_s: float) -> tuple:
+    """The order of plans: the fastest first; on a tie, the simpler plan (fewer stages, no
+    run-ahead, one message per item)."""
+    return round(step_s, 9), plan.stages, plan.run_ahead, max(plan.granularity.values(), default=1)
+
+
 def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: int, kind: str,
          components: tuple[str, ...], check: Callable[[Plan], None] | None = None, **options) -> Choice:
     """Simulates every candidate plan; the fastest that fits first."""
@@ -223,7 +229,5 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
         reasons = sorted({c.rejected for c in rejected if c.rejected}) or [f"no plan of {workflow.name} fits "
                                                                             f"{num_devices} device(s)"]
         raise PlanError(f"no plan fits: {reasons[0]}" + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""))
-    # the fastest first; on a tie, the simpler plan (fewer stages, no run-ahead, one message per item)
-    ranked.sort(key=lambda c: (round(c.step_s, 9), c.plan.stages, c.plan.run_ahead,
-                               max(c.plan.granularity.values(), default=1)))
+    ranked.sort(key=lambda c: preference(c.plan, c.step_s))
     return Choice(ranked[0], ranked, rejected, time.perf_counter() - start)

@@ -124,7 +124,9 @@ class Shape:
     wave: 1/W; with one wave, every group at the end); taking device turns, it holds the
     devices for all of them. A ``whole_turns`` link that takes device turns takes one per
     step: from its first task to its last (a fused process's links share it). ``receivers``
-    take the trainer's weights before a step's stream starts."""
+    take the trainer's weights before a step's stream starts; ``in_flight``: they also take the
+    pushes that come while it runs, so a stream ahead is launched without waiting for the one
+    before it to be made."""
 
     chain: tuple[str, ...]
     trainer: str
@@ -137,6 +139,7 @@ class Shape:
     samples: int | None = None  # what the trainer trains on per step (default: items)
     whole_turns: tuple[str, ...] = ()  # links whose device turn spans their whole call (the step's stream)
     first_out: float = 0.0  # the share of a batched link's work done when its first chunk comes out
+    in_flight: bool = False  # run ahead, the receivers take pushes themselves: no wait for the last stream
 
     @property
     def batch(self) -> int:
@@ -171,8 +174,9 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
     its calls. With ``run_ahead = a`` streams 0..a start on the first weights, each queued
     behind the one before on its processes; at step k >= 1 the runner waits for the receivers
     to finish stream k+a-1, syncs the weights of update k-1 and launches stream k+a, then the
-    trainer's update k (the runner's ``stream``; in-flight updates, which skip that wait, are
-    not modelled)."""
+    trainer's update k (the runner's ``stream``). With ``shape.in_flight`` the runner does not
+    wait: it pushes the weights (the trainer's process) and launches the stream, which starts
+    on them once its processes are done with the stream before."""
     tasks: list[Task] = []
     trained: list[int] = []  # the last trainer task of each step
     last_made: list[int] = []  # the last task of each stream on a receiver (a sync after it waits for it)
@@ -243,12 +247,13 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
     # Ahead by a: step 0 launches streams 0..a on the first weights, each once the one before
     # is made; step k >= 1 waits for the receivers to finish stream k+a-1, syncs update k-1's
     # weights and launches stream k+a.
+    fly = shape.in_flight
     streams = [stream(0, sync(0, (), changed=True))]
     for j in range(1, min(run_ahead, steps - 1) + 1):
-        streams.append(stream(j, sync(j, (last_made[j - 1],), changed=False)))
+        streams.append(stream(j, sync(j, () if fly else (last_made[j - 1],), changed=fly)))
     for k in range(steps):
         if k >= 1 and k + run_ahead < steps:
-            deps = (trained[k - 1], last_made[k + run_ahead - 1])
+            deps = (trained[k - 1],) if fly else (trained[k - 1], last_made[k + run_ahead - 1])
             streams.append(stream(k + run_ahead, sync(k + run_ahead, deps, changed=True)))
         train(k, streams[k])
     return tasks
@@ -276,10 +281,12 @@ class Prediction:
     spans: list[Span] = field(repr=False)
     busy_s: dict[str, float] = field(default_factory=dict)  # per process, per step
     shown: str = ""  # what the spans are of, when not the whole step
+    last_step: int | None = None  # the last timed step (spans of later ones: streams made ahead)
 
     def timeline(self, width: int = 60, step: int | None = None) -> str:
         """A text picture of the spans, one row per process (the last simulated step by default)."""
-        step = max(s.step for s in self.spans) if step is None else step
+        if step is None:
+            step = max(s.step for s in self.spans) if self.last_step is None else self.last_step
         spans = [s for s in self.spans if s.step == step and s.end > s.start]
         t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
         scale = width / max(t1 - t0, 1e-12)
@@ -299,7 +306,8 @@ class Prediction:
 def predict(shape: Shape, layout: Layout, cost: Cost, switch_s: Mapping[str, float] | None = None,
             run_ahead: int = 0, steps: int = 6) -> Prediction:
     """The steady-state step time of ``shape`` under ``layout``: the trainer's finishing times
-    over ``steps`` simulated steps, the first (pipeline fill) left out.
+    over ``steps`` simulated steps, the first (pipeline fill) left out, and with run-ahead the
+    streams of the steps after them made too (no drain).
 
     A long env loop (``repeats`` over 16) is simulated at 8 and 16 repeats with the trainer's
     per-step costs scaled alike (so the same component is the bottleneck), and the step time
@@ -313,7 +321,7 @@ def predict(shape: Shape, layout: Layout, cost: Cost, switch_s: Mapping[str, flo
     grow = (r - 16) / 8
     busy = {p: big.busy_s[p] + grow * (big.busy_s[p] - small.busy_s.get(p, 0.0)) for p in big.busy_s}
     return Prediction(big.step_s + grow * (big.step_s - small.step_s), big.spans, busy,
-                      f"16 of the {r} rollout steps, the trainer's time scaled to match")
+                      f"16 of the {r} rollout steps, the trainer's time scaled to match", big.last_step)
 
 
 def _scaled(cost: Cost, factor: float) -> Cost:
@@ -325,11 +333,14 @@ def _scaled(cost: Cost, factor: float) -> Cost:
 
 def _predict(shape: Shape, layout: Layout, cost: Cost, switch_s: Mapping[str, float] | None, run_ahead: int,
              steps: int) -> Prediction:
-    spans = simulate(step_tasks(shape, layout, cost, steps, run_ahead), switch_s)
+    # Ahead by a, the last a updates of a run have no stream left to make beside them: they
+    # train on data made already, faster than any update of the steady state. ``steps`` updates
+    # are timed, with the streams of a more made after them (their updates not counted).
+    spans = simulate(step_tasks(shape, layout, cost, steps + run_ahead, run_ahead), switch_s)
     ends = [max(s.end for s in spans if s.step == k and s.kind == "train") for k in range(steps)]
     step_s = (ends[-1] - ends[0]) / (steps - 1) if steps > 1 else ends[0]
     busy: dict[str, float] = {}
     for s in spans:
-        if 0 < s.step:
+        if 0 < s.step < steps:
             busy[s.process] = busy.get(s.process, 0.0) + (s.end - s.start) / (steps - 1)
-    return Prediction(step_s, spans, busy)
+    return Prediction(step_s, spans, busy, last_step=steps - 1)

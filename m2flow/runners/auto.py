@@ -63,7 +63,7 @@ def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
     the other size (``Schedule.probe_sizes``; on a one-device cluster, a run of its own); and
     the first split mode that fits (to time messages between processes)."""
     wf, opts = s.workflow, s.plan_options() | {"stages": 1, "run_ahead": 0}
-    every, variant, variant_overrides = s.probe_sizes()
+    every, variant, variant_overrides = s.probe_sizes(n)
 
     def of(mode: str, devices: int, **changes: Any) -> Plan:
         return Plan.for_mode(wf, mode, devices, kind, components=s.components, **opts | changes)
@@ -140,7 +140,10 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                     if mem:
                         prof.memory_mb[c] = max(prof.memory_mb.get(c, 0.0), max(mem))
                 prof.runs.append({"probe": run.name, "role": run.role, "plan": run.plan.to_dict(), "overrides": run.overrides,
-                                  "step_s": step, "run_s": time.perf_counter() - t0})
+                                  "step_s": step, "run_s": time.perf_counter() - t0}
+                                 # recorded: a language model's step costs with its tokens, the model counts completions
+                                 | ({"completion_length": statistics.median(r["completion_length"] for r in rows)}
+                                    if rows and all("completion_length" in r for r in rows) else {}))
                 log(f"profile: {run.name}: {step:.3f} s a step ({time.perf_counter() - t0:.1f} s)")
     finally:
         pool.close()
@@ -277,7 +280,9 @@ def plan_command(preset: str | None, overrides: list[str], profile_file: str | N
                  nodes: int, internode: float, out: str | None, log=print) -> Choice:
     """``m2flow plan``: the best plan from a profile (given, stored, or measured now)."""
     from m2flow.config import ConfigError, load_config
-    from m2flow.config.loader import apply_override
+    from omegaconf.errors import OmegaConfBaseException
+
+    from m2flow.config.loader import apply_override, translate
     from m2flow.config.schema import ROOTS
 
     if profile_file:
@@ -289,7 +294,11 @@ def plan_command(preset: str | None, overrides: list[str], profile_file: str | N
             cfg = load_config(preset, overrides)
         else:  # the config the profile was measured with
             root = ROOTS[prof.config["flow"]]
-            cfg = OmegaConf.merge(OmegaConf.structured(root), prof.config)
+            try:
+                cfg = OmegaConf.merge(OmegaConf.structured(root), prof.config)
+            except OmegaConfBaseException as e:
+                raise ConfigError("--profile", f"{profile_file} holds a config this version does not read "
+                                               f"({translate(e, root)}): give its preset too, or profile again") from None
             for item in overrides:
                 apply_override(cfg, root, item)
     elif preset:

@@ -134,18 +134,33 @@ class Runner:
     def step(self, i: int, ahead: int) -> dict[str, Any]:
         raise NotImplementedError
 
-    def receivers(self) -> list[str]:
+    @classmethod
+    def receivers_of(cls, cfg: DictConfig) -> list[str]:
         """The components that take the trainer's weights."""
         return ["rollout"]
+
+    def receivers(self) -> list[str]:
+        return self.receivers_of(self.cfg)
 
     def senders(self) -> list[int] | None:
         """The trainer ranks that send weights (None: every rank)."""
         return [0]
 
-    def refreshing(self) -> set[str]:
+    @classmethod
+    def refreshing_of(cls, cfg: DictConfig, plan: Plan) -> set[str]:
         """The receivers that take the trainer's pushes themselves, as they arrive, while
         streams run ahead (in-flight weight updates): no pull call is queued for them."""
         return set()
+
+    def refreshing(self) -> set[str]:
+        return self.refreshing_of(self.cfg, self.plan)
+
+    @classmethod
+    def in_flight(cls, cfg: DictConfig, plan: Plan) -> bool:
+        """Every receiver takes pushes itself: a stream ahead is launched at once, after only
+        the trainer's push, not once the last stream is made (``stream``)."""
+        fresh = cls.refreshing_of(cfg, plan)
+        return bool(fresh) and fresh >= set(cls.receivers_of(cfg))
 
     def evaluate(self) -> dict[str, float]:
         return {}
@@ -213,7 +228,7 @@ class Runner:
             sync = self.synced_report(pending)
         while len(self.ahead) < ahead:
             pending = None
-            if self.refreshing() >= set(self.receivers()):  # every receiver takes pushes itself
+            if self.in_flight(self.cfg, self.plan):  # every receiver takes pushes itself
                 pending = self.send_weights(pull=False)
             else:
                 # Ray runs a threaded actor's calls in no guaranteed order: a stream's calls

@@ -72,10 +72,11 @@ class EmbodiedRunner(Runner):
             return (self.plain, self.layout, self.spaces, take_turns) if self.fused else (self.plain, self.layout)
         return self.plain, self.layout, *self.spaces, take_turns
 
-    def refreshing(self) -> set[str]:
+    @classmethod
+    def refreshing_of(cls, cfg: DictConfig, plan: Plan) -> set[str]:
         """Collecting ahead with ``runner.in_flight_updates``: the rollout (fused: the env
         workers' replica) takes new weights between env steps."""
-        return {"rollout"} if self.plan.run_ahead and self.cfg.runner.in_flight_updates else set()
+        return {"rollout"} if plan.run_ahead and cfg.runner.in_flight_updates else set()
 
     def launch(self, key: int) -> dict[str, GroupHandle]:
         """One rollout: env and rollout step together and stream trajectories into the channel

@@ -82,21 +82,23 @@ class ReasoningRunner(Runner):
     def worker_args(self, component: str, take_turns: bool) -> tuple:
         return (self.plain,) if component == "reward" else (self.plain, take_turns)
 
-    def receivers(self) -> list[str]:
+    @classmethod
+    def receivers_of(cls, cfg: DictConfig) -> list[str]:
         """The rollout, and the inference worker when it recomputes the old log-probs."""
-        return ["rollout"] + (["inference"] if self.cfg.algorithm.old_logprobs == "recompute" else [])
+        return ["rollout"] + (["inference"] if cfg.algorithm.old_logprobs == "recompute" else [])
 
     def senders(self) -> list[int] | None:
         return None if self.sharded else [0]  # sharded: every actor rank helps gather the weights
 
-    def refreshing(self) -> set[str]:
+    @classmethod
+    def refreshing_of(cls, cfg: DictConfig, plan: Plan) -> set[str]:
         """Generating ahead: the rollout takes new weights between decode steps
         (``rollout.partial``); the inference worker takes them before each batch when it
         recomputes the decoupled objective's proximal log-probs (the newest weights')."""
-        if not self.plan.run_ahead:
+        if not plan.run_ahead:
             return set()
-        a = self.cfg.algorithm
-        return ({"rollout"} if self.cfg.rollout.partial else set()) | (
+        a = cfg.algorithm
+        return ({"rollout"} if cfg.rollout.partial else set()) | (
             {"inference"} if a.old_logprobs == "recompute" and a.off_policy == "decoupled" else set())
 
     def launch(self, key: int) -> dict[str, GroupHandle]:

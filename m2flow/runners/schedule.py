@@ -36,10 +36,11 @@ class Schedule:
         """Overrides that make a run of ``updates`` updates."""
         raise NotImplementedError
 
-    def probe_sizes(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """How the profiling runs size their work: overrides for every one of them, and the
-        plan settings and overrides of the one that sees each component at another size
-        (so that the cost model can tell a component's fixed cost from its cost per item)."""
+    def probe_sizes(self, devices: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """How the profiling runs on ``devices`` devices size their work: overrides for every
+        one of them, and the plan settings and overrides of the one that sees each component
+        at another size on one device (so that the cost model can tell a component's fixed
+        cost from its cost per item)."""
         raise NotImplementedError
 
     def check(self, plan: Plan) -> None:
@@ -59,7 +60,8 @@ class EmbodiedSchedule(Schedule):
         actor trains on all of it."""
         c = self.cfg
         return Shape(("env", "rollout"), "actor", c.env.num_envs, plan.stages, repeats=c.runner.rollout_steps,
-                     samples=steps_per_update(c), whole_turns=("env", "rollout"))
+                     samples=steps_per_update(c), whole_turns=("env", "rollout"),
+                     in_flight=self.runner.in_flight(c, plan))
 
     def knobs(self) -> dict[str, Any]:
         n = self.cfg.env.num_envs
@@ -69,9 +71,13 @@ class EmbodiedSchedule(Schedule):
         c = self.cfg
         return {"runner.total_env_steps": updates * steps_per_update(c), "runner.target_return": None}
 
-    def probe_sizes(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """The step as configured; the envs in two batches (``stages``) for the other size."""
-        return {}, {"stages": 2}, {}
+    def probe_sizes(self, devices: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """The step as configured; the other size is every env in one batch on one device,
+        where the first probe shares them out over all the devices (on a one-device cluster,
+        the envs in two batches, ``stages``): the envs step and act in batches of two sizes,
+        which tells a cost per call (a batched inference, an env worker's step) from a cost
+        per env."""
+        return {}, {"stages": 1 if devices > 1 else 2}, {}
 
     def check(self, plan: Plan) -> None:
         env_layout(self.cfg, plan, self.components)
@@ -92,7 +98,8 @@ class ReasoningSchedule(Schedule):
         prompts = c.data.prompts_per_step
         waves = -(-prompts * c.rollout.n // c.rollout.max_batch_size)  # of sequences decoded at once
         return Shape(chain, "actor", prompts * c.rollout.n, -(-prompts // plan.granularity["samples"]),
-                     batched=("rollout",), trainer_streams=not sharded(c, plan), first_out=1 / waves)
+                     batched=("rollout",), trainer_streams=not sharded(c, plan), first_out=1 / waves,
+                     in_flight=self.runner.in_flight(c, plan))
 
     def knobs(self) -> dict[str, Any]:
         p = self.cfg.data.prompts_per_step  # a step in 1, 2, 4, ... 64 chunks of prompt groups
@@ -101,7 +108,7 @@ class ReasoningSchedule(Schedule):
     def length(self, updates: int) -> dict[str, Any]:
         return {"runner.steps": updates}
 
-    def probe_sizes(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    def probe_sizes(self, devices: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """Steps of a quarter of the configured prompts (at least 4, at most all): every
         component's time grows with the completions it handles, so the model fitted on smaller
         steps predicts the configured one; the other size is twice as many prompts (at most
