@@ -103,9 +103,9 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     t0 = time.perf_counter()
     subprocess.run([*M2FLOW, "profile", preset, *base], check=True, stdout=sys.stderr, stderr=sys.stderr)
     profile_wall = time.perf_counter() - t0
-    prof = Profile.load(cfg.placement.profile)
-    journal(args, {"workload": name, "preset": preset, "overrides": base,
-                   "profile": json.loads(Path(cfg.placement.profile).read_text())})
+    stored = json.loads(Path(cfg.placement.profile).read_text())  # also for benchmarks/planner_replay.py
+    prof = Profile.from_dict(stored)
+    journal(args, {"workload": name, "preset": preset, "overrides": base, "profile": stored})
     choice = choose(cfg, prof)
     model = CostModel(prof)
     ranked = choice.ranked
@@ -158,7 +158,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         "reference_s": round(reference_s, 1), "model_held_out_error": model.held_out_error(),
         "planning_s": round(choice.planning_s, 3),
         "auto_vs_best": auto_vs, "auto_throughput_over_best": spread([a["throughput_ratio"] for a in auto_vs], 3),
-        "profile": json.loads(Path(cfg.placement.profile).read_text()),  # for benchmarks/planner_replay.py
+        "profile": stored,
     }
 
 

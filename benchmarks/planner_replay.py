@@ -39,18 +39,16 @@ def replay(result: dict, profile: dict) -> dict:
     refit_hidden_costs(cfg, prof)
     model = CostModel(prof)
     s = schedule_of(cfg)
-    rows = []
+    rows, order = [], []
     for r in result["rows"]:
         plan = Plan.from_dict(r["plan_file"])
         layout, fused = layout_of(plan, s.workflow)
         now = predict(s.shape(plan, fused), layout, model, model.switch_s, plan.run_ahead).step_s
         rows.append({"plan": r["plan"], "measured_s": r["measured_s"], "predicted_then_s": r["predicted_s"],
-                     "predicted_now_s": round(now, 4), "error_then": r["error"], "error_now": round(now / r["measured_s"] - 1, 3),
-                     "order": preference(plan, now)})
+                     "predicted_now_s": round(now, 4), "error_then": r["error"], "error_now": round(now / r["measured_s"] - 1, 3)})
+        order.append(preference(plan, now))
     best = min(rows, key=lambda r: r["measured_s"])
-    pick = min(rows, key=lambda r: r["order"])  # as the planner ranks them
-    for r in rows:
-        del r["order"]
+    pick = rows[min(range(len(rows)), key=order.__getitem__)]  # as the planner ranks them
     return {"rows": rows, "switch_s": prof.switch_s, "hop_s": prof.hop_s,
             "median_abs_error_then": round(statistics.median(abs(r["error_then"]) for r in rows), 3),
             "median_abs_error_now": round(statistics.median(abs(r["error_now"]) for r in rows), 3),
