@@ -250,7 +250,8 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
     fly = shape.in_flight
     streams = [stream(0, sync(0, (), changed=True))]
     for j in range(1, min(run_ahead, steps - 1) + 1):
-        streams.append(stream(j, sync(j, () if fly else (last_made[j - 1],), changed=fly)))
+        # the first weights are in already: no push (the runner's send_weights sends none)
+        streams.append(stream(j, sync(j, () if fly else (last_made[j - 1],), changed=False)))
     for k in range(steps):
         if k >= 1 and k + run_ahead < steps:
             deps = (trained[k - 1],) if fly else (trained[k - 1], last_made[k + run_ahead - 1])
