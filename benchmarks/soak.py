@@ -15,7 +15,8 @@ actors) and kills it; the run must restart from its last checkpoint and finish.
 Reported: every run's final metric (embodied: the last episode return; reasoning: the last
 held-out reward), wall time and restarts; the kills; whether the disturbed run's final metric
 lies within the undisturbed runs' spread, and whether it equals the undisturbed run of the
-same seed (a resume is exact on CPU, so it should, to the bit).
+same seed (a resume is exact on CPU, so it should, to the bit), and row by row how many of
+their logged updates (steps) hold the same values (every column but the timings).
 """
 
 from __future__ import annotations
@@ -71,6 +72,39 @@ def final_metric(out: Path) -> tuple[str, float]:
         if values:
             return key, values[-1]
     return "none", math.nan
+
+
+# Columns that depend on the machine's speed, not on the run's course.
+TIMING = re.compile(r"(^time_s$|_s$|per_s$|memory|^update_end$)")
+
+
+def rows_by_index(out: Path) -> tuple[str, dict[int, dict[str, str]]]:
+    """A run's logged rows by update (embodied) or step (reasoning); the last row of each wins
+    (rows restored from a checkpoint's history may write the index as a float)."""
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    index = "update" if rows and "update" in rows[0] else "step"
+    return index, {int(float(r[index])): r for r in rows}
+
+
+def same(a: str | None, b: str | None) -> bool:
+    """Two CSV cells hold the same number (``2873`` and ``2873.0`` do; so do two NaNs)."""
+    if a == b:
+        return True
+    try:
+        x, y = float(a), float(b)
+    except (TypeError, ValueError):
+        return False
+    return x == y or (math.isnan(x) and math.isnan(y))
+
+
+def same_course(a: Path, b: Path) -> dict:
+    """Row by row, whether two runs logged the same values (every column but the timings)."""
+    index, ra = rows_by_index(a)
+    _, rb = rows_by_index(b)
+    common = sorted(ra.keys() & rb.keys())
+    differ = [k for k in common if any(not same(ra[k].get(c), rb[k].get(c)) for c in ra[k] if not TIMING.search(c))]
+    return {"index": index, "compared": len(common), "identical": len(common) - len(differ),
+            "only_in_one": len(ra.keys() ^ rb.keys()), "first_difference": differ[0] if differ else None}
 
 
 def train(preset: str, overrides: list[str], out: Path, kill_every_s: float | None, rng: random.Random) -> dict:
@@ -134,6 +168,8 @@ def main() -> None:
            "within_spread": bool(quiet) and min(quiet) <= disturbed["final"] <= max(quiet),
            "equals_same_seed": disturbed["final"] == results[f"seed{args.seed}"]["final"],
            "kills": len(disturbed["kills"]), "restarts": disturbed["restarts"]}
+    if disturbed["returncode"] == 0 and results[f"seed{args.seed}"]["returncode"] == 0:
+        out["same_seed_course"] = same_course(tmp / "disturbed", tmp / f"seed{args.seed}")
     print(json.dumps(json_safe(out | run.finish()), indent=1))
 
 

@@ -214,6 +214,25 @@ def test_success_rate_is_logged_where_envs_report_success(tmp_path):
     assert "success_rate" not in EmbodiedMetrics(10).row(0, report([(1.0, 5, None)]), 1.0, 1.0)
 
 
+def test_metrics_csv_reads_back_as_written(tmp_path):
+    """A resumed run rewrites metrics.csv from the rows it reads back: ints stay ints (they
+    came back as floats, 2048.0), NaN stays nan, floats keep every digit: the same text."""
+    from m2flow.runners.metrics import RunLog
+
+    log = RunLog(tmp_path, 2, x="update", y="episode_return", progress=False)
+    for u in range(2):
+        log.record({"update": u, "env_steps": 2048 * (u + 1), "episode_return": 0.1 + u / 3,
+                    "explained_variance": float("nan")}, "")
+    log.close()
+    written = (tmp_path / "metrics.csv").read_text()
+    resumed = RunLog(tmp_path, 2, x="update", y="episode_return", progress=False)
+    resumed.history = resumed.read_csv()
+    resumed._write_csv()
+    resumed.close()
+    assert (tmp_path / "metrics.csv").read_text() == written
+    assert ",2048," in written and ",nan" in written
+
+
 @pytest.mark.parametrize("critic", [True, False])  # PPO, and GRPO's weighted loss without a critic
 def test_compiled_minibatch_loss_matches_eager(critic):
     """algorithm.compile: the compiled minibatch loss gives the eager one's loss, stats and

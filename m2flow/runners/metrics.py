@@ -46,6 +46,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 
+def _number(text: str) -> float:
+    """A CSV cell as written: an int stays an int (a resumed run's rows read as they were)."""
+    if not text:
+        return math.nan
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 class RunLog:
     """A run's rows: CSV (``metrics.csv``), TensorBoard scalars, a rich progress bar, and a
     curve of ``y`` against ``x`` (``learning_curve.png``) at the end; its notes on the console
@@ -80,7 +90,7 @@ class RunLog:
         if not path.exists():
             return []
         with open(path, newline="") as f:
-            return [{k: float(v) if v else math.nan for k, v in row.items()} for row in csv.DictReader(f)]
+            return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
     def record(self, row: dict[str, float], stats: str) -> dict[str, float]:
         """Appends ``row``: CSV rewritten, TensorBoard scalars at step ``row[x]``, progress bar."""
