@@ -215,17 +215,22 @@ def test_success_rate_is_logged_where_envs_report_success(tmp_path):
 
 
 def test_metrics_csv_reads_back_as_written(tmp_path):
-    """A resumed run rewrites metrics.csv from the rows it reads back: ints stay ints (they
-    came back as floats, 2048.0), NaN stays nan, floats keep every digit: the same text."""
+    """metrics.csv: rows appended as they come give the file written whole; a resumed run
+    rewrites it from the rows it reads back: ints stay ints (they came back as floats,
+    2048.0), NaN stays nan, floats keep every digit: the same text."""
     from m2flow.runners.metrics import RunLog
 
-    log = RunLog(tmp_path, 2, x="update", y="episode_return", progress=False)
-    for u in range(2):
+    log = RunLog(tmp_path, 4, x="update", y="episode_return", progress=False)
+    for u in range(4):  # rows appended; update 2 adds a column (the file is rewritten), 3 lacks it
         log.record({"update": u, "env_steps": 2048 * (u + 1), "episode_return": 0.1 + u / 3,
-                    "explained_variance": float("nan")}, "")
+                    "explained_variance": float("nan")} | ({"eval_return": 7.5} if u == 2 else {}), "")
+    appended = (tmp_path / "metrics.csv").read_text()
+    log._write_csv()  # the whole file at once
     log.close()
     written = (tmp_path / "metrics.csv").read_text()
-    resumed = RunLog(tmp_path, 2, x="update", y="episode_return", progress=False)
+    assert appended == written and written.splitlines()[0].endswith(",eval_return")
+    assert [line.endswith(",7.5") for line in written.splitlines()[1:]] == [False, False, True, False]
+    resumed = RunLog(tmp_path, 4, x="update", y="episode_return", progress=False)
     resumed.history = resumed.read_csv()
     resumed._write_csv()
     resumed.close()

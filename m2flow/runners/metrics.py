@@ -48,8 +48,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 def _number(text: str) -> float:
     """A CSV cell as written: an int stays an int (a resumed run's rows read as they were)."""
-    if not text:
-        return math.nan
     try:
         return int(text)
     except ValueError:
@@ -64,7 +62,8 @@ class RunLog:
     def __init__(self, out_dir: str | Path, total: float, x: str, y: str, progress: bool = True):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.history: list[dict[str, float]] = []
+        self._csv = None  # metrics.csv, open for appending once written whole
+        self.history = []
         self.x, self.y = x, y
         self.console = Console()
         from torch.utils.tensorboard import SummaryWriter
@@ -85,34 +84,59 @@ class RunLog:
         self.log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
         self.log_file.flush()
 
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """The rows so far; set (a resumed run's), the next row rewrites metrics.csv whole."""
+        return self._history
+
+    @history.setter
+    def history(self, rows: list[dict[str, float]]) -> None:
+        self._history = rows
+        self._close_csv()
+
     def read_csv(self) -> list[dict[str, float]]:
         path = self.out_dir / "metrics.csv"
         if not path.exists():
             return []
         with open(path, newline="") as f:
-            return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+            # A blank cell: a column the row did not have (a NaN is written "nan").
+            return [{k: _number(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
 
     def record(self, row: dict[str, float], stats: str) -> dict[str, float]:
-        """Appends ``row``: CSV rewritten, TensorBoard scalars at step ``row[x]``, progress bar."""
+        """Appends ``row``: to metrics.csv, TensorBoard scalars at step ``row[x]``, progress bar."""
         self.history.append(row)
         for k, v in row.items():
             if k != self.x and not (isinstance(v, float) and math.isnan(v)):
                 self.tb.add_scalar(k, v, row[self.x])
-        self._write_csv()
+        if self._csv is not None and row.keys() <= set(self._csv[1].fieldnames):
+            self._csv[1].writerow(row)  # a row appended: a long run's logging stays O(1) per row
+            self._csv[0].flush()
+        else:
+            self._write_csv()
         self.progress.update(self.task, completed=row[self.x], stats=stats)
         return row
 
     def _write_csv(self) -> None:
+        """The whole file (a new column, or rows set), then kept open to append to."""
+        self._close_csv()
         keys = list(dict.fromkeys(k for row in self.history for k in row))
-        with open(self.out_dir / "metrics.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(self.history)
+        f = open(self.out_dir / "metrics.csv", "w", newline="")
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(self.history)
+        f.flush()
+        self._csv = (f, writer)
+
+    def _close_csv(self) -> None:
+        if self._csv is not None:
+            self._csv[0].close()
+            self._csv = None
 
     def close(self) -> Path | None:
         self.progress.stop()
         self.tb.close()
         self.log_file.close()
+        self._close_csv()
         return self.plot()
 
     def plot(self) -> Path | None:
