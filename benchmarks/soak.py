@@ -4,7 +4,7 @@ undisturbed runs of the same config, in one benchmark run.
     python benchmarks/soak.py --preset embodied/ppo_halfcheetah --kill-every-min 3 \\
         --override runner.total_env_steps=15000000 runner.checkpoint_every_min=1
     python benchmarks/soak.py --preset reasoning/grpo_arith_tiny --kill-every-min 3 \\
-        --override runner.steps=600 runner.checkpoint_every=10
+        --override runner.steps=8000 runner.checkpoint_every=40 runner.eval_every=1000
 
 Sides, alternated: the disturbed run (seed S), and undisturbed runs with seeds S, S+1, S+2
 (``--undisturbed``). Each run is ``m2flow train`` in a process of its own, with

@@ -236,6 +236,9 @@ def test_metrics_csv_reads_back_as_written(tmp_path):
     resumed.close()
     assert (tmp_path / "metrics.csv").read_text() == written
     assert ",2048," in written and ",nan" in written
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("4,10240,0.")  # a row cut short by a crash mid-write
+    assert [r["update"] for r in resumed.read_csv()] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("critic", [True, False])  # PPO, and GRPO's weighted loss without a critic

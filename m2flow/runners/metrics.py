@@ -99,8 +99,10 @@ class RunLog:
         if not path.exists():
             return []
         with open(path, newline="") as f:
-            # A blank cell: a column the row did not have (a NaN is written "nan").
-            return [{k: _number(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
+            # A blank cell: a column the row did not have (a NaN is written "nan"). A row with
+            # fewer cells than the header was cut short by a crash mid-write: dropped.
+            return [{k: _number(v) for k, v in row.items() if v} for row in csv.DictReader(f)
+                    if None not in row.values()]
 
     def record(self, row: dict[str, float], stats: str) -> dict[str, float]:
         """Appends ``row``: to metrics.csv, TensorBoard scalars at step ``row[x]``, progress bar."""
