@@ -48,7 +48,7 @@ def replay(result: dict, profile: dict) -> dict:
                      "predicted_now_s": round(now, 4), "error_then": r["error"], "error_now": round(now / r["measured_s"] - 1, 3)})
         order.append(preference(plan, now))
     best = min(rows, key=lambda r: r["measured_s"])
-    pick = rows[min(range(len(rows)), key=order.__getitem__)]  # as the planner ranks them
+    pick = rows[order.index(min(order))]  # as the planner ranks them
     return {"rows": rows, "switch_s": prof.switch_s, "hop_s": prof.hop_s,
             "median_abs_error_then": round(statistics.median(abs(r["error_then"]) for r in rows), 3),
             "median_abs_error_now": round(statistics.median(abs(r["error_now"]) for r in rows), 3),
