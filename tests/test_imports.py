@@ -2,11 +2,11 @@
 each other without a cycle; the actors' modules do not import torch."""
 
 import ast
+import json
 import subprocess
 import sys
 import textwrap
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,32 +33,88 @@ def _run(code: str, *args: str) -> subprocess.CompletedProcess:
 
 # -- each module alone, in a fresh interpreter ------------------------------------------
 MISSING_DEPENDENCY = 3
-_IMPORT_ALONE = textwrap.dedent(f"""
-    import importlib, sys
-    try:
-        importlib.import_module(sys.argv[1])
-    except ModuleNotFoundError as e:
-        if e.name is None or e.name.partition(".")[0] == "m2flow":
-            raise
-        print(e.name)  # an optional dependency that is not installed
-        sys.exit({MISSING_DEPENDENCY})
+# One interpreter loads the third-party packages the modules import (torch alone takes a
+# second or more), then forks a child per module, two at a time: each child imports its
+# module with no module of the package loaded before it, so an import that works only after
+# another module of the package fails there as it would in a fresh interpreter.
+_IMPORT_EACH = textwrap.dedent(f"""
+    import importlib, json, os, sys, tempfile, traceback
+    package, names = sys.argv[1], sys.argv[2:]
+    for preload in ("numpy", "torch", "omegaconf", "yaml", "rich.console", "gymnasium", "ray"):
+        try:
+            importlib.import_module(preload)
+        except ImportError:
+            pass
+    assert not [m for m in sys.modules if m.partition(".")[0] == package], "the package was preloaded"
+
+    def import_alone(name):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or e.name.partition(".")[0] == package:
+                raise
+            print(e.name)  # an optional dependency that is not installed
+            return {MISSING_DEPENDENCY}
+        return 0
+
+    results, running, todo = {{}}, {{}}, list(names)
+    while todo or running:
+        while todo and len(running) < 2:
+            name, out = todo.pop(0), tempfile.TemporaryFile(mode="w+")
+            pid = os.fork()
+            if pid == 0:
+                os.dup2(out.fileno(), 1)
+                os.dup2(out.fileno(), 2)
+                try:
+                    code = import_alone(name)
+                except BaseException:
+                    traceback.print_exc()
+                    code = 1
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+            running[pid] = name, out
+        pid, status = os.wait()
+        name, out = running.pop(pid)
+        out.seek(0)
+        results[name] = [os.waitstatus_to_exitcode(status), out.read()]
+    print(json.dumps(results))
 """)
 
 
+def import_each_alone(package: str, names: list[str], cwd: Path) -> dict[str, tuple[int, str]]:
+    """``{module: (exit code, its output)}`` for every module of ``names`` imported alone."""
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, package, *names], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return {name: tuple(result) for name, result in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
 @pytest.fixture(scope="module")
-def imported_alone() -> dict[str, subprocess.CompletedProcess]:
-    """Every module imported in an interpreter of its own, two at a time (a few seconds
-    each: torch, transformers)."""
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(MODULES, pool.map(lambda name: _run(_IMPORT_ALONE, name), MODULES)))
+def imported_alone() -> dict[str, tuple[int, str]]:
+    return import_each_alone("m2flow", list(MODULES), ROOT)
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_module_imports_alone(imported_alone, name):
-    done = imported_alone[name]
-    if done.returncode == MISSING_DEPENDENCY:
-        pytest.skip(f"{name} needs {done.stdout.strip()}, which is not installed")
-    assert done.returncode == 0, f"import {name}, alone in a fresh interpreter, failed:\n{done.stderr}"
+    code, output = imported_alone[name]
+    if code == MISSING_DEPENDENCY:
+        pytest.skip(f"{name} needs {output.strip()}, which is not installed")
+    assert code == 0, f"import {name}, alone in a fresh interpreter, failed:\n{output}"
+
+
+def test_import_alone_fails_a_module_that_needs_another_imported_first(tmp_path):
+    """The check can fail: ``pkg.b`` uses ``pkg.a`` without importing it (it works only after
+    ``pkg.a`` was imported); ``pkg.c`` needs a package that is not installed."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/__init__.py").write_text("")
+    (tmp_path / "pkg/a.py").write_text("X = 1\n")
+    (tmp_path / "pkg/b.py").write_text("import pkg\n\nY = pkg.a.X\n")
+    (tmp_path / "pkg/c.py").write_text("import no_such_package_anywhere\n")
+    found = import_each_alone("pkg", ["pkg.a", "pkg.b", "pkg.c", "pkg"], tmp_path)
+    assert found["pkg.a"] == (0, "") and found["pkg"] == (0, "")
+    assert found["pkg.b"][0] == 1 and "has no attribute 'a'" in found["pkg.b"][1]
+    assert found["pkg.c"] == (MISSING_DEPENDENCY, "no_such_package_anywhere\n")
 
 
 @pytest.mark.parametrize("name", ["m2flow.runtime.channel_actor", "m2flow.runtime.device_lock"])
