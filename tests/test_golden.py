@@ -2,8 +2,10 @@
 
 A refactoring that changes what a run computes (the order of a reduction, an RNG draw, a
 default) changes the digest. If a change is meant to alter the computation, record the new
-digests and say why in the commit. The digests depend on the CPU's float kernels: they were
-recorded with torch 2.13.0+cpu on x86-64.
+digests and say why in the commit. The digests depend on the CPU's float kernels (the
+instruction set torch's and MKL's kernels take, and the CPU's vendor): they were recorded with
+torch 2.13.0+cpu on x86-64, one pair per kind of CPU; on a kind with none the tests skip and
+name it, so that its digests can be recorded.
 """
 
 from __future__ import annotations
@@ -16,13 +18,38 @@ from m2flow.engines.weights import weights_hash
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.reasoning import ReasoningRunner
 
-EMBODIED = "f25b181c72b6bcd8eeeedb57ba00400604bfc6a4d2968d68609adf9914e515af"
-REASONING = "cb47aea00eb545a39f694b5ec03803124b4ba22713b4992b4f302daf9ed162c2"
+# CPU kind -> (embodied digest, reasoning digest); a kind of instruction set alone stands for
+# every vendor of it.
+DIGESTS = {
+    "AVX512": ("f25b181c72b6bcd8eeeedb57ba00400604bfc6a4d2968d68609adf9914e515af",
+               "cb47aea00eb545a39f694b5ec03803124b4ba22713b4992b4f302daf9ed162c2"),
+    "AVX2 AuthenticAMD": ("7005f7680967b735e2f06443f6c4771e41071396a4c26b0162ef51cb808944a1",
+                          "212d383488a2e1bf8efb24c752d1b375e2f877ee56300d6ae805d7918240236c"),
+}
 
 pytestmark = pytest.mark.skipif(not torch.__version__.endswith("+cpu"), reason="digests recorded with CPU kernels")
 
 
+def cpu_kind() -> str:
+    """The instruction set torch's CPU kernels use, and the CPU's vendor."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "unknown")
+    except OSError:
+        vendor = "unknown"
+    return f"{torch.backends.cpu.get_cpu_capability()} {vendor}"
+
+
+def digests() -> tuple[str, str]:
+    kind = cpu_kind()
+    found = DIGESTS.get(kind) or DIGESTS.get(kind.split()[0])
+    if found is None:
+        pytest.skip(f"no digests recorded for this kind of CPU ({kind})")
+    return found
+
+
 def test_embodied_cartpole_weights(cluster, tmp_path):
+    embodied, _ = digests()
     cfg = load_config("embodied/ppo_cartpole", [f"runner.out_dir={tmp_path}", "runner.progress=false",
                                                  "runner.total_env_steps=1024", "env.num_envs=16"])  # 2 updates
     runner = EmbodiedRunner(cfg, cluster)
@@ -32,12 +59,13 @@ def test_embodied_cartpole_weights(cluster, tmp_path):
     finally:
         runner.close()
     assert len(history) == 2
-    digests = {weights_hash(s["policy"].items()) for s in states}
-    assert len(digests) == 1  # every actor rank holds the same weights
-    assert digests.pop() == EMBODIED
+    found = {weights_hash(s["policy"].items()) for s in states}
+    assert len(found) == 1  # every actor rank holds the same weights
+    assert found.pop() == embodied
 
 
 def test_reasoning_tiny_weights(cluster, tmp_path):
+    _, reasoning = digests()
     cfg = load_config("reasoning/grpo_arith_tiny", [f"runner.out_dir={tmp_path}", "runner.progress=false",
                                                      "runner.steps=3", "placement.mode=custom",
                                                      *(f"placement.components.{c}=0" for c in ("rollout", "reward",
@@ -49,4 +77,4 @@ def test_reasoning_tiny_weights(cluster, tmp_path):
         hashes = runner.groups["actor"].weights_hash().wait()
     finally:
         runner.close()
-    assert hashes == [REASONING]
+    assert hashes == [reasoning]
