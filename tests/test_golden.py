@@ -19,7 +19,7 @@ from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.reasoning import ReasoningRunner
 
 # CPU kind -> (embodied digest, reasoning digest); a kind of instruction set alone stands for
-# every vendor of it.
+# every vendor of it. The "AVX512" pair was recorded on machines whose kind was not written down.
 DIGESTS = {
     "AVX512": ("f25b181c72b6bcd8eeeedb57ba00400604bfc6a4d2968d68609adf9914e515af",
                "cb47aea00eb545a39f694b5ec03803124b4ba22713b4992b4f302daf9ed162c2"),
