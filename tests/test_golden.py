@@ -3,7 +3,7 @@
 A refactoring that changes what a run computes (the order of a reduction, an RNG draw, a
 default) changes the digest. If a change is meant to alter the computation, record the new
 digests and say why in the commit. The digests depend on the CPU's float kernels (the
-instruction set torch's and MKL's kernels take, and the CPU's vendor): they were recorded with
+instruction set torch's and MKL's kernels take, and the processor): they were recorded with
 torch 2.13.0+cpu on x86-64, one pair per kind of CPU; on a kind with none the tests skip and
 name it, so that its digests can be recorded.
 """
@@ -15,29 +15,25 @@ import torch
 
 from m2flow.config import load_config
 from m2flow.engines.weights import weights_hash
+from m2flow.flow.cost import hardware
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.reasoning import ReasoningRunner
 
 # CPU kind -> (embodied digest, reasoning digest); a kind of instruction set alone stands for
-# every vendor of it. The "AVX512" pair was recorded on machines whose kind was not written down.
+# every processor with it. The "AVX512" pair was recorded on machines whose kind was not written down.
 DIGESTS = {
     "AVX512": ("f25b181c72b6bcd8eeeedb57ba00400604bfc6a4d2968d68609adf9914e515af",
                "cb47aea00eb545a39f694b5ec03803124b4ba22713b4992b4f302daf9ed162c2"),
-    "AVX2 AuthenticAMD": ("7005f7680967b735e2f06443f6c4771e41071396a4c26b0162ef51cb808944a1",
-                          "212d383488a2e1bf8efb24c752d1b375e2f877ee56300d6ae805d7918240236c"),
+    "AVX2 AMD EPYC": ("7005f7680967b735e2f06443f6c4771e41071396a4c26b0162ef51cb808944a1",
+                      "212d383488a2e1bf8efb24c752d1b375e2f877ee56300d6ae805d7918240236c"),
 }
 
 pytestmark = pytest.mark.skipif(not torch.__version__.endswith("+cpu"), reason="digests recorded with CPU kernels")
 
 
 def cpu_kind() -> str:
-    """The instruction set torch's CPU kernels use, and the CPU's vendor."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "unknown")
-    except OSError:
-        vendor = "unknown"
-    return f"{torch.backends.cpu.get_cpu_capability()} {vendor}"
+    """The instruction set torch's CPU kernels use, and the processor's name."""
+    return f"{torch.backends.cpu.get_cpu_capability()} {hardware()['cpu']}"
 
 
 def digests() -> tuple[str, str]:

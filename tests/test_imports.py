@@ -26,9 +26,9 @@ def package_modules(package: Path) -> dict[str, Path]:
 MODULES = package_modules(ROOT / "m2flow")
 
 
-def _run(code: str, *args: str) -> subprocess.CompletedProcess:
-    # From the repository root, so that `-c` imports this checkout's m2flow.
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def _run(code: str, *args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
+    # From the repository root by default, so that `-c` imports this checkout's m2flow.
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 # -- each module alone, in a fresh interpreter ------------------------------------------
@@ -84,8 +84,7 @@ _IMPORT_EACH = textwrap.dedent(f"""
 
 def import_each_alone(package: str, names: list[str], cwd: Path) -> dict[str, tuple[int, str]]:
     """``{module: (exit code, its output)}`` for every module of ``names`` imported alone."""
-    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, package, *names], cwd=cwd, capture_output=True,
-                          text=True, timeout=600)
+    done = _run(_IMPORT_EACH, package, *names, cwd=cwd, timeout=600)
     assert done.returncode == 0, done.stderr
     return {name: tuple(result) for name, result in json.loads(done.stdout.splitlines()[-1]).items()}
 
