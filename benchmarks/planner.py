@@ -27,7 +27,10 @@ started cluster, which a run starts anyway; and the ``m2flow profile`` process's
 against a 1M-env-step run (embodied) or a one-hour run (reasoning) at the best measured
 speed; auto's throughput over the best plan's. Prints JSON on stdout (progress on stderr);
 ``--journal FILE`` also appends each workload's profile and each measured plan to FILE as they
-come (JSON lines), so that a run cut short keeps what it measured.
+come (JSON lines), so that a run cut short keeps what it measured; ``--resume FILE`` goes on from
+such a journal (same workloads and overrides): its profile is used instead of a new one, the
+plans and the ``placement=auto`` / best pairs it measured are not run again, and what is
+measured now is appended to it (a sweep of SmolLM2's 25 plans takes hours: it may span runs).
 
     python benchmarks/planner.py --workloads halfcheetah ant smollm2 [--staleness 0 1]
 """
@@ -90,6 +93,40 @@ def journal(args: argparse.Namespace, record: dict) -> None:
             f.write(json.dumps(json_safe(record)) + "\n")
 
 
+def plan_key(plan: dict) -> str:
+    return json.dumps(plan, sort_keys=True)
+
+
+def journaled(path: str | None, name: str, base: list[str]) -> dict:
+    """What the journal at ``path`` holds of workload ``name``: its profile record, its measured
+    rows by plan, its ``placement=auto`` / best sides by (side, repeat). A journal of other
+    overrides fails: its figures are of another workload."""
+    done: dict = {"rows": {}, "sides": {}}
+    if not path:
+        return done
+    own = [o for o in base if not o.startswith("placement.profile=")]
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a killed run: the last one
+            log(f"{path}:{n}: not JSON, left out")
+            continue
+        if record.get("workload") != name:
+            continue
+        if "profile" in record:
+            theirs = [o for o in record["overrides"] if not o.startswith("placement.profile=")]
+            if theirs != own:
+                raise SystemExit(f"{path}: {name} was run with overrides {theirs}, not {own}: nothing to resume")
+            done["profile"] = record
+        elif "row" in record:
+            done["rows"][plan_key(record["row"]["plan_file"])] = record["row"]
+        elif "side" in record:
+            done["sides"][(record["side"], record["repeat"])] = record
+    return done
+
+
 def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     from m2flow.config import load_config
     from m2flow.flow.cost import CostModel, Profile
@@ -99,13 +136,20 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     staleness = [f"runner.max_staleness={args.staleness}"]
     base = [*extra, *args.override, *staleness, f"placement.profile={tmp / (name + '-profile.json')}"]
     cfg = load_config(preset, base)
-    log(f"== {name}: profiling")
-    t0 = time.perf_counter()
-    subprocess.run([*M2FLOW, "profile", preset, *base], check=True, stdout=sys.stderr, stderr=sys.stderr)
-    profile_wall = time.perf_counter() - t0
-    stored = json.loads(Path(cfg.placement.profile).read_text())  # also for benchmarks/planner_replay.py
+    done = journaled(args.resume, name, base)
+    if "profile" in done:
+        log(f"== {name}: the profile of {args.resume}; {len(done['rows'])} plan(s) measured there")
+        stored, profile_wall = done["profile"]["profile"], done["profile"].get("profiling_wall_s")
+        Path(cfg.placement.profile).write_text(json.dumps(stored))  # placement=auto reads it
+    else:
+        log(f"== {name}: profiling")
+        t0 = time.perf_counter()
+        subprocess.run([*M2FLOW, "profile", preset, *base], check=True, stdout=sys.stderr, stderr=sys.stderr)
+        profile_wall = time.perf_counter() - t0
+        stored = json.loads(Path(cfg.placement.profile).read_text())  # also for benchmarks/planner_replay.py
+        journal(args, {"workload": name, "preset": preset, "overrides": base, "profile": stored,
+                       "profiling_wall_s": round(profile_wall, 1)})
     prof = Profile.from_dict(stored)
-    journal(args, {"workload": name, "preset": preset, "overrides": base, "profile": stored})
     choice = choose(cfg, prof)
     model = CostModel(prof)
     ranked = choice.ranked
@@ -116,13 +160,19 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     rows = []
     for i, c in enumerate(chosen):
         path = c.plan.save(tmp / f"{name}-plan{i}.yaml")
-        log(f"== {name}: plan {i + 1}/{len(chosen)}: {c.describe()} (predicted {c.step_s:.3f} s)")
-        m = measure(preset, [*extra, *args.override, *length(cfg, args.updates), f"placement=@{path}"],
-                    tmp / f"{name}-run{i}", args.warmup)
+        before = done["rows"].get(plan_key(c.plan.to_dict()))
+        if before is not None:
+            m = {k: before[k] for k in ("steps", "run_s", "load_before", "load_after")} | {"step_s": before["measured_s"]}
+            log(f"== {name}: plan {i + 1}/{len(chosen)}: {c.describe()}: measured {m['step_s']:.3f} s before")
+        else:
+            log(f"== {name}: plan {i + 1}/{len(chosen)}: {c.describe()} (predicted {c.step_s:.3f} s)")
+            m = measure(preset, [*extra, *args.override, *length(cfg, args.updates), f"placement=@{path}"],
+                        tmp / f"{name}-run{i}", args.warmup)
         rows.append({"plan": c.describe(), "rank": ranked.index(c) + 1, "predicted_s": round(c.step_s, 4),
                      "measured_s": round(m["step_s"], 4), "error": round(c.step_s / m["step_s"] - 1, 3), **m,
                      "plan_file": c.plan.to_dict()})
-        journal(args, {"workload": name, "row": rows[-1]})
+        if before is None:
+            journal(args, {"workload": name, "row": rows[-1]})
     best = min(rows, key=lambda r: r["measured_s"])
     pick = rows[0]
     # placement=auto (reusing the stored profile) against the best measured plan, alternately
@@ -132,6 +182,9 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     for r in range(args.repeats):
         got = {}
         for side in side_order(["auto", "best"], r):
+            if (side, r) in done["sides"]:
+                got[side] = done["sides"][side, r]
+                continue
             over = ["placement=auto", *staleness, f"placement.profile={cfg.placement.profile}"] if side == "auto" \
                 else [f"placement=@{best_path}"]
             got[side] = measure(preset, [*extra, *args.override, *length(cfg, args.updates), *over],
@@ -152,9 +205,9 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         "pick": pick["plan"], "best_measured": best["plan"],
         "pick_over_best": round(pick["measured_s"] / best["measured_s"], 3),
         "median_abs_error": round(statistics.median(errors), 3),
-        "profiling_s": round(prof.profiling_s, 1), "profiling_wall_s": round(profile_wall, 1),
+        "profiling_s": round(prof.profiling_s, 1), "profiling_wall_s": profile_wall and round(profile_wall, 1),
         "profiling_share": round(prof.profiling_s / reference_s, 3),
-        "profiling_wall_share": round(profile_wall / reference_s, 3), "reference": reference,
+        "profiling_wall_share": profile_wall and round(profile_wall / reference_s, 3), "reference": reference,
         "reference_s": round(reference_s, 1), "model_held_out_error": model.held_out_error(),
         "planning_s": round(choice.planning_s, 3),
         "auto_vs_best": auto_vs, "auto_throughput_over_best": spread([a["throughput_ratio"] for a in auto_vs], 3),
@@ -169,10 +222,14 @@ def main() -> None:
     p.add_argument("--updates", type=int, default=12, help="updates per measured run")
     p.add_argument("--warmup", type=int, default=1, help="first updates of a run left out of its step time")
     p.add_argument("--journal", help="append the profile and each measured plan here (JSON lines) as they come")
+    p.add_argument("--resume", help="go on from this journal (appended to unless --journal names another file)")
     p.add_argument("--max-plans", type=int, default=0, help="measure only the planner's first N (0: all)")
     p.add_argument("--repeats", type=int, default=2, help="auto vs best, each this many times, alternately")
     p.add_argument("--override", nargs="*", default=[], help="key=value overrides for every run")
     args = p.parse_args()
+    if args.resume and not Path(args.resume).is_file():
+        raise SystemExit(f"--resume {args.resume}: no such journal")
+    args.journal = args.journal or args.resume
     run = Run()
     tmp = Path(tempfile.mkdtemp(prefix="m2flow-planner-"))
     try:

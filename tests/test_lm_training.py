@@ -215,6 +215,30 @@ def test_prompt_layout_finds_shared_prompts_and_refuses_other_layouts():
     assert PromptLayout.of(interleaved) is None
 
 
+def test_a_prompts_rows_join_a_micro_batch_all_together():
+    """Sharing prompts, a micro-batch takes a prompt's rows all or none: a prompt is forwarded
+    in one micro-batch unless its rows alone exceed the budget (then in parts, by the budget)."""
+    cut = 0
+    for seed in range(6):
+        batch = grouped_batch(prompts=7, n=5, seed=seed)
+        lengths, prompts = batch.lengths, PromptLayout.of(batch).prompts
+        for budget in (12, 30, 45, 64, 90, 200):
+            groups = split_by_token_budget(batch, budget, prompts)
+            assert sorted(torch.cat(groups).tolist()) == list(range(len(batch)))
+            for g in groups:
+                assert len(g) * int(lengths[g].max()) <= budget or len(g) == 1
+            where: dict[int, set[int]] = {}
+            for k, g in enumerate(groups):
+                for p in prompts[g].tolist():
+                    where.setdefault(p, set()).add(k)
+            for p, ks in where.items():
+                rows = prompts == p
+                if len(ks) > 1:  # only a prompt whose rows alone do not fit is cut
+                    assert int(rows.sum()) * int(lengths[rows].max()) > budget, (seed, budget, p)
+                    cut += 1
+    assert cut  # some prompts were over the budget and were cut
+
+
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_shared_prompts_give_the_same_logprobs_and_gradients(name):
     """Groups of rows with one prompt: each prompt forwarded once, the same log-probs, entropies

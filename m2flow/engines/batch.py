@@ -156,25 +156,41 @@ def concat_batches(batches: Sequence[SequenceBatch], pad_id: int) -> SequenceBat
 def split_by_token_budget(batch: SequenceBatch, max_tokens: int, prompts: Tensor | None = None) -> list[Tensor]:
     """Row indices of micro-batches whose padded size (rows x longest row in the micro-batch)
     is at most ``max_tokens``. Rows are taken longest first, so each micro-batch holds rows
-    of similar length; with ``prompts`` (a prompt id per row) a prompt's rows come together,
-    longest first within it, so that they share its forward. Every row appears in exactly one
-    micro-batch. A row longer than the budget cannot be split and gets a micro-batch of its
-    own (over the budget)."""
+    of similar length. With ``prompts`` (a prompt id per row) a prompt's rows come together,
+    longest first within it, so that they share its forward, and join a micro-batch only all
+    together: a prompt split over two micro-batches is forwarded in both, and a chunk of many
+    groups would train slower than the same rows a group at a time (docs/reasoning.md). A
+    prompt whose rows alone exceed the budget is cut into parts by it. Every row appears in
+    exactly one micro-batch. A row longer than the budget cannot be split and gets a
+    micro-batch of its own (over the budget)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    lengths = batch.lengths.cpu()
-    order = torch.argsort(lengths, descending=True, stable=True)
-    if prompts is not None:  # stable: longest first within each prompt
+    lengths = batch.lengths.cpu().tolist()
+    order = torch.argsort(torch.tensor(lengths), descending=True, stable=True)
+    if prompts is None:
+        runs = [[i] for i in order.tolist()]
+    else:  # stable: longest first within each prompt; a run per prompt
         order = order[torch.argsort(prompts.cpu()[order], stable=True)]
+        ids, runs, last = prompts.cpu()[order].tolist(), [], None
+        for i, p in zip(order.tolist(), ids):
+            if runs and p == last:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+            last = p
     groups: list[list[int]] = []
     longest = 0
-    for i in order.tolist():
-        if groups and (len(groups[-1]) + 1) * max(longest, int(lengths[i])) <= max_tokens:
-            groups[-1].append(i)
-            longest = max(longest, int(lengths[i]))
-        else:
-            groups.append([i])
-            longest = int(lengths[i])
+    for run in runs:  # longest first: its first row is its longest
+        if groups and (len(groups[-1]) + len(run)) * max(longest, lengths[run[0]]) <= max_tokens:
+            groups[-1] += run
+            longest = max(longest, lengths[run[0]])
+            continue
+        for i in run:  # a micro-batch of its own, cut by the budget
+            if i == run[0] or (len(groups[-1]) + 1) * longest > max_tokens:
+                groups.append([i])
+                longest = lengths[i]
+            else:
+                groups[-1].append(i)
     return [torch.tensor(g, dtype=torch.long) for g in groups]
 
 
