@@ -23,9 +23,24 @@ def test_fit_recovers_known_costs_and_reports_held_out_error():
     truth = lambda items, d: 0.05 + 0.002 * items / d + 0.01 * math.log2(d)  # noqa: E731
     pts = [Point("actor", "train", i, d, truth(i, d)) for i in (64, 256, 1024) for d in (1, 2, 4)]
     f = fit(pts)
-    assert f.coef == pytest.approx((0.05, 0.002, 0.01), rel=1e-6)
+    assert f.coef == pytest.approx((0.05, 0.002, 0.01, 0.0), rel=1e-6)
     assert f.loo_error == pytest.approx(0.0, abs=1e-6)
     assert f(512, 8) == pytest.approx(truth(512, 8))
+
+
+def test_fit_tells_a_per_item_device_effect_from_a_per_call_one():
+    # A process whose threads share the work less well on more devices: its device effect
+    # grows with the items. Read as a cost per call, a step cut into 16 chunks of 8 would
+    # cost 15 more calls' worth than one chunk of 128; per item, the same.
+    truth = lambda items, d: 0.1 + 0.5 * items / d + 0.3 * items * math.log2(d) / d  # noqa: E731
+    pts = [Point("actor", "train", i, d, truth(i, d)) for i, d in ((8, 1), (8, 2), (64, 2))]
+    f = fit(pts)
+    assert f.coef == pytest.approx((0.1, 0.5, 0.0, 0.3), rel=1e-6)
+    assert 16 * f(8, 2) - f(128, 2) == pytest.approx(15 * 0.1)
+    # The same device effect seen at one size on two devices: it stays a cost per call (the
+    # points cannot tell; the fit has always read it so).
+    f = fit(pts[:2] + [Point("actor", "train", 64, 1, truth(64, 1))])
+    assert f.coef[3] == 0.0 and f.coef[2] > 0
 
 
 def test_fit_at_one_device_count_gives_no_device_term():

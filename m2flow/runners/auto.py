@@ -2,10 +2,9 @@
 a profile), plan, print the plan and why, run it.
 
 A profile runs the flow itself for a few updates under three probe plans (every component
-on all the devices; on one device with smaller chunks; one split mode), on one cluster and
-one set of worker processes (re-initialised from run to run, not restarted), and reads each
-component's busy time per update from the metrics. The
-switch cost and the cost of a message between processes, which busy times cannot show, are
+on all the devices; the same at another size, on one device or on all; one split mode), on
+one cluster and one set of worker processes (re-initialised from run to run, not
+restarted), and reads each component's busy time per update from the metrics. The switch cost and the cost of a message between processes, which busy times cannot show, are
 read off the probes' whole step times through the simulator.
 """
 
@@ -59,9 +58,10 @@ class ProbeRun:
 
 
 def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
-    """The profiling runs on ``n`` devices: every component on every device; on one device at
-    the other size (``Schedule.probe_sizes``; on a one-device cluster, a run of its own); and
-    the first split mode that fits (to time messages between processes)."""
+    """The profiling runs on ``n`` devices: every component on every device; on one device
+    (or on every device: ``Schedule.sized_on_one_device``) at the other size
+    (``Schedule.probe_sizes``); and the first split mode that fits (to time messages between
+    processes)."""
     wf, opts = s.workflow, s.plan_options() | {"stages": 1, "run_ahead": 0}
     every, variant, variant_overrides = s.probe_sizes(n)
 
@@ -78,7 +78,7 @@ def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
 
     sized = ", ".join(f"{k} {v}" for k, v in variant.items())
     out = [ProbeRun("collocated", "collocated", of("collocated", n), every)]
-    if n > 1:
+    if n > 1 and s.sized_on_one_device:
         out.append(ProbeRun(f"collocated on device 0, {sized}", "sized",
                             of("collocated", 1, trainer_devices_per_proc=1, **variant),
                             every | variant_overrides))

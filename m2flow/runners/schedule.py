@@ -19,6 +19,9 @@ class Schedule:
     runner: ClassVar[type[Runner]]
     duration: ClassVar[str]  # the metrics' column of a step's wall time
     probe_updates: ClassVar[int]  # updates a profiling run makes; the first is left out (warm-up)
+    # The probe at the other size runs on one device (else on all of them, as the first does):
+    # see ``probe_sizes``.
+    sized_on_one_device: ClassVar[bool] = True
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -87,6 +90,7 @@ class ReasoningSchedule(Schedule):
     runner = ReasoningRunner
     duration = "step_s"
     probe_updates = 2  # a step of a language model takes seconds to minutes
+    sized_on_one_device = False
 
     def shape(self, plan: Plan, fused: bool) -> Shape:
         """The rollout generates the batch, its first groups done after about one wave of
@@ -114,7 +118,10 @@ class ReasoningSchedule(Schedule):
         steps predicts the configured one; the other size is twice as many prompts (at most
         all) in one chunk. Peak memory is about the same at either size: the rollout decodes
         ``rollout.max_batch_size`` sequences at a time and the trainers take micro-batches of
-        ``algorithm.max_tokens_per_micro_batch`` tokens."""
+        ``algorithm.max_tokens_per_micro_batch`` tokens. The other size runs on all the
+        devices, like the first: two sizes on as many devices tell a device effect per chunk
+        (an all-reduce) from one per completion (a process's threads sharing the work less
+        well), and the split probe gives the points on fewer devices."""
         p = self.cfg.data.prompts_per_step
         q = p if p <= 4 else max(4, p // 4)
         v = min(2 * q, p)
