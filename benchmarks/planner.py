@@ -28,9 +28,10 @@ against a 1M-env-step run (embodied) or a one-hour run (reasoning) at the best m
 speed; auto's throughput over the best plan's. Prints JSON on stdout (progress on stderr);
 ``--journal FILE`` also appends each workload's profile and each measured plan to FILE as they
 come (JSON lines), so that a run cut short keeps what it measured; ``--resume FILE`` goes on from
-such a journal (same workloads and overrides): its profile is used instead of a new one, the
-plans and the ``placement=auto`` / best pairs it measured are not run again, and what is
-measured now is appended to it (a sweep of SmolLM2's 25 plans takes hours: it may span runs).
+such a journal (same workloads and overrides): its profile is used instead of a new one (or,
+``--new-profile``, a new one is measured and journaled: the model changed), the plans and the
+``placement=auto`` / best pairs it measured are not run again, and what is measured now is
+appended to it (a sweep of SmolLM2's 25 plans takes hours: it may span runs).
 
     python benchmarks/planner.py --workloads halfcheetah ant smollm2 [--staleness 0 1]
 """
@@ -49,7 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Run, json_safe, load1, log, side_order, spread  # noqa: E402
+from common import Run, cores, json_safe, load1, log, matmul_gflops, side_order, spread  # noqa: E402
 
 WORKLOADS = {
     "halfcheetah": ("embodied/ppo_halfcheetah", []),
@@ -74,8 +75,11 @@ def length(cfg, updates: int) -> list[str]:
 
 
 def measure(preset: str, overrides: list[str], out: Path, warmup: int = 1) -> dict:
-    """Runs the preset in a fresh process; the median step time after the first ``warmup`` updates."""
-    start, before = time.perf_counter(), load1()
+    """Runs the preset in a fresh process; the median step time after the first ``warmup`` updates,
+    with the load and the machine's fp32 matmul speed (GFLOP/s, all threads) before and after
+    (this machine's speed drifts by a third within an hour: a plan measured in a slow stretch
+    reads slower)."""
+    start, before, speed = time.perf_counter(), load1(), matmul_gflops(cores())
     subprocess.run([*M2FLOW, "train", preset, *overrides, f"runner.out_dir={out}", "runner.progress=false",
                     "runner.checkpoint_every=0"], check=True, stdout=sys.stderr, stderr=sys.stderr)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a SmolLM2 run's last checkpoint is ~1.6 GB
@@ -84,7 +88,7 @@ def measure(preset: str, overrides: list[str], out: Path, warmup: int = 1) -> di
     steps = [float(r[col]) for r in rows if r.get(col) not in (None, "")]
     timed = steps[warmup:] or steps
     return {"step_s": statistics.median(timed), "steps": steps, "run_s": round(time.perf_counter() - start, 1),
-            "load_before": before, "load_after": load1()}
+            "load_before": before, "load_after": load1(), "gflops_before": speed, "gflops_after": matmul_gflops(cores())}
 
 
 def journal(args: argparse.Namespace, record: dict) -> None:
@@ -137,7 +141,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     base = [*extra, *args.override, *staleness, f"placement.profile={tmp / (name + '-profile.json')}"]
     cfg = load_config(preset, base)
     done = journaled(args.resume, name, base)
-    if "profile" in done:
+    if "profile" in done and not args.new_profile:
         log(f"== {name}: the profile of {args.resume}; {len(done['rows'])} plan(s) measured there")
         stored, profile_wall = done["profile"]["profile"], done["profile"].get("profiling_wall_s")
         Path(cfg.placement.profile).write_text(json.dumps(stored))  # placement=auto reads it
@@ -162,7 +166,8 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         path = c.plan.save(tmp / f"{name}-plan{i}.yaml")
         before = done["rows"].get(plan_key(c.plan.to_dict()))
         if before is not None:
-            m = {k: before[k] for k in ("steps", "run_s", "load_before", "load_after")} | {"step_s": before["measured_s"]}
+            m = {k: before[k] for k in ("steps", "run_s", "load_before", "load_after", "gflops_before", "gflops_after")
+                 if k in before} | {"step_s": before["measured_s"]}
             log(f"== {name}: plan {i + 1}/{len(chosen)}: {c.describe()}: measured {m['step_s']:.3f} s before")
         else:
             log(f"== {name}: plan {i + 1}/{len(chosen)}: {c.describe()} (predicted {c.step_s:.3f} s)")
@@ -223,6 +228,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="first updates of a run left out of its step time")
     p.add_argument("--journal", help="append the profile and each measured plan here (JSON lines) as they come")
     p.add_argument("--resume", help="go on from this journal (appended to unless --journal names another file)")
+    p.add_argument("--new-profile", action="store_true",
+                   help="with --resume: profile again (the plans measured there are kept; the predictions are the new profile's)")
     p.add_argument("--max-plans", type=int, default=0, help="measure only the planner's first N (0: all)")
     p.add_argument("--repeats", type=int, default=2, help="auto vs best, each this many times, alternately")
     p.add_argument("--override", nargs="*", default=[], help="key=value overrides for every run")

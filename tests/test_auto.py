@@ -33,7 +33,10 @@ def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     assert rows and (tmp_path / "a" / "metrics.csv").is_file()
     prof = json.loads(profile.read_text())
     probes = [r["probe"] for r in prof["runs"]]
-    assert probes[0] == "collocated" and probes[1].startswith("collocated on device 0, ") and len(probes) == 3
+    # the other size on one device (embodied) or on both (reasoning: its actor at two sizes on as many)
+    sized = "collocated on device 0, " if preset.startswith("embodied") else "collocated, granularity "
+    assert probes[0] == "collocated" and probes[1].startswith(sized) and len(probes) == 3
+    assert [r["role"] for r in prof["runs"]] == ["collocated", "sized", "split"]
     phases = {(p["component"], p["phase"]) for p in prof["points"]}
     trainer = "actor"
     assert (trainer, "train") in phases and all(p["seconds"] >= 0 for p in prof["points"])

@@ -62,6 +62,22 @@ def test_points_from_rows_cut_busy_time_into_the_simulators_tasks():
     assert pts["actor", "sync"].seconds == 0.01
 
 
+def test_points_from_rows_take_a_streamed_steps_update_apart():
+    # Streamed, the actor trains on each chunk as it comes, then updates once a step: with the
+    # update's time logged, a cost per step is not read as one per chunk.
+    shape = Shape(("rollout", "reward", "inference"), "actor", items=32, chunks=4, batched=("rollout",),
+                  trainer_streams=True)
+    layout = layout_of(_plan(REASONING, "collocated", 2), REASONING)[0]
+    row = {"rollout_busy_s": 8.0, "reward_busy_s": 0.1, "inference_busy_s": 0.2, "actor_busy_s": 10.0,
+           "actor_update_busy_s": 2.0, "weight_sync_s": 0.0}
+    pts = {(p.component, p.phase): p for p in points_from_rows(shape, layout, [row])}
+    assert pts["actor", "train"] == Point("actor", "train", 8.0, 2, 2.0)  # (10 - 2) / 4 chunks
+    assert pts["actor", "update"] == Point("actor", "update", 32, 2, 2.0)
+    del row["actor_update_busy_s"]  # a profile of an earlier version: the update folded into the chunks
+    pts = {(p.component, p.phase): p for p in points_from_rows(shape, layout, [row])}
+    assert pts["actor", "train"].seconds == 2.5 and ("actor", "update") not in pts
+
+
 def test_calibrate_finds_the_hidden_cost():
     assert calibrate(10.0, lambda x: 4.0 + 3 * x) == pytest.approx(2.0, abs=1e-6)
     assert calibrate(3.0, lambda x: 4.0 + 3 * x) == 0.0  # already over: nothing hidden

@@ -227,3 +227,24 @@ def test_a_generator_releases_its_first_chunk_after_first_out_of_its_work(first_
     layout = Layout({"g": "g", "t": "t"}, {"g": frozenset([0]), "t": frozenset([1])}, {"g": False, "t": False})
     cost = table_cost({("g", "work"): 1.0, ("t", "train"): 1.0})
     assert predict(shape, layout, cost, steps=1).step_s == pytest.approx(expected)
+
+
+def test_trainer_ranks_take_streamed_chunks_as_they_are_free():
+    # Hybrid: the maker a holds device 0 for its whole stream (4 chunks, 1 s each); the trainer
+    # has a rank on device 0 (beside a) and one on device 1, each chunk 3 s on a rank. Rank 1
+    # takes chunk 0 at 1 (4); rank 0 waits for a's turn to end at 4, then takes chunk 1 while
+    # rank 1 takes chunk 2 (both 4-7); chunk 3 goes to the first free, rank 0 (7-10); then
+    # both update together (1 s, all the trainer's devices): 10-11.
+    shape = Shape(chain=("a",), trainer="t", items=4, chunks=4, receivers=("a",), trainer_streams=True,
+                  whole_turns=("a",))
+    d0, d1 = frozenset([0]), frozenset([1])
+    layout = Layout({"a": "a", "t": "t"}, {"a": d0, "t": d0 | d1}, {"a": True, "t": True}, ranks={"t": (d0, d1)})
+    cost = table_cost({("a", "work"): 1.0, ("t", "train"): 3.0, ("t", "update"): 0.25})
+    spans = simulate(step_tasks(shape, layout, cost, steps=1))
+    train = [(s.name, s.process, s.start, s.end) for s in spans if s.kind == "train"]
+    assert train == [("t[0.0]", "t#1", 1, 4), ("t[0.1]", "t#0", 4, 7), ("t[0.2]", "t#1", 4, 7),
+                     ("t[0.3]", "t#0", 7, 10), ("t.update[0]", "t", 10, 11)]
+    # One rank over both devices (3 s a chunk too) waits for a's turn and trains the 4 in turn: 16 s.
+    one = dataclasses.replace(layout, ranks=None)
+    spans = simulate(step_tasks(shape, one, cost, steps=1))
+    assert max(s.end for s in spans) == 4 + 4 * 3 + 1

@@ -220,8 +220,13 @@ def points_from_rows(shape, layout, rows: list[dict[str, Any]]) -> list[Point]:
             else:
                 out.append(Point(comp, "work", sizes, devices, row[f"{comp}_busy_s"] / (shape.repeats * chunks)))
         t, devices = shape.trainer, layout.count(shape.trainer)
-        if shape.trainer_streams:  # the optimizer step is folded into the chunks' train time
-            out.append(Point(t, "train", shape.batch / chunks, devices, row[f"{t}_busy_s"] / chunks))
+        if shape.trainer_streams:
+            update = row.get(f"{t}_update_busy_s")
+            if update is None:  # a profile of an earlier version: the update folded into the chunks' time
+                out.append(Point(t, "train", shape.batch / chunks, devices, row[f"{t}_busy_s"] / chunks))
+            else:  # the chunks' forward and backward, and the step's update (the optimizer step) apart
+                out.append(Point(t, "train", shape.batch / chunks, devices, (row[f"{t}_busy_s"] - update) / chunks))
+                out.append(Point(t, "update", shape.batch, devices, update))
         else:
             out.append(Point(t, "train", shape.batch, devices, row[f"{t}_busy_s"]))
         if row["weight_sync_s"] > 0:

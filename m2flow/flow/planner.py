@@ -66,7 +66,13 @@ def layout_of(plan: Plan, workflow: Workflow) -> tuple[Layout, bool]:
             users.setdefault(d, set()).add(c)
     token = {d: tuple(sorted(u)) for d, u in users.items()}
     atoms = {c: frozenset(token[d] for d in devs) for c, devs in devices.items()}
-    return Layout(process, atoms, turns, {c: len(devs) for c, devs in devices.items()}), fused
+    t, ranks = workflow.trainer, None
+    if t in plan.components and plan.world_size(t) > 1:  # the trainer's ranks, each on its devices
+        devs, n = sorted(devices[t]), plan.world_size(t)
+        parts = [[devs[r * len(devs) // n]] for r in range(n)] if n >= len(devs) else \
+            [devs[r * (len(devs) // n):(r + 1) * (len(devs) // n)] for r in range(n)]
+        ranks = {t: tuple(frozenset(token[d] for d in part) for part in parts)}
+    return Layout(process, atoms, turns, {c: len(devs) for c, devs in devices.items()}, ranks), fused
 
 
 def splits(groups: int, n: int) -> list[tuple[int, ...]]:

@@ -5,10 +5,12 @@ made; a task starts once the tasks it needs are done; a task of a component that
 devices with another (collocated, hybrid) first takes its devices' lock, granted first come,
 first served (a request waits behind an earlier one on the same devices), and pays the
 component's switch cost when another process held the devices last (offload/onload and the
-lock's hand-over). ``step_tasks`` lays a flow's steps out as tasks: the makers' chain per
-chunk (the plan's granularity or env stages) repeated per rollout step, the trainer on the
-chunks, and the weight sync that lets the next step's stream start (one update late when
-the plan runs ahead).
+lock's hand-over). A task may go to a pool of processes instead of one (the trainer's ranks
+taking streamed chunks): whichever member is free first, with its devices free, takes it.
+``step_tasks`` lays a flow's steps out as tasks: the makers' chain per chunk (the plan's
+granularity or env stages) repeated per rollout step, the trainer on the chunks, and the
+weight sync that lets the next step's stream start (one update late when the plan runs
+ahead).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class Task:
     step: int = 0
     kind: str = "work"  # work | train | sync
     keep: bool = False  # its process keeps the devices after it (a turn that spans several tasks)
+    # (process, devices) of each member of a pool: the first free one, its devices free, runs it
+    # (``process`` then names the pool's queue: its tasks are taken in order)
+    pool: tuple[tuple[str, frozenset], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
         queues.setdefault(t.process, deque()).append(i)
     finish: list[float | None] = [None] * len(tasks)
     spans: list[Span | None] = [None] * len(tasks)
+    ran: dict[int, tuple[str, frozenset]] = {}  # a pool's task: the member and the devices it ran on
     busy: set[str] = set()
     held: dict = {}  # device -> the process holding it now
     holder: dict = {}  # device -> the process that held it last
@@ -67,9 +73,26 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
     requested: set[int] = set()
     running: list[tuple[float, int]] = []
     now, left = 0.0, len(tasks)
-    while left:
+
+    def start(i: int, process: str, devices: frozenset) -> None:
+        """Task ``i`` on ``process`` (a pool's member: the pool holds the devices, so that its
+        members, ranks on devices that one token stands for, run side by side)."""
+        t = tasks[i]
+        switch = switch_s.get(t.component, 0.0) if any(holder.get(d, t.process) != t.process
+                                                       for d in devices) else 0.0
+        end = now + switch + t.seconds
+        spans[i] = Span(i, t.name, process, t.step, t.kind, now, end, switch)
+        held.update(dict.fromkeys(devices, t.process))
+        holder.update(dict.fromkeys(devices, t.process))
+        busy.add(process)
+        queues[t.process].popleft()
+        heapq.heappush(running, (end, i))
+
+    def dispatch() -> bool:
+        """Starts what can start now; whether anything did."""
+        started = False
         for p, q in queues.items():
-            if p not in busy and q and q[0] not in requested:
+            if p not in busy and q and q[0] not in requested and not tasks[q[0]].pool:
                 i = q[0]
                 if all(finish[d] is not None for d in tasks[i].deps):
                     requests.append((now, i))
@@ -84,15 +107,22 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
                 blocked |= t.devices  # first come, first served: a later request does not overtake
                 continue
             requests.remove(r)
-            switch = switch_s.get(t.component, 0.0) if any(holder.get(d, t.process) != t.process
-                                                           for d in t.devices) else 0.0
-            end = now + switch + t.seconds
-            spans[i] = Span(i, t.name, t.process, t.step, t.kind, now, end, switch)
-            held |= {d: t.process for d in t.devices}
-            holder |= {d: t.process for d in t.devices}
-            busy.add(t.process)
-            queues[t.process].popleft()
-            heapq.heappush(running, (end, i))
+            start(i, t.process, t.devices)
+            started = True
+        for p, q in queues.items():  # a pool's next tasks, each to the first member free with its devices free
+            while q and tasks[q[0]].pool and all(finish[d] is not None for d in tasks[q[0]].deps):
+                free = [(m, devs) for m, devs in tasks[q[0]].pool
+                        if m not in busy and not devs & blocked and all(held.get(d, p) == p for d in devs)]
+                if not free:
+                    break
+                ran[q[0]] = free[0]
+                start(q[0], *free[0])
+                started = True
+        return started
+
+    while left:
+        while dispatch():  # a start may free the next task of its queue to start at once
+            pass
         if not running:
             stuck = [tasks[q[0]].name for q in queues.values() if q]
             raise SimulationError(f"no task can start: {stuck} wait on each other")
@@ -100,9 +130,10 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
         while running and running[0][0] == now:
             _, i = heapq.heappop(running)
             finish[i] = now
-            busy.discard(tasks[i].process)
+            process, devices = ran.get(i, (tasks[i].process, tasks[i].devices))
+            busy.discard(process)
             if not tasks[i].keep:
-                for d in tasks[i].devices:
+                for d in devices:
                     held.pop(d, None)
             left -= 1
     return spans  # type: ignore[return-value]
@@ -155,12 +186,17 @@ class Layout:
     devices: Mapping[str, frozenset]  # (what stands for) its devices: only sharing matters here
     turns: Mapping[str, bool]
     counts: Mapping[str, int] | None = None  # devices per component (default: len(devices))
+    # a component of several ranks: (what stands for) each rank's devices (default: one rank)
+    ranks: Mapping[str, tuple[frozenset, ...]] | None = None
 
     def held(self, component: str) -> frozenset:
         return self.devices[component] if self.turns[component] else frozenset()
 
     def count(self, component: str) -> int:
         return self.counts[component] if self.counts is not None else len(self.devices[component])
+
+    def rank_devices(self, component: str) -> tuple[frozenset, ...]:
+        return (self.ranks or {}).get(component) or (self.devices[component],)
 
 
 # cost(component, phase, items, devices) -> seconds; the phases: "work" (a link of the chain on
@@ -225,16 +261,33 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
         last_made.append(on_receiver[-1] if on_receiver else prev[-1])
         return prev
 
+    ranks = layout.rank_devices(shape.trainer)
+    # Streamed to several ranks, each chunk goes to whichever rank is free, its devices free (the
+    # runner's ``batches`` channel; a rank beside a component that holds its devices waits for
+    # them); ranks on the same devices behave alike: as many as there are chunks stand for them.
+    pool: list[tuple[str, frozenset]] = []
+    if shape.trainer_streams and len(ranks) > 1:
+        alike: dict[frozenset, int] = {}
+        for devs in ranks:
+            if alike.get(devs, 0) < len(sizes):
+                alike[devs] = alike.get(devs, 0) + 1
+                turns = layout.turns[shape.trainer]
+                pool.append((f"{layout.process[shape.trainer]}#{len(pool)}", devs if turns else frozenset()))
+
     def train(k: int, ends: list[int]) -> None:
         t, proc, held = shape.trainer, layout.process[shape.trainer], layout.held(shape.trainer)
         if shape.trainer_streams:
-            last = None
+            last, parts = None, []
             for c, (end, size) in enumerate(zip(ends, sizes)):
-                deps = (end,) + ((last,) if last is not None else ())
                 part = size * shape.batch / shape.items
+                if pool:  # any rank, in the order the chunks come; all of them then update together
+                    parts.append(add(Task(f"{t}[{k}.{c}]", proc, t, cost(t, "train", part, max(1, trainer_dev // len(ranks))),
+                                          (end,), frozenset(), k, "train", pool=tuple(pool))))
+                    continue
+                deps = (end,) + ((last,) if last is not None else ())
                 last = add(Task(f"{t}[{k}.{c}]", proc, t, cost(t, "train", part, trainer_dev), deps, held, k, "train"))
             trained.append(add(Task(f"{t}.update[{k}]", proc, t, cost(t, "update", shape.batch, trainer_dev),
-                                    (last,), held, k, "train")))
+                                    tuple(parts) or (last,), held, k, "train")))
         else:
             trained.append(add(Task(f"{t}[{k}]", proc, t, cost(t, "train", shape.batch, trainer_dev),
                                     tuple(ends), held, k, "train")))

@@ -278,10 +278,11 @@ class ReasoningMetrics:
         row["rollout_tokens_per_s"] = row["completion_tokens"] / max(max(r["busy_s"] for r in rollout), 1e-9)
         skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
                 "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
-                "update_end", "trained_prompts")
+                "update_end", "trained_prompts", "update_busy_s")
         row |= {k: v for k, v in actor[0].items() if k not in skip}
         row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
         row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
+        row["actor_update_busy_s"] = sum(r["update_busy_s"] for r in actor) / len(actor)
         row |= self._staleness(rollout, actor)
         self.trained.append([p for r in actor for p in r.get("trained_prompts", ())])
         if "logprob_diff_max" in inference:

@@ -164,6 +164,7 @@ class LMActorWorker(Worker):
                 part = self.trainer.accumulate(rows, self._loss, raw)
             _add_weighted(stats, part, int(rows.completion_mask.sum()))
         with clock.turn(self.together), clock.busy():
+            update_start = time.perf_counter()
             switch(self.trainer.onload_optimizer)
             if self.streaming:
                 result = self._finish_streamed(stats, tokens, seqs) | {"inert_rows": inert_rows}
@@ -171,8 +172,12 @@ class LMActorWorker(Worker):
                 result = self._train_gathered(batches)
             peak = memory_mb(self.device)
             switch(self.trainer.offload_optimizer)  # context switching: the rollout gets the room
+            # streamed: the step's update apart from the batches' forward and backward (the
+            # profiler tells a cost per step from one per batch by it); gathered: all of it
+            update_s = time.perf_counter() - update_start
         self.version += 1
         return result | clock.report() | {"peak_memory_mb": peak, "version": self.version, "time_s": clock.elapsed(),
+                                          "update_busy_s": update_s,
                                           "policy_lag": policy_lag, "stale_dropped": stale_dropped,
                                           "token_lags": token_lags, "update_end": time.time(),
                                           "trained_prompts": trained}
