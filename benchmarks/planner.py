@@ -88,7 +88,8 @@ def measure(preset: str, overrides: list[str], out: Path, warmup: int = 1) -> di
     steps = [float(r[col]) for r in rows if r.get(col) not in (None, "")]
     timed = steps[warmup:] or steps
     return {"step_s": statistics.median(timed), "steps": steps, "run_s": round(time.perf_counter() - start, 1),
-            "load_before": before, "load_after": load1(), "gflops_before": speed, "gflops_after": matmul_gflops(cores())}
+            "load_before": before, "load_after": load1(), "gflops_before": speed,
+            "gflops_after": matmul_gflops(cores())}
 
 
 def journal(args: argparse.Namespace, record: dict) -> None:
@@ -229,7 +230,8 @@ def main() -> None:
     p.add_argument("--journal", help="append the profile and each measured plan here (JSON lines) as they come")
     p.add_argument("--resume", help="go on from this journal (appended to unless --journal names another file)")
     p.add_argument("--new-profile", action="store_true",
-                   help="with --resume: profile again (the plans measured there are kept; the predictions are the new profile's)")
+                   help="with --resume: profile again (the plans measured there are kept; the predictions are the "
+                        "new profile's)")
     p.add_argument("--max-plans", type=int, default=0, help="measure only the planner's first N (0: all)")
     p.add_argument("--repeats", type=int, default=2, help="auto vs best, each this many times, alternately")
     p.add_argument("--override", nargs="*", default=[], help="key=value overrides for every run")

@@ -268,21 +268,22 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
     pool: list[tuple[str, frozenset]] = []
     if shape.trainer_streams and len(ranks) > 1:
         alike: dict[frozenset, int] = {}
+        turns = layout.turns[shape.trainer]
         for devs in ranks:
             if alike.get(devs, 0) < len(sizes):
                 alike[devs] = alike.get(devs, 0) + 1
-                turns = layout.turns[shape.trainer]
                 pool.append((f"{layout.process[shape.trainer]}#{len(pool)}", devs if turns else frozenset()))
 
     def train(k: int, ends: list[int]) -> None:
         t, proc, held = shape.trainer, layout.process[shape.trainer], layout.held(shape.trainer)
         if shape.trainer_streams:
             last, parts = None, []
+            per_rank = max(1, trainer_dev // len(ranks))
             for c, (end, size) in enumerate(zip(ends, sizes)):
                 part = size * shape.batch / shape.items
                 if pool:  # any rank, in the order the chunks come; all of them then update together
-                    parts.append(add(Task(f"{t}[{k}.{c}]", proc, t, cost(t, "train", part, max(1, trainer_dev // len(ranks))),
-                                          (end,), frozenset(), k, "train", pool=tuple(pool))))
+                    parts.append(add(Task(f"{t}[{k}.{c}]", proc, t, cost(t, "train", part, per_rank), (end,),
+                                          frozenset(), k, "train", pool=tuple(pool))))
                     continue
                 deps = (end,) + ((last,) if last is not None else ())
                 last = add(Task(f"{t}[{k}.{c}]", proc, t, cost(t, "train", part, trainer_dev), deps, held, k, "train"))
