@@ -109,7 +109,11 @@ def journaled(path: str | None, name: str, base: list[str]) -> dict:
     done: dict = {"rows": {}, "sides": {}}
     if not path:
         return done
-    own = [o for o in base if not o.startswith("placement.profile=")]
+
+    def settings(overrides: list[str]) -> list[str]:  # the profile's path aside: a run's own
+        return [o for o in overrides if not o.startswith("placement.profile=")]
+
+    own = settings(base)
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -121,7 +125,7 @@ def journaled(path: str | None, name: str, base: list[str]) -> dict:
         if record.get("workload") != name:
             continue
         if "profile" in record:
-            theirs = [o for o in record["overrides"] if not o.startswith("placement.profile=")]
+            theirs = settings(record["overrides"])
             if theirs != own:
                 raise SystemExit(f"{path}: {name} was run with overrides {theirs}, not {own}: nothing to resume")
             done["profile"] = record

@@ -17,6 +17,7 @@ that they can share its forward (see ``m2flow.engines.scoring``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,19 +166,14 @@ def split_by_token_budget(batch: SequenceBatch, max_tokens: int, prompts: Tensor
     micro-batch of its own (over the budget)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    order = torch.argsort(batch.lengths.cpu(), descending=True, stable=True)
     lengths = batch.lengths.cpu().tolist()
-    order = torch.argsort(torch.tensor(lengths), descending=True, stable=True)
     if prompts is None:
         runs = [[i] for i in order.tolist()]
     else:  # stable: longest first within each prompt; a run per prompt
         order = order[torch.argsort(prompts.cpu()[order], stable=True)]
-        ids, runs, last = prompts.cpu()[order].tolist(), [], None
-        for i, p in zip(order.tolist(), ids):
-            if runs and p == last:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-            last = p
+        rows = zip(order.tolist(), prompts.cpu()[order].tolist())
+        runs = [[i for i, _ in run] for _, run in itertools.groupby(rows, key=lambda row: row[1])]
     groups: list[list[int]] = []
     longest = 0
     for run in runs:  # longest first: its first row is its longest
