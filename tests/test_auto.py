@@ -37,6 +37,9 @@ def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     sized = "collocated on device 0, " if preset.startswith("embodied") else "collocated, granularity "
     assert probes[0] == "collocated" and probes[1].startswith(sized) and len(probes) == 3
     assert [r["role"] for r in prof["runs"]] == ["collocated", "sized", "split"]
+    # the first probe's first update warms the processes up; the later probes time all theirs
+    timed = 2 if preset.startswith("embodied") else 1
+    assert [(r["updates_timed"], r["updates_left_out"]) for r in prof["runs"]] == [(timed, 1), (timed, 0), (timed, 0)]
     phases = {(p["component"], p["phase"]) for p in prof["points"]}
     trainer = "actor"
     assert (trainer, "train") in phases and all(p["seconds"] >= 0 for p in prof["points"])

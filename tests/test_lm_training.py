@@ -462,6 +462,24 @@ def test_optimizer_offload_round_trip_keeps_training_identical(device):
     assert plain.weights_hash() == switched.weights_hash()
 
 
+def test_optimizer_state_made_at_once_trains_as_one_made_in_the_first_step(monkeypatch):
+    batch = random_batch(6, seed=8)
+    model, _ = load_lm("tiny-llama")
+    model_hash = weights_hash(model)
+    eager = LMTrainer(model, lr=1e-3, weight_decay=0.1, max_tokens_per_micro_batch=40)
+    assert eager.weights_hash() == model_hash  # the step that made the state moved no weight
+    states = [eager.optimizer.state[p] for p in eager.params]
+    assert all(s["step"].item() == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in states)
+    monkeypatch.setattr(LMTrainer, "_make_optimizer_state", lambda self: None)
+    lazy = LMTrainer(load_lm("tiny-llama")[0], lr=1e-3, weight_decay=0.1, max_tokens_per_micro_batch=40)
+    assert not lazy.optimizer.state and lazy.weights_hash() == model_hash
+    for _ in range(2):
+        for t in (eager, lazy):
+            t.train_step(batch, token_mean_nll)
+    assert eager.weights_hash() == lazy.weights_hash() != model_hash
+    assert all(s["step"].item() == 2 for s in states)
+
+
 def test_state_dict_round_trip():
     batch = random_batch(6, seed=7)
     model, _ = load_lm("tiny-llama")

@@ -97,10 +97,10 @@ def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
     return [r for r in out if fits(r.plan)]
 
 
-def probe_config(s: Schedule, run: ProbeRun, tmp: Path) -> DictConfig:
+def probe_config(s: Schedule, run: ProbeRun, tmp: Path, updates: int) -> DictConfig:
     cfg = copy.deepcopy(s.cfg)
     slug = run.name.replace(" ", "-").replace(",", "").replace("=", "")
-    for k, v in s.length(s.probe_updates).items() | run.overrides.items() | {
+    for k, v in s.length(updates).items() | run.overrides.items() | {
             "runner.out_dir": str(tmp / slug), "runner.progress": False, "runner.resume": None,
             "runner.max_staleness": 0, "placement.plan": str(run.plan.save(tmp / f"{slug}.yaml"))}.items():
         OmegaConf.update(cfg, k, v, merge=False)
@@ -125,12 +125,15 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 s.runner.prestart(s.cfg, run.plan, cluster, pool)
             for i, run in enumerate(runs):
                 t0 = time.perf_counter()
-                run_cfg = probe_config(s, run, Path(tmp))
+                # The first run's first update is left out (warm-up); later runs find the
+                # processes warm and time every update they make, one fewer.
+                warm_up = int(i == 0)
+                run_cfg = probe_config(s, run, Path(tmp), s.probe_updates - 1 + warm_up)
                 runner = s.runner(run_cfg, cluster=cluster, pool=pool)
                 if i == 0:
                     pool.ready()  # none is still starting while a run is timed
                 try:
-                    rows = runner.train(evaluate=False, checkpoint=False, trace=False)[1:]
+                    rows = runner.train(evaluate=False, checkpoint=False, trace=False)[warm_up:]
                 finally:
                     runner.close()
                 layout, fused = layout_of(run.plan, s.workflow)
@@ -141,7 +144,8 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                     if mem:
                         prof.memory_mb[c] = max(prof.memory_mb.get(c, 0.0), max(mem))
                 prof.runs.append({"probe": run.name, "role": run.role, "plan": run.plan.to_dict(), "overrides": run.overrides,
-                                  "step_s": step, "run_s": time.perf_counter() - t0}
+                                  "step_s": step, "run_s": time.perf_counter() - t0,
+                                  "updates_timed": len(rows), "updates_left_out": warm_up}
                                  # recorded: a language model's step costs with its tokens, the model counts completions
                                  | ({"completion_length": statistics.median(r["completion_length"] for r in rows)}
                                     if rows and all("completion_length" in r for r in rows) else {}))

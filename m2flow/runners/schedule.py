@@ -18,7 +18,9 @@ from m2flow.runners.reasoning import ReasoningRunner, sharded
 class Schedule:
     runner: ClassVar[type[Runner]]
     duration: ClassVar[str]  # the metrics' column of a step's wall time
-    probe_updates: ClassVar[int]  # updates a profiling run makes; the first is left out (warm-up)
+    # Updates the first profiling run makes, its first left out (warm-up); the later runs, their
+    # processes warm, make one fewer and time them all.
+    probe_updates: ClassVar[int]
     # The probe at the other size runs on one device (else on all of them, as the first does):
     # see ``probe_sizes``.
     sized_on_one_device: ClassVar[bool] = True
