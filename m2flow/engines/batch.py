@@ -166,13 +166,15 @@ def split_by_token_budget(batch: SequenceBatch, max_tokens: int, prompts: Tensor
     micro-batch of its own (over the budget)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    order = torch.argsort(batch.lengths.cpu(), descending=True, stable=True)
-    lengths = batch.lengths.cpu().tolist()
+    row_lengths = batch.lengths.cpu()
+    order = torch.argsort(row_lengths, descending=True, stable=True)
+    lengths = row_lengths.tolist()
     if prompts is None:
         runs = [[i] for i in order.tolist()]
     else:  # stable: longest first within each prompt; a run per prompt
-        order = order[torch.argsort(prompts.cpu()[order], stable=True)]
-        rows = zip(order.tolist(), prompts.cpu()[order].tolist())
+        prompts = prompts.cpu()
+        order = order[torch.argsort(prompts[order], stable=True)]
+        rows = zip(order.tolist(), prompts[order].tolist())
         runs = [[i for i, _ in run] for _, run in itertools.groupby(rows, key=lambda row: row[1])]
     groups: list[list[int]] = []
     longest = 0
