@@ -4,13 +4,17 @@ Both sides train ``reasoning/grpo_arith_smollm2`` (SmolLM2-135M-Instruct, the ar
 problems) with the same seed and data, in fresh processes, one at a time, alternating
 (ABAB over ``--repeats``):
 
-  on-policy  ``runner.max_staleness=0`` in the plan given by ``--on-policy-placement`` (default
-             the preset's own, collocated on both slots: the planner's pick and within 2-11% of
-             the best measured SmolLM2 plan, docs/benchmarks.md), or ``placement=@PLAN``
+  on-policy  ``runner.max_staleness=0`` in the plan the scheduler picks for it
+             (``placement=auto``), or the plan given by ``--on-policy-placement`` (such as
+             ``placement=collocated`` or ``placement=@PLAN``)
   async      ``runner.max_staleness=2`` with the plan the scheduler picks for it
-             (``placement=auto``: profiled once, the profile reused), new weights taken while
-             sequences are in flight (``rollout.partial=true``), truncated importance sampling
+             (``placement=auto``), new weights taken while sequences are in flight
+             (``rollout.partial=true``), truncated importance sampling
              (``algorithm.off_policy=tis``; ``--async-override`` changes any of it)
+
+Each side that plans profiles its own configuration once (the async side's differs in
+``rollout.partial`` and ``algorithm.off_policy``), in its first repeat; the later repeats reuse
+it. Profiling times are reported apart (``profiling_s``), counted in neither side's time.
 
 Each side evaluates every ``--eval-every`` steps (greedy, the held-out problems). Reported:
 each side's curve (step, wall time, held-out accuracy), its final accuracy, and for the async
@@ -18,9 +22,9 @@ side the wall time at which it first reaches the on-policy run's final accuracy,
 the on-policy run's whole time (``time_to_on_policy_accuracy_ratio``; <= 0.67 is >= 1.5x
 faster), and its final accuracy less the on-policy one (in points). Wall time is the runs'
 ``time_s`` less the evaluations before it (``eval_s``; both sides run the same ones, and
-they are the benchmark's, not the training's), with Ray start-up, model loading and the async
-side's profiling excluded (the profiling time is reported apart). Neither side has a stream
-in flight at an evaluation, so ``--eval-every`` also sets how often the async side drains.
+they are the benchmark's, not the training's), with Ray start-up, model loading and the
+profiling excluded. Neither side has a stream in flight at an evaluation, so ``--eval-every``
+also sets how often the async side drains.
 
     python benchmarks/async_reasoning.py [--steps 24] [--eval-every 4] [--repeats 1]
 """
@@ -74,7 +78,7 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--on-policy-placement", default=None, help="placement=... for the on-policy side")
+    p.add_argument("--on-policy-placement", default="placement=auto", help="placement=... for the on-policy side")
     p.add_argument("--async-override", nargs="*", default=[], help="key=value for the async side")
     p.add_argument("--override", nargs="*", default=[], help="key=value for both sides")
     args = p.parse_args()
@@ -83,15 +87,16 @@ def main() -> None:
     bench = Run()
     tmp = Path(tempfile.mkdtemp(prefix="m2flow-async-"))
     common = [f"seed={args.seed}", f"runner.steps={args.steps}", f"runner.eval_every={args.eval_every}",
-              "runner.progress=false", f"placement.profile={tmp / 'profile.json'}", *args.override]
-    sides = {"on-policy": ["runner.max_staleness=0", *([args.on_policy_placement] if args.on_policy_placement else [])],
+              "runner.progress=false", *args.override]
+    sides = {"on-policy": ["runner.max_staleness=0", args.on_policy_placement],
              "async": [*ASYNC, *args.async_override]}
     runs = []
     for r in range(args.repeats):
         got = {}
         for side in side_order(list(sides), r):
             log(f"== repeat {r + 1}: {side}")
-            spec = {"overrides": [*common, *sides[side], f"runner.out_dir={tmp / f'{side}{r}'}"]}
+            spec = {"overrides": [*common, *sides[side], f"placement.profile={tmp / f'{side}-profile.json'}",
+                                  f"runner.out_dir={tmp / f'{side}{r}'}"]}
             got[side], load = loaded(lambda: run_child(__file__, spec))
             got[side] |= load
         on, asy = got["on-policy"], got["async"]
@@ -99,9 +104,9 @@ def main() -> None:
         runs.append({**got, "time_to_on_policy_accuracy_s": reached,
                      "time_to_on_policy_accuracy_ratio": None if reached is None else round(reached / on["time_s"], 3),
                      "final_accuracy_difference_points": round(100 * (asy["final_accuracy"] - on["final_accuracy"]), 1)})
-    profile = tmp / "profile.json"
     out = {"benchmark": "async_reasoning", "args": vars(args), "runs": runs,
-           "async_profiling_s": json.loads(profile.read_text()).get("profiling_s") if profile.exists() else None,
+           "profiling_s": {side: json.loads(f.read_text()).get("profiling_s")
+                           for side in sides if (f := tmp / f"{side}-profile.json").exists()},
            "ratio": spread([r["time_to_on_policy_accuracy_ratio"] for r in runs], 3),
            "accuracy_difference_points": spread([r["final_accuracy_difference_points"] for r in runs], 1),
            **bench.finish()}

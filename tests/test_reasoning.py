@@ -89,10 +89,12 @@ LEARNING = {
     # hybrid on-policy GRPO; reinforce_pp and fsdp above also train in hybrid mode
     "grpo-hybrid": ("placement.mode=hybrid", "algorithm.old_logprobs=recompute"),
 }
-# Slow (`pytest -m slow`): hybrid runs beside grpo-hybrid-fsdp; reinforce_pp's and dr_grpo's
-# advantages, losses, dynamic sampling and overlong penalty have unit tests of their own
-# (test_reasoning_algorithms.py).
-SLOW = {"grpo-hybrid", "reinforce_pp-hybrid", "dr_grpo"}
+# Slow (`pytest -m slow`): reinforce_pp's and dr_grpo's advantages, losses, dynamic sampling
+# and overlong penalty have unit tests of their own (test_reasoning_algorithms.py); FSDP's
+# training equals one process's (test_lm_training.py); generation and training on slots of
+# their own run in rloo-pipelined-ahead, an actor beside the rollout on a shared slot in
+# grpo-spanning-inference-ahead.
+SLOW = {"grpo-hybrid", "reinforce_pp-hybrid", "dr_grpo", "grpo-hybrid-fsdp", "grpo-disaggregated"}
 
 
 def _option(overrides, key, default):
