@@ -90,12 +90,13 @@ def main() -> None:
               "runner.progress=false", *args.override]
     sides = {"on-policy": ["runner.max_staleness=0", args.on_policy_placement],
              "async": [*ASYNC, *args.async_override]}
+    profiles = {side: tmp / f"{side}-profile.json" for side in sides}  # one per side, kept over the repeats
     runs = []
     for r in range(args.repeats):
         got = {}
         for side in side_order(list(sides), r):
             log(f"== repeat {r + 1}: {side}")
-            spec = {"overrides": [*common, *sides[side], f"placement.profile={tmp / f'{side}-profile.json'}",
+            spec = {"overrides": [*common, *sides[side], f"placement.profile={profiles[side]}",
                                   f"runner.out_dir={tmp / f'{side}{r}'}"]}
             got[side], load = loaded(lambda: run_child(__file__, spec))
             got[side] |= load
@@ -105,8 +106,7 @@ def main() -> None:
                      "time_to_on_policy_accuracy_ratio": None if reached is None else round(reached / on["time_s"], 3),
                      "final_accuracy_difference_points": round(100 * (asy["final_accuracy"] - on["final_accuracy"]), 1)})
     out = {"benchmark": "async_reasoning", "args": vars(args), "runs": runs,
-           "profiling_s": {side: json.loads(f.read_text()).get("profiling_s")
-                           for side in sides if (f := tmp / f"{side}-profile.json").exists()},
+           "profiling_s": {side: json.loads(f.read_text()).get("profiling_s") for side, f in profiles.items() if f.exists()},
            "ratio": spread([r["time_to_on_policy_accuracy_ratio"] for r in runs], 3),
            "accuracy_difference_points": spread([r["final_accuracy_difference_points"] for r in runs], 1),
            **bench.finish()}
