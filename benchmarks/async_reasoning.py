@@ -16,17 +16,21 @@ Each side that plans profiles its own configuration once (the async side's diffe
 ``rollout.partial`` and ``algorithm.off_policy``), in its first repeat; the later repeats reuse
 it. Profiling times are reported apart (``profiling_s``), counted in neither side's time.
 
-Each side evaluates every ``--eval-every`` steps (greedy, the held-out problems). Reported:
+Each side evaluates every ``--eval-every`` steps (greedy, the held-out problems). By default
+the evaluations are deferred (``runner.eval_deferred``): the actor saves its weights at those
+steps (the time it takes is counted in the side's time) and they are evaluated once training
+ends, so neither side pauses for them and the async side's streams keep running. ``--eval
+inline`` evaluates in the run instead, between steps, with nothing in flight: the async side
+then drains at each evaluation and fills its pipeline again after it. Reported:
 each side's curve (step, wall time, held-out accuracy), its final accuracy, and for the async
 side the wall time at which it first reaches the on-policy run's final accuracy, as a ratio of
 the on-policy run's whole time (``time_to_on_policy_accuracy_ratio``; <= 0.67 is >= 1.5x
 faster), and its final accuracy less the on-policy one (in points). Wall time is the runs'
-``time_s`` less the evaluations before it (``eval_s``; both sides run the same ones, and
-they are the benchmark's, not the training's), with Ray start-up, model loading and the
-profiling excluded. Neither side has a stream in flight at an evaluation, so ``--eval-every``
-also sets how often the async side drains.
+``time_s`` less the inline evaluations before it (``eval_s``; both sides run the same ones,
+and they are the benchmark's, not the training's), with Ray start-up, model loading and the
+profiling excluded.
 
-    python benchmarks/async_reasoning.py [--steps 24] [--eval-every 4] [--repeats 1]
+    python benchmarks/async_reasoning.py [--steps 24] [--eval-every 4] [--eval deferred] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ def main() -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--eval", choices=("deferred", "inline"), default="deferred",
+                   help="evaluate saved weights after training (deferred) or in the run, draining it (inline)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-policy-placement", default="placement=auto", help="placement=... for the on-policy side")
@@ -87,7 +93,7 @@ def main() -> None:
     bench = Run()
     tmp = Path(tempfile.mkdtemp(prefix="m2flow-async-"))
     common = [f"seed={args.seed}", f"runner.steps={args.steps}", f"runner.eval_every={args.eval_every}",
-              "runner.progress=false", *args.override]
+              f"runner.eval_deferred={args.eval == 'deferred'}", "runner.progress=false", *args.override]
     sides = {"on-policy": ["runner.max_staleness=0", args.on_policy_placement],
              "async": [*ASYNC, *args.async_override]}
     profiles = {side: tmp / f"{side}-profile.json" for side in sides}  # one per side, kept over the repeats

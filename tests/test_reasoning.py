@@ -2,6 +2,7 @@
 log-prob agreement, and short trainings of every algorithm (in several modes) that must raise
 the reward at the preset's learning rate."""
 
+import csv
 import math
 
 import pytest
@@ -156,9 +157,12 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, tmp_path):
     """runner.max_staleness=2, disaggregated: the rollout generates up to two steps ahead and
     takes new weights between decode steps (rollout.partial). Every token trained on is at
     most two versions old and none is dropped (a step's generation starts on weights recent
-    enough); the rollout loaded pushes while it generated; truncated importance sampling."""
+    enough); the rollout loaded pushes while it generated; truncated importance sampling.
+    Evaluations every 2 steps are deferred (runner.eval_deferred): the weights saved then are
+    evaluated after the run, each row amended, the files deleted."""
     cfg = load_config(PRESET, [f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.steps=8",
-                               "runner.max_staleness=2", "placement.mode=disaggregated", "algorithm.off_policy=tis"])
+                               "runner.max_staleness=2", "placement.mode=disaggregated", "algorithm.off_policy=tis",
+                               "runner.eval_every=2", "runner.eval_deferred=true"])
     runner = ReasoningRunner(cfg, cluster=cluster)
     try:
         history = runner.train()
@@ -178,7 +182,17 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, tmp_path):
         shares = {k: v for k, v in row.items() if k.startswith("staleness_")}
         assert set(shares) <= {"staleness_0", "staleness_1", "staleness_2"} and sum(shares.values()) == pytest.approx(1)
     assert any(row.get("weight_latency_s", -1.0) >= 0 for row in steps)  # absent where it loaded none
-    assert len(set(hashes)) == 1  # after the final evaluation's sync, every copy is the actor's
+    # The last weights saved (the final update's) and loaded from their file for the last
+    # evaluation: the rollout holds exactly the actor's weights.
+    assert len(set(hashes)) == 1
+    # Evaluated before training, then the weights saved after steps 2, 4, 6 and 8 (not a
+    # barrier: nothing waits for an evaluation until the end), in metrics.csv too.
+    assert [row["step"] for row in history if "eval_reward" in row] == [0, 2, 4, 6, 8]
+    assert [row["step"] for row in history if "save_weights_s" in row] == [2, 4, 6, 8]
+    assert not runner._barrier(1, checkpoint=True, evaluate=True)  # step 2's
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(float(r["step"])) for r in rows if r["eval_reward"]] == [0, 2, 4, 6, 8]
+    assert not list((tmp_path / "saved_weights").iterdir())
 
 
 def test_resume_reaches_the_same_weights(cluster, tmp_path):

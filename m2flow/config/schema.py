@@ -305,6 +305,8 @@ class ReasoningRunnerConfig(RunnerConfig):
     steps: int = opt(MISSING, "policy updates", within=AT_LEAST_1)
     eval_every: int = opt(0, "steps between held-out evaluations (0: only at the start and the end)",
                           within=NON_NEGATIVE)
+    eval_deferred: bool = opt(False, "save the weights at each evaluation step and evaluate them once training "
+                                     "ends, instead of pausing it (streams generated ahead keep running)")
 
 
 @dataclass

@@ -168,6 +168,15 @@ class Runner:
     def evaluates(self, i: int, last: bool) -> bool:
         return False
 
+    def defers_evaluation(self) -> bool:
+        """Whether evaluations after the first are of saved weights, once training ends
+        (``runner.eval_deferred``), instead of pausing the run with nothing in flight."""
+        return False
+
+    def evaluate_saved(self, path: Path) -> dict[str, float]:
+        """``evaluate`` of the weights the trainer saved at ``path`` (``save_weights``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not evaluate saved weights")
+
     def stop_early(self, row: dict[str, float], log: RunLog) -> bool:
         return False
 
@@ -343,7 +352,11 @@ class Runner:
                 s = report["sync"]
                 log.note(f"weights: {s['weight_mb']:.0f} MB in {s['weight_buckets']} bucket(s) by {s['weight_transport']}")
             row = self.metrics.row(i, report, time.perf_counter() - t0, time.perf_counter() - start)
-            if evaluating:
+            if evaluating and self.defers_evaluation():
+                t1 = time.perf_counter()  # the trainer waits for it: in the next rows' time_s
+                self.trainer.call("save_weights", str(self.saved_weights(row)), ranks=self.senders()).wait()
+                row["save_weights_s"] = time.perf_counter() - t1
+            elif evaluating:
                 t1 = time.perf_counter()
                 row |= self.evaluate()
                 row["eval_s"] = time.perf_counter() - t1  # in the next rows' time_s
@@ -358,14 +371,37 @@ class Runner:
                 self.checkpoint(i + 1, log)
             if stop:
                 break
+        if evaluate and self.defers_evaluation():
+            self.evaluate_deferred(log)
         return log.history
+
+    def saved_weights(self, row: dict[str, float]) -> Path:
+        """Where the weights of the update that ``row`` reports are saved to be evaluated later."""
+        x = self.metrics.x
+        return Path(self.cfg.runner.out_dir) / "saved_weights" / f"{x}-{int(row[x])}.safetensors"
+
+    def evaluate_deferred(self, log: RunLog) -> None:
+        """The deferred evaluations: each row whose update saved its weights and that has no
+        evaluation yet gets that of its weights (in metrics.csv and TensorBoard too); each
+        file is deleted once evaluated. The weights the receivers hold are sent again before
+        anything else uses them."""
+        start, done = time.perf_counter(), 0
+        for row in log.history:
+            path = self.saved_weights(row)
+            if path.exists() and not any(k.startswith("eval_") for k in row):
+                log.amend(row, self.evaluate_saved(path))
+                path.unlink()
+                done += 1
+        self.synced = None
+        if done:
+            log.note(f"evaluated the weights saved at {done} update(s) in {time.perf_counter() - start:.1f} s")
 
     def _barrier(self, i: int, checkpoint: bool, evaluate: bool) -> bool:
         """Whether update ``i`` ends with nothing in flight: the last, one a checkpoint follows
-        (``runner.checkpoint_every``), or an evaluation."""
+        (``runner.checkpoint_every``), or an evaluation (not a deferred one)."""
         every, last = self.cfg.runner.checkpoint_every, i + 1 == self.total
         return (last or (checkpoint and bool(every) and (i + 1) % every == 0)
-                or (evaluate and self.evaluates(i, last)))
+                or (evaluate and not self.defers_evaluation() and self.evaluates(i, last)))
 
     def _lookahead(self, i: int, checkpoint: bool, evaluate: bool) -> int:
         """Streams to have in flight behind update ``i``'s: up to the plan's ``run_ahead``, none
@@ -393,6 +429,8 @@ class Runner:
                  f"{out / 'timeline.png'}")
 
     def _from_start(self, log: RunLog, initial: dict[str, Any]) -> int:
+        for old in (Path(self.cfg.runner.out_dir) / "saved_weights").glob("*.safetensors"):
+            old.unlink()  # an earlier run's in this out_dir: never evaluated as this run's
         self.metrics.load_state_dict(initial["metrics"])
         self.load_extra_state(initial["extra"])
         log.history = []

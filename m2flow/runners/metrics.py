@@ -118,6 +118,15 @@ class RunLog:
         self.progress.update(self.task, completed=row[self.x], stats=stats)
         return row
 
+    def amend(self, row: dict[str, float], values: dict[str, float]) -> None:
+        """Adds ``values`` to ``row``, one of the rows recorded (a deferred evaluation's):
+        metrics.csv is written again, the values go to TensorBoard at the row's step."""
+        row |= values
+        for k, v in values.items():
+            if not (isinstance(v, float) and math.isnan(v)):
+                self.tb.add_scalar(k, v, row[self.x])
+        self._write_csv()
+
     def _write_csv(self) -> None:
         """The whole file (a new column, or rows set), then kept open to append to."""
         self._close_csv()

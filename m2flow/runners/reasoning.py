@@ -16,6 +16,7 @@ values and GAE advantages. A step's data flow, each arrow a channel:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -139,6 +140,17 @@ class ReasoningRunner(Runner):
     def evaluate(self) -> dict[str, float]:
         """Mean reward of one greedy completion per held-out prompt (accuracy, with a 0/1 reward)."""
         self.sync_weights()
+        return self.held_out_scores()
+
+    def defers_evaluation(self) -> bool:
+        return self.cfg.runner.eval_deferred
+
+    def evaluate_saved(self, path: Path) -> dict[str, float]:
+        self.groups["rollout"].load_weights_file(str(path)).wait()
+        return self.held_out_scores()
+
+    def held_out_scores(self) -> dict[str, float]:
+        """``evaluate`` with the weights the rollout holds."""
         texts = self.groups["rollout"].complete(self.test_prompts, 0.0).wait()
         (scores,) = self.groups["reward"].score_texts(texts, [p["answer"] for p in self.test_prompts]).wait()
         return {f"eval_{k}": v for k, v in scores.items()}

@@ -22,7 +22,9 @@ step's batches first, then trains epochs x mini-batches.
 from __future__ import annotations
 
 import math
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,6 +116,21 @@ class LMActorWorker(Worker):
 
     def weights_hash(self) -> str:
         return self.trainer.weights_hash()
+
+    def save_weights(self, path: str) -> None:
+        """Saves the weights (safetensors, each tied weight once) to ``path``, to evaluate
+        later (``runner.eval_deferred``). Rank 0 writes; sharded, every rank is called and
+        helps gather them. Written to a side file first: ``path`` is whole or absent."""
+        from safetensors.torch import save_file
+
+        if self.rank != 0:
+            for _ in self.trainer.named_weights():
+                pass
+            return
+        weights = {name: t.detach().to("cpu").contiguous() for name, t in self.trainer.named_weights()}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(weights, f"{path}.part")
+        os.replace(f"{path}.part", path)
 
     # -- training ---------------------------------------------------------------------
     def train(self, batches_in: Channel, key: int = 0) -> dict:

@@ -85,6 +85,14 @@ class LMRolloutWorker(WeightReceiver):
         self._offload()  # a load may bring weights onto the device outside the rollout's turn
         return version
 
+    def load_weights_file(self, path: str) -> None:
+        """Loads weights the actor saved (``save_weights``): a deferred evaluation's. The
+        runner sends the training weights again before the rollout generates for it."""
+        from safetensors.torch import load_file
+
+        self._load_bucket(load_file(path))
+        self._offload()  # as after a pull: the load may bring weights onto the device
+
     def _loaded(self, version: int) -> None:
         self.engine.version = version  # recorded with every token sampled from now on
         self.loads.append((version, time.time()))
