@@ -372,7 +372,7 @@ class Runner:
             if stop:
                 break
         if evaluate and self.defers_evaluation():
-            self.evaluate_deferred(log)
+            self.evaluate_deferred(log, watchdog)
         return log.history
 
     def saved_weights(self, row: dict[str, float]) -> Path:
@@ -380,11 +380,11 @@ class Runner:
         x = self.metrics.x
         return Path(self.cfg.runner.out_dir) / "saved_weights" / f"{x}-{int(row[x])}.safetensors"
 
-    def evaluate_deferred(self, log: RunLog) -> None:
+    def evaluate_deferred(self, log: RunLog, watchdog: Watchdog | None = None) -> None:
         """The deferred evaluations: each row whose update saved its weights and that has no
         evaluation yet gets that of its weights (in metrics.csv and TensorBoard too); each
-        file is deleted once evaluated. The weights the receivers hold are sent again before
-        anything else uses them."""
+        file is deleted once evaluated, and ``watchdog`` hears of it. The weights the
+        receivers hold are sent again before anything else uses them."""
         start, done = time.perf_counter(), 0
         for row in log.history:
             path = self.saved_weights(row)
@@ -392,6 +392,8 @@ class Runner:
                 log.amend(row, self.evaluate_saved(path))
                 path.unlink()
                 done += 1
+                if watchdog is not None:
+                    watchdog.beat()
         self.synced = None
         if done:
             log.note(f"evaluated the weights saved at {done} update(s) in {time.perf_counter() - start:.1f} s")
