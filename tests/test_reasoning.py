@@ -190,7 +190,7 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, tmp_path):
     assert [row["step"] for row in history if "eval_reward" in row] == [0, 2, 4, 6, 8]
     assert [row["step"] for row in history if "save_weights_s" in row] == [2, 4, 6, 8]
     assert not runner._barrier(1, checkpoint=True, evaluate=True)  # step 2's
-    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
     assert [int(float(r["step"])) for r in rows if r["eval_reward"]] == [0, 2, 4, 6, 8]
     assert not list((tmp_path / "saved_weights").iterdir())
 
