@@ -394,8 +394,8 @@ class Runner:
                 done += 1
                 if watchdog is not None:
                     watchdog.beat()
-        self.synced = None
         if done:
+            self.synced = None  # the rollout holds saved weights now, not the trainer's
             log.note(f"evaluated the weights saved at {done} update(s) in {time.perf_counter() - start:.1f} s")
 
     def _barrier(self, i: int, checkpoint: bool, evaluate: bool) -> bool:

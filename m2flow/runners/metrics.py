@@ -107,9 +107,7 @@ class RunLog:
     def record(self, row: dict[str, float], stats: str) -> dict[str, float]:
         """Appends ``row``: to metrics.csv, TensorBoard scalars at step ``row[x]``, progress bar."""
         self.history.append(row)
-        for k, v in row.items():
-            if k != self.x and not (isinstance(v, float) and math.isnan(v)):
-                self.tb.add_scalar(k, v, row[self.x])
+        self._scalars(row, row[self.x])
         if self._csv is not None and row.keys() <= set(self._csv[1].fieldnames):
             self._csv[1].writerow(row)  # a row appended: a long run's logging stays O(1) per row
             self._csv[0].flush()
@@ -122,10 +120,14 @@ class RunLog:
         """Adds ``values`` to ``row``, one of the rows recorded (a deferred evaluation's):
         metrics.csv is written again, the values go to TensorBoard at the row's step."""
         row |= values
-        for k, v in values.items():
-            if not (isinstance(v, float) and math.isnan(v)):
-                self.tb.add_scalar(k, v, row[self.x])
+        self._scalars(values, row[self.x])
         self._write_csv()
+
+    def _scalars(self, values: dict[str, float], step: float) -> None:
+        """TensorBoard scalars at ``step``: every value but the x axis's own and NaNs."""
+        for k, v in values.items():
+            if k != self.x and not (isinstance(v, float) and math.isnan(v)):
+                self.tb.add_scalar(k, v, step)
 
     def _write_csv(self) -> None:
         """The whole file (a new column, or rows set), then kept open to append to."""
