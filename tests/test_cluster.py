@@ -39,3 +39,32 @@ def test_an_embedded_ray_listens_on_the_loopback_address_only(cluster):
         assert all(n["NodeManagerAddress"] == "127.0.0.1" for n in ray.nodes())
     finally:
         group.shutdown()
+
+
+def test_gpu_slots_make_each_gpu_several_devices(monkeypatch):
+    """cluster.gpu_slots=k: each GPU is k devices with consecutive indices, numbered node by
+    node; a process on any of them sees that GPU, once; an embedded Ray's device count
+    counts the slots."""
+    from m2flow.config import load_config
+    from m2flow.runners.base import local_devices
+    from m2flow.runtime.cluster import Cluster
+    from m2flow.runtime.worker import visible_gpus
+
+    listed = [{"Alive": True, "NodeID": "b", "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 8.0, "GPU": 1.0}},
+              {"Alive": True, "NodeID": "a", "NodeManagerAddress": "10.0.0.9",
+               "Resources": {"CPU": 16.0, "GPU": 2.0, "node:__internal_head__": 1.0}},
+              {"Alive": False, "NodeID": "c", "NodeManagerAddress": "10.0.0.3", "Resources": {"GPU": 4.0}}]
+    c = Cluster.__new__(Cluster)  # its node listing alone, no Ray
+    c._cpu_slots, c._cores_per_slot, c.gpu_slots = None, 1, 2
+    nodes = c._discover_nodes(listed)
+    devices = [d for n in nodes for d in n.devices]
+    assert [(d.index, d.node_id, d.local_index, d.kind) for d in devices] == [
+        (0, "a", 0, "cuda"), (1, "a", 0, "cuda"), (2, "a", 1, "cuda"), (3, "a", 1, "cuda"),
+        (4, "b", 0, "cuda"), (5, "b", 0, "cuda")]
+    assert visible_gpus(tuple(devices[0:2])) == "0" and visible_gpus(tuple(devices[1:3])) == "0,1"
+    c.gpu_slots = 1
+    assert [d.local_index for n in c._discover_nodes(listed) for d in n.devices] == [0, 1, 0]
+    cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.gpu_slots=3"])
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    assert local_devices(cfg.cluster) == (6, "cuda")

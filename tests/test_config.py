@@ -95,6 +95,7 @@ MALFORMED = [
     (E, ["algorithm.gamma=1.01"], "algorithm.gamma"),
     (R, ["algorithm.epochs=0"], "algorithm.epochs"),
     (R, ["placement.granularity=0"], "placement.granularity"),
+    (R, ["cluster.gpu_slots=0"], "cluster.gpu_slots"),
     (E, ["policy.hidden=[64,0]"], "policy.hidden"),
     (R, ["rollout.gpu_memory_utilization=1.2"], "rollout.gpu_memory_utilization"),
     (R, ["data.levels=[1,9]"], "data.levels"),

@@ -94,6 +94,29 @@ def test_plans_that_cannot_run_name_the_component(change, message):
         Plan.from_dict(data).check(REASONING, 4, NO_CRITIC)
 
 
+def test_the_actors_ranks_take_a_gpu_each():
+    """With cluster.gpu_slots=2 each GPU is two devices whose processes run at once: the
+    actor's ranks all-reduce over NCCL, one GPU per rank, so a plan that puts two of its ranks
+    on the slots of one GPU is refused; the rollout beside the actor on the other slot of a
+    GPU runs; on CPU slots (gpu_slots 0) the check does not apply."""
+    on_two_slots = reasoning("disaggregated", 2, "cuda")
+    assert ranges(on_two_slots)["rollout"] == "0-0" and ranges(on_two_slots)["actor"] == "1-1"
+    on_two_slots.check(REASONING, 2, NO_CRITIC, gpu_slots=2)
+    collocated = reasoning("collocated", 4, "cuda")  # actor ranks on devices 0-3: GPUs 0, 0, 1, 1
+    with pytest.raises(PlanError, match=r"'actor': ranks 0 and 1 would share GPU 0 .*one GPU per rank"):
+        collocated.check(REASONING, 4, NO_CRITIC, gpu_slots=2)
+    collocated.check(REASONING, 4, NO_CRITIC, gpu_slots=1)  # four GPUs
+    collocated.check(REASONING, 4, NO_CRITIC, gpu_slots=0)  # CPU slots
+    data = collocated.to_dict()
+    data["components"]["actor"] = {"devices": "0-3", "devices_per_proc": 2}  # a rank per GPU, spanning its slots
+    Plan.from_dict(data).check(REASONING, 4, NO_CRITIC, gpu_slots=2)
+    data["components"]["actor"] = {"devices": "2-3", "procs_per_device": 2}  # two ranks on one GPU
+    with pytest.raises(PlanError, match="ranks 0 and 1 would share GPU 2"):
+        Plan.from_dict(data).check(REASONING, 4, NO_CRITIC, gpu_slots=1)
+    embodied_plan = embodied("collocated", 2)  # its actor all-reduces on the CPU (gloo)
+    embodied_plan.check(EMBODIED, 2, EMBODIED.components, gpu_slots=2)
+
+
 def test_plan_files_refuse_unknown_keys(tmp_path):
     (tmp_path / "p.yaml").write_text("components: {actor: '0'}\nahead: 1\n")
     with pytest.raises(PlanError, match=r"unknown key\(s\) \['ahead'\]"):

@@ -86,6 +86,8 @@ class ClusterConfig:
     address: Optional[str] = opt(None, 'null: embedded local Ray; "auto" or host:port: an existing cluster')
     num_cpus: Optional[int] = opt(None, "embedded Ray's CPUs (null: all cores)", within=AT_LEAST_1)
     cpu_slots: Optional[int] = opt(None, "devices per GPU-less node (null: one per core)", within=AT_LEAST_1)
+    gpu_slots: int = opt(1, "devices per GPU: k > 1 makes each GPU k devices whose processes run on it at once "
+                            "(sharing its memory and compute, no turns)", within=AT_LEAST_1)
 
 
 @dataclass

@@ -50,6 +50,8 @@ class Workflow:
     share one process when placed rank for rank on the same devices. ``light`` components
     hold no model: they never take device turns; ``light_alone`` ones only when they host
     the other of the fusable pair (the env workers running the rollout's policy).
+    ``gpu_collectives`` components' ranks all-reduce over NCCL on GPUs, which takes one GPU
+    per rank: no two of their ranks may share a GPU (``Plan.check``'s ``gpu_slots``).
     """
 
     name: str
@@ -63,6 +65,7 @@ class Workflow:
     fusable: tuple[str, str] | None = None
     light: tuple[str, ...] = ()
     light_alone: tuple[str, ...] = ()
+    gpu_collectives: tuple[str, ...] = ()
 
     def turns(self, devices: Mapping[str, AbstractSet], fused: bool) -> dict[str, bool]:
         """For each process (``devices``: its component's devices; a fused pair's host only),
@@ -179,8 +182,11 @@ class Plan:
         return "\n".join(lines + ["  " + ", ".join(extras)])
 
     # -- checking and placing -------------------------------------------------------------
-    def check(self, workflow: Workflow, num_devices: int, components: tuple[str, ...] | None = None) -> None:
-        """Fails, naming the component and what is short, unless the plan fits ``num_devices``."""
+    def check(self, workflow: Workflow, num_devices: int, components: tuple[str, ...] | None = None, *,
+              gpu_slots: int = 0) -> None:
+        """Fails, naming the component and what is short, unless the plan fits ``num_devices``.
+        ``gpu_slots``: where the devices are GPUs, how many devices each GPU is (0: they are
+        not GPUs)."""
         names = components or workflow.components
         missing = [c for c in names if c not in self.components]
         if missing:
@@ -203,6 +209,8 @@ class Plan:
             if c in workflow.single_rank and ranks != 1:
                 raise PlanError(f"component {c!r} must be one process (the stream passes through it in order), "
                                 f"got devices {p.devices} with {p.devices_per_proc} device(s) per process")
+            if gpu_slots and c in workflow.gpu_collectives and group == "all":  # a group's GPUs: known once Ray runs
+                self._one_gpu_per_rank(c, devices, gpu_slots)
         for group in self.fuse:
             if workflow.fusable is None or sorted(group) != sorted(workflow.fusable):
                 raise PlanError(f"cannot fuse {group}" + (f"; only {list(workflow.fusable)}" if workflow.fusable else ""))
@@ -215,6 +223,21 @@ class Plan:
             raise PlanError(f"stages must be >= 1, got {self.stages}")
         if self.run_ahead < 0:
             raise PlanError(f"run_ahead must be >= 0 (the streams launched ahead of training), got {self.run_ahead}")
+
+    def _one_gpu_per_rank(self, c: str, devices: list[int], gpu_slots: int) -> None:
+        p = self.components[c]
+        if p.devices_per_proc > 1:
+            ranks = [devices[i:i + p.devices_per_proc] for i in range(0, len(devices), p.devices_per_proc)]
+        else:
+            ranks = [[d] for d in devices for _ in range(p.procs_per_device)]
+        holder: dict[int, int] = {}  # GPU (global ordinal) -> the rank on it
+        for rank, devs in enumerate(ranks):
+            for gpu in sorted({d // gpu_slots for d in devs}):
+                if gpu in holder:
+                    raise PlanError(f"component {c!r}: ranks {holder[gpu]} and {rank} would share GPU {gpu} (devices "
+                                    f"{p.devices}, {gpu_slots} device(s) per GPU); its all-reduces (NCCL) take one GPU "
+                                    "per rank")
+                holder[gpu] = rank
 
     def placement(self, cluster) -> Placement:
         """The runtime placement of the plan's components on ``cluster``'s devices."""

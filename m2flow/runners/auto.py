@@ -25,7 +25,7 @@ from m2flow.flow import Plan, PlanError
 from m2flow.flow.cost import CostModel, Profile, calibrate, hardware, points_from_rows, profile_key
 from m2flow.flow.planner import Choice, layout_of, plan
 from m2flow.flow.simulate import Layout, Shape, predict
-from m2flow.runners.base import local_devices, start_cluster
+from m2flow.runners.base import gpu_slots_of, local_devices, start_cluster
 from m2flow.runners.schedule import Schedule, schedule_of
 from m2flow.runtime import Cluster
 from m2flow.runtime.group import WorkerPool
@@ -71,7 +71,7 @@ def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
 
     def fits(p: Plan) -> bool:
         try:
-            p.check(wf, n, s.components)
+            p.check(wf, n, s.components, gpu_slots=gpu_slots_of(s.cfg, kind))
             s.check(p)
             return True
         except ValueError:  # PlanError and ConfigError among them
@@ -256,7 +256,7 @@ def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes
     opts = s.plan_options()
 
     def check(p: Plan) -> None:
-        p.check(s.workflow, n, s.components)
+        p.check(s.workflow, n, s.components, gpu_slots=gpu_slots_of(cfg, kind))
         s.check(p)
 
     return plan(s.workflow, s.shape, model, n, kind, s.components, check=check, staleness=cfg.runner.max_staleness,

@@ -72,7 +72,7 @@ class Runner:
 
     def _plan(self, num_devices: int, kind: str) -> Plan:
         plan = plan_of(self.cfg, self.workflow, num_devices, kind, self.components, **self.plan_options(self.cfg))
-        plan.check(self.workflow, num_devices, self.components)
+        plan.check(self.workflow, num_devices, self.components, gpu_slots=gpu_slots_of(self.cfg, kind))
         # The workers take data as old as the plan makes it (a plan file may run ahead).
         self.cfg.runner.max_staleness = plan.run_ahead
         return plan
@@ -535,14 +535,19 @@ def _first_line(e: BaseException | None) -> str:
 
 def start_cluster(cluster: DictConfig) -> Cluster:
     """The cluster a config's ``cluster`` section names: an embedded Ray, or an existing one."""
-    return Cluster(cluster.address, num_cpus=cluster.num_cpus, cpu_slots=cluster.cpu_slots)
+    return Cluster(cluster.address, num_cpus=cluster.num_cpus, cpu_slots=cluster.cpu_slots, gpu_slots=cluster.gpu_slots)
+
+
+def gpu_slots_of(cfg: DictConfig, kind: str) -> int:
+    """``Plan.check``'s ``gpu_slots`` for a run on devices of ``kind``."""
+    return cfg.cluster.gpu_slots if kind == "cuda" else 0
 
 
 def local_devices(cluster: DictConfig) -> tuple[int, str] | None:
-    """The devices an embedded Ray will have: its GPUs, else its CPU slots; None when the run
-    attaches to an existing cluster (known once connected)."""
+    """The devices an embedded Ray will have: its GPUs (``gpu_slots`` each), else its CPU
+    slots; None when the run attaches to an existing cluster (known once connected)."""
     if cluster.address is not None:
         return None
     if torch.cuda.is_available():
-        return torch.cuda.device_count(), "cuda"
+        return torch.cuda.device_count() * cluster.gpu_slots, "cuda"
     return cpu_slot_count(cluster.num_cpus or os.cpu_count() or 1, cluster.cpu_slots), "cpu"

@@ -44,7 +44,8 @@ WORKFLOW = Workflow(
             "hybrid": ((("rollout",), 0.5), (("reward", "inference", "critic"), None))},
     single_rank=("reward", "inference", "critic"),  # the stream passes through each in order
     whole_on_cpu=COMPONENTS,  # on CPU slots one rank spans its slots (its threads do)
-    light=("reward",))  # holds no model: it never takes device turns
+    light=("reward",),  # holds no model: it never takes device turns
+    gpu_collectives=("actor",))  # its ranks all-reduce gradients over NCCL on GPUs
 
 
 def sharded(cfg: DictConfig, plan: Plan) -> bool:

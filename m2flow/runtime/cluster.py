@@ -1,7 +1,8 @@
 """The Ray cluster m2flow runs on, and the devices it offers.
 
-A device is a CUDA GPU, or on a node without one a *CPU slot*: a fixed set of cores
-that a worker pins itself to. Devices are numbered globally, node by node, so a
+A device is a CUDA GPU (or a *GPU slot*: one of ``gpu_slots`` devices that share a GPU and
+whose processes run on it at once), or on a node without one a *CPU slot*: a fixed set of
+cores that a worker pins itself to. Devices are numbered globally, node by node, so a
 placement such as ``"0-3"`` means the same on one laptop and on many GPU nodes.
 """
 
@@ -54,7 +55,7 @@ class Device:
     kind: str  # "cuda" or "cpu"
     node_id: str
     node_rank: int
-    local_index: int  # GPU index on its node, or CPU slot index on its node
+    local_index: int  # GPU index on its node (its slots share it), or CPU slot index on its node
     cores: tuple[int, ...] = ()  # CPU slots: indices into the node's usable cores
 
     def __str__(self) -> str:
@@ -83,7 +84,9 @@ class Cluster:
     ``run_dir``); ``"auto"`` or ``"host:port"`` attaches to an existing cluster.
     ``cpu_slots`` sets the number of CPU slots per GPU-less node (default: one per
     ``cores_per_slot`` cores); it may exceed the cores present, slots then share cores.
-    ``node_groups`` names sets of nodes, so that a placement can say ``"sim:0-3"``.
+    ``gpu_slots`` makes each GPU that many devices (consecutive indices): their processes run
+    on the GPU at once, sharing its memory and compute, where the components of one device
+    take turns. ``node_groups`` names sets of nodes, so that a placement can say ``"sim:0-3"``.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class Cluster:
         *,
         num_cpus: int | None = None,
         cpu_slots: int | None = None,
+        gpu_slots: int = 1,
         cores_per_slot: int = 1,
         node_groups: dict[str, list[int]] | None = None,
         run_dir: str | os.PathLike = ".m2flow",
@@ -101,14 +105,17 @@ class Cluster:
             raise ValueError(f"cores_per_slot must be >= 1, got {cores_per_slot}")
         if cpu_slots is not None and cpu_slots < 1:
             raise ValueError(f"cpu_slots must be >= 1, got {cpu_slots}")
+        if gpu_slots < 1:
+            raise ValueError(f"gpu_slots must be >= 1, got {gpu_slots}")
         self.run_dir = Path(run_dir).resolve()
         self.session = uuid.uuid4().hex[:8]
         self._started_ray = False
         if not ray.is_initialized():
             self._init_ray(address, num_cpus, ray_init_kwargs)
         self._cpu_slots = cpu_slots
+        self.gpu_slots = gpu_slots
         self._cores_per_slot = cores_per_slot
-        self.nodes = self._discover_nodes()
+        self.nodes = self._discover_nodes(ray.nodes())
         self.devices: tuple[Device, ...] = tuple(d for n in self.nodes for d in n.devices)
         self.node_groups = self._check_node_groups(node_groups or {})
         # Names this run's shared-memory segments and pipes, so that shutdown can remove what
@@ -133,8 +140,9 @@ class Cluster:
             ray.init(namespace=NAMESPACE, address=address, **kwargs)
         self._started_ray = True
 
-    def _discover_nodes(self) -> tuple[Node, ...]:
-        alive = [n for n in ray.nodes() if n["Alive"]]
+    def _discover_nodes(self, listed: list[dict]) -> tuple[Node, ...]:
+        """``listed``: Ray's ``ray.nodes()``."""
+        alive = [n for n in listed if n["Alive"]]
         # Head node first, then by address: a stable order, so device indices are stable.
         alive.sort(key=lambda n: (not n["Resources"].get("node:__internal_head__"), n["NodeManagerAddress"], n["NodeID"]))
         nodes = []
@@ -146,8 +154,9 @@ class Cluster:
             devices = []
             if num_gpus:
                 for g in range(num_gpus):
-                    devices.append(Device(index, "cuda", n["NodeID"], rank, g))
-                    index += 1
+                    for _ in range(self.gpu_slots):
+                        devices.append(Device(index, "cuda", n["NodeID"], rank, g))
+                        index += 1
             else:
                 slots = cpu_slot_count(num_cpus, self._cpu_slots, self._cores_per_slot)
                 for s in range(slots):
@@ -183,7 +192,8 @@ class Cluster:
         lines = [f"Ray cluster, {len(self.nodes)} node(s), {len(self.devices)} device(s):"]
         for n in self.nodes:
             kinds = ", ".join(str(d) for d in n.devices)
-            lines.append(f"  node {n.rank} {n.address} cpus={n.num_cpus:g} gpus={n.num_gpus}: {kinds}")
+            slots = f" ({self.gpu_slots} devices each)" if n.num_gpus and self.gpu_slots > 1 else ""
+            lines.append(f"  node {n.rank} {n.address} cpus={n.num_cpus:g} gpus={n.num_gpus}{slots}: {kinds}")
         return "\n".join(lines)
 
     # -- shutdown ---------------------------------------------------------------

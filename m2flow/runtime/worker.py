@@ -65,6 +65,12 @@ def dispatch(split: str = "all", gather: str = "list") -> Callable:
     return mark
 
 
+def visible_gpus(devices: tuple[Device, ...]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a process on ``devices``: each GPU once, in order (the
+    slots of one GPU are that GPU)."""
+    return ",".join(dict.fromkeys(str(d.local_index) for d in devices))
+
+
 @functools.cache
 def _usable_cores() -> list[int]:
     """The cores this process could run on before it pinned itself (a process re-initialised
@@ -109,7 +115,7 @@ class Worker:
         if self.device == "cuda":
             # Ray must not overwrite the GPUs we chose; set before CUDA initialises.
             os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.local_index) for d in info.devices)
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus(info.devices)
         else:
             usable = _usable_cores()
             cores = sorted({usable[c % len(usable)] for d in info.devices for c in d.cores})
