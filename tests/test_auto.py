@@ -100,3 +100,20 @@ def test_embodied_probes_step_the_envs_in_batches_of_two_sizes():
         shape = s.shape(plan, fused)
         per_call[role] = shape.items / shape.chunks / layout.count("env")
     assert per_call == {"collocated": cfg.env.num_envs / 2, "sized": cfg.env.num_envs}
+
+
+def test_reasoning_probes_on_gpu_slots_keep_one_actor_rank_per_gpu():
+    """On two GPUs the collocated probe has an actor rank per GPU; on one GPU made two devices
+    (cluster.gpu_slots=2) two ranks would share it (NCCL refuses), so the probe's actor is one
+    rank over both devices; the split probe puts rollout and actor on a device each."""
+    from m2flow.runners.auto import probes
+    from m2flow.runners.schedule import schedule_of
+
+    def shapes(*overrides):
+        s = schedule_of(load_config("reasoning/grpo_arith_tiny", list(overrides)))
+        return {r.role: {c: r.plan.world_size(c) for c in ("rollout", "actor")} for r in probes(s, 2, "cuda")}
+
+    assert shapes() == {"collocated": {"rollout": 2, "actor": 2}, "sized": {"rollout": 2, "actor": 2},
+                        "split": {"rollout": 1, "actor": 1}}
+    assert shapes("cluster.gpu_slots=2") == {"collocated": {"rollout": 2, "actor": 1},
+                                             "sized": {"rollout": 2, "actor": 1}, "split": {"rollout": 1, "actor": 1}}

@@ -67,7 +67,14 @@ def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
     every, variant, variant_overrides = s.probe_sizes(n)
 
     def of(mode: str, devices: int, **changes: Any) -> Plan:
-        return Plan.for_mode(wf, mode, devices, kind, components=s.components, **opts | changes)
+        p = Plan.for_mode(wf, mode, devices, kind, components=s.components, **opts | changes)
+        if not fits(p) and len(p.devices(wf.trainer)) > 1:
+            # the trainer's ranks may not share its devices (the slots of one GPU): one rank
+            # over all of them, as the planner's candidates also have it
+            one = Plan.for_mode(wf, mode, devices, kind, components=s.components,
+                                **opts | changes | {"trainer_devices_per_proc": len(p.devices(wf.trainer))})
+            return one if fits(one) else p
+        return p
 
     def fits(p: Plan) -> bool:
         try:
