@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from m2flow.runtime.files import save_tensors
 
 SUFFIX = ".safetensors"
 _KEY = "m2flow"
@@ -37,26 +38,10 @@ class CheckpointError(ValueError):
 
 
 def save(path: str | Path, state: dict[str, Any]) -> Path:
-    """Writes ``state`` to ``path`` atomically (a temporary file, fsync, rename, fsync of the
-    directory)."""
-    path = Path(path)
+    """Writes ``state`` to ``path`` atomically (``m2flow.runtime.files.save_tensors``)."""
     tensors: dict[str, torch.Tensor] = {}
     tree = _encode(state, tensors, set(), "state")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, tmp, metadata={_KEY: json.dumps(tree)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return path
+    return save_tensors(path, tensors, metadata={_KEY: json.dumps(tree)})
 
 
 def check(path: str | Path) -> dict[str, Any]:

@@ -22,9 +22,7 @@ step's batches first, then trains epochs x mini-batches.
 from __future__ import annotations
 
 import math
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +44,7 @@ from m2flow.algorithms import (
 from m2flow.engines.batch import SequenceBatch, concat_batches
 from m2flow.engines.trainer import LMTrainer, LossScale
 from m2flow.runtime import Channel, Clock, DeviceLock, Worker, dispatch
+from m2flow.runtime.files import save_tensors
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb, switch
 
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
@@ -120,17 +119,12 @@ class LMActorWorker(Worker):
     def save_weights(self, path: str) -> None:
         """Saves the weights (safetensors, each tied weight once) to ``path``, to evaluate
         later (``runner.eval_deferred``). Rank 0 writes; sharded, every rank is called and
-        helps gather them. Written to a side file first: ``path`` is whole or absent."""
-        from safetensors.torch import save_file
-
+        helps gather them. Written atomically: ``path`` is whole or absent."""
         if self.rank != 0:
             for _ in self.trainer.named_weights():
                 pass
             return
-        weights = {name: t.detach().to("cpu").contiguous() for name, t in self.trainer.named_weights()}
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file(weights, f"{path}.part")
-        os.replace(f"{path}.part", path)
+        save_tensors(path, {name: t.detach().to("cpu").contiguous() for name, t in self.trainer.named_weights()})
 
     # -- training ---------------------------------------------------------------------
     def train(self, batches_in: Channel, key: int = 0) -> dict:
