@@ -236,7 +236,7 @@ class Plan:
                 if gpu in holder:
                     raise PlanError(f"component {c!r}: ranks {holder[gpu]} and {rank} would share GPU {gpu} (devices "
                                     f"{p.devices}, {gpu_slots} device(s) per GPU); its all-reduces (NCCL) take one GPU "
-                                    "per rank")
+                                    "per rank (a rank may span its GPU's devices: devices_per_proc)")
                 holder[gpu] = rank
 
     def placement(self, cluster) -> Placement:
