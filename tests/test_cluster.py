@@ -62,6 +62,7 @@ def test_gpu_slots_make_each_gpu_several_devices(monkeypatch):
         (0, "a", 0, "cuda"), (1, "a", 0, "cuda"), (2, "a", 1, "cuda"), (3, "a", 1, "cuda"),
         (4, "b", 0, "cuda"), (5, "b", 0, "cuda")]
     assert visible_gpus(tuple(devices[0:2])) == "0" and visible_gpus(tuple(devices[1:3])) == "0,1"
+    assert [str(d) for d in devices[1:3]] == ["cuda:1(node 0, GPU 0)", "cuda:2(node 0, GPU 1)"]
     c.gpu_slots = 1
     assert [d.local_index for n in c._discover_nodes(listed) for d in n.devices] == [0, 1, 0]
     cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.gpu_slots=3"])

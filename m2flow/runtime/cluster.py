@@ -59,7 +59,8 @@ class Device:
     cores: tuple[int, ...] = ()  # CPU slots: indices into the node's usable cores
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.index}(node {self.node_rank})"
+        gpu = f", GPU {self.local_index}" if self.kind == "cuda" else ""  # the slots of a GPU share it
+        return f"{self.kind}:{self.index}(node {self.node_rank}{gpu})"
 
 
 @dataclass(frozen=True)
