@@ -108,3 +108,22 @@ def test_nccl_process_group_in_a_gpu_worker(gpu_cluster):
 def test_different_gpus_go_by_nccl(gpu_cluster):
     transport, got = exchange(gpu_cluster, "0", "1")
     assert transport == "nccl" and got["transport"] == "nccl" and got["sum"] == float(sum(range(1000)))
+
+
+def test_two_devices_of_one_gpu_share_it_and_talk_by_cuda_ipc(gpu_cluster):
+    """cluster.gpu_slots=2: devices 0 and 1 are both GPU 0; a worker on each sees that GPU
+    alone, and tensors between them go by CUDA IPC (NCCL refuses two ranks on one GPU)."""
+    slots = Cluster(gpu_slots=2, run_dir=gpu_cluster.run_dir)  # attaches to the running Ray
+    os.environ["M2FLOW_SESSION"] = gpu_cluster.session  # the workers go on naming this run's files
+    assert len(slots.devices) == 2 * torch.cuda.device_count()
+    p = Placement.from_config({"a": "0", "b": "1"}, slots)
+    a, b = WorkerGroup(GpuPeer, p["a"]), WorkerGroup(GpuPeer, p["b"])
+    try:
+        (seen_a,), (seen_b,) = a.describe().wait(timeout=120), b.describe().wait(timeout=120)
+    finally:
+        a.kill()
+        b.kill()
+    assert seen_a["visible"] == seen_b["visible"] == "0" and seen_a["count"] == seen_b["count"] == 1
+    assert seen_a["uuid"] == seen_b["uuid"] == str(torch.cuda.get_device_properties(0).uuid)
+    transport, got = exchange(slots, "0", "1")
+    assert transport == "cuda_ipc" and got["transport"] == "cuda_ipc" and got["sum"] == float(sum(range(1000)))
