@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from m2flow.config.validate import ConfigError
-from m2flow.runtime.placement import Placement, PlacementError, parse_range, processes
+from m2flow.runtime.placement import Placement, PlacementError, parse_range, processes, rank_devices
 
 MODES = ("collocated", "disaggregated", "hybrid")
 
@@ -226,12 +226,8 @@ class Plan:
 
     def _one_gpu_per_rank(self, c: str, devices: list[int], gpu_slots: int) -> None:
         p = self.components[c]
-        if p.devices_per_proc > 1:
-            ranks = [devices[i:i + p.devices_per_proc] for i in range(0, len(devices), p.devices_per_proc)]
-        else:
-            ranks = [[d] for d in devices for _ in range(p.procs_per_device)]
         holder: dict[int, int] = {}  # GPU (global ordinal) -> the rank on it
-        for rank, devs in enumerate(ranks):
+        for rank, devs in enumerate(rank_devices(devices, p.procs_per_device, p.devices_per_proc)):
             for gpu in sorted({d // gpu_slots for d in devs}):
                 if gpu in holder:
                     raise PlanError(f"component {c!r}: ranks {holder[gpu]} and {rank} would share GPU {gpu} (devices "

@@ -375,10 +375,15 @@ class Runner:
             self.evaluate_deferred(log, watchdog)
         return log.history
 
+    @property
+    def saved_weights_dir(self) -> Path:
+        """Where weights saved for deferred evaluations go (``saved_weights``)."""
+        return Path(self.cfg.runner.out_dir) / "saved_weights"
+
     def saved_weights(self, row: dict[str, float]) -> Path:
         """Where the weights of the update that ``row`` reports are saved to be evaluated later."""
         x = self.metrics.x
-        return Path(self.cfg.runner.out_dir) / "saved_weights" / f"{x}-{int(row[x])}.safetensors"
+        return self.saved_weights_dir / f"{x}-{int(row[x])}.safetensors"
 
     def evaluate_deferred(self, log: RunLog, watchdog: Watchdog | None = None) -> None:
         """The deferred evaluations: each row whose update saved its weights and that has no
@@ -431,7 +436,7 @@ class Runner:
                  f"{out / 'timeline.png'}")
 
     def _from_start(self, log: RunLog, initial: dict[str, Any]) -> int:
-        for old in (Path(self.cfg.runner.out_dir) / "saved_weights").glob("*.safetensors"):
+        for old in self.saved_weights_dir.glob("*.safetensors"):
             old.unlink()  # an earlier run's in this out_dir: never evaluated as this run's
         self.metrics.load_state_dict(initial["metrics"])
         self.load_extra_state(initial["extra"])

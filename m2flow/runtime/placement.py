@@ -11,11 +11,13 @@ disjoint devices is *disaggregated*, anything in between is *hybrid*.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from m2flow.runtime.cluster import Cluster, Device
 
+T = TypeVar("T")
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+))?\s*$")
 
 
@@ -50,14 +52,16 @@ class ComponentPlacement:
         return frozenset(d.index for d in self.devices)
 
     def ranks(self) -> list[RankPlacement]:
-        out = []
-        for r in range(self.world_size):
-            if self.devices_per_proc > 1:
-                devs = self.devices[r * self.devices_per_proc : (r + 1) * self.devices_per_proc]
-            else:
-                devs = (self.devices[r // self.procs_per_device],)
-            out.append(RankPlacement(r, devs))
-        return out
+        return [RankPlacement(r, devs)
+                for r, devs in enumerate(rank_devices(self.devices, self.procs_per_device, self.devices_per_proc))]
+
+
+def rank_devices(devices: Sequence[T], procs_per_device: int = 1, devices_per_proc: int = 1) -> list[tuple[T, ...]]:
+    """Each rank's devices, in rank order: ``devices_per_proc`` consecutive devices per rank, or
+    ``procs_per_device`` ranks per device."""
+    if devices_per_proc > 1:
+        return [tuple(devices[i:i + devices_per_proc]) for i in range(0, len(devices), devices_per_proc)]
+    return [(d,) for d in devices for _ in range(procs_per_device)]
 
 
 def processes(component: str, devices: int, procs_per_device: int = 1, devices_per_proc: int = 1) -> int:
