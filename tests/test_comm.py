@@ -23,6 +23,14 @@ class Peer(Worker):
         obj = self.recv(group, rank, tag, timeout=timeout)
         return obj, self.comm.last_transport
 
+    def send_then_change(self, n, group, rank):
+        """Sends ``arange(n)``, then changes it in place (as an optimizer step does to weights
+        just pushed)."""
+        t = torch.arange(n, dtype=torch.float32)
+        transport = self.send(t, group, rank)
+        t.add_(1.0)
+        return transport
+
     def send_self(self, obj):
         transport = self.send(obj, self.group, self.rank)
         got = self.recv(self.group, self.rank)
@@ -91,6 +99,16 @@ def test_large_tensors_go_through_shared_memory(groups):
     got, transport = exchange(groups, obj)
     assert transport == "shm"
     assert torch.equal(got["x"], obj["x"]) and torch.equal(got["y"][0], obj["y"][0]) and got["y"][1] == "label"
+
+
+@pytest.mark.parametrize("n, transport", [(100, "rpc"), (100_000, "shm")])
+def test_the_receiver_gets_a_tensor_as_it_was_sent(groups, n, transport):
+    """The sender changes its tensor once sent, before the receiver takes it: the receiver
+    still gets the values at send time."""
+    a, b = groups
+    assert a.send_then_change(n, "b", 0).wait() == [transport]
+    got, recv_transport = b.call("recv_from", "a", 0, ranks=[0]).wait()[0]
+    assert recv_transport == transport and torch.equal(got, torch.arange(n, dtype=torch.float32))
 
 
 def test_small_and_plain_objects_ride_the_call(groups):

@@ -18,17 +18,20 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 class GpuPeer(Worker):
-    def __init__(self):
-        self.kept = []  # CUDA IPC: the sender's memory must outlive the receiver's mapping
-
     def describe(self):
         return {"device": self.device, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "count": torch.cuda.device_count(), "uuid": str(torch.cuda.get_device_properties(0).uuid)}
 
-    def send_cuda(self, group, rank, n):
+    def send_cuda(self, group, rank, n, change_after=False):
+        """Sends ``arange(n)`` and lets it go (the transport keeps what it sent); with
+        ``change_after``, adds 1 to it in place once sent, as an optimizer step does to
+        weights just pushed."""
         t = torch.arange(n, dtype=torch.float32, device="cuda")
-        self.kept.append(t)
-        return self.send({"x": t, "step": 3}, group, rank)
+        transport = self.send({"x": t, "step": 3}, group, rank)
+        if change_after:
+            t.add_(1.0)
+            torch.cuda.synchronize()
+        return transport
 
     def recv_cuda(self, group, rank):
         got = self.recv(group, rank, timeout=60)
@@ -75,14 +78,19 @@ def test_worker_sees_only_its_gpu(gpu_cluster):
     assert info["uuid"] == str(torch.cuda.get_device_properties(last).uuid)
 
 
-def exchange(cluster, a_devices: str, b_devices: str) -> tuple[str, dict]:
-    """Worker a sends a CUDA tensor to worker b: (the sender's transport, what b saw)."""
+def exchange(cluster, a_devices: str, b_devices: str, change_after: bool = False) -> tuple[str, dict]:
+    """Worker a sends a CUDA tensor to worker b: (the sender's transport, what b saw).
+    ``change_after``: the sender changes the tensor once sent, before b receives it."""
     p = Placement.from_config({"a": a_devices, "b": b_devices}, cluster)
     a, b = WorkerGroup(GpuPeer, p["a"]), WorkerGroup(GpuPeer, p["b"])
     try:
-        received = b.call("recv_cuda", a.name, 0)
-        (transport,) = a.call("send_cuda", b.name, 0, 1000).wait(timeout=120)
-        (got,) = received.wait(timeout=120)
+        if change_after:  # sent (a message in b's mailbox) and changed before b takes it
+            (transport,) = a.call("send_cuda", b.name, 0, 1000, True).wait(timeout=120)
+            (got,) = b.call("recv_cuda", a.name, 0).wait(timeout=120)
+        else:
+            received = b.call("recv_cuda", a.name, 0)
+            (transport,) = a.call("send_cuda", b.name, 0, 1000).wait(timeout=120)
+            (got,) = received.wait(timeout=120)
     finally:
         a.kill()
         b.kill()
@@ -93,6 +101,13 @@ def test_same_gpu_tensors_go_by_cuda_ipc(gpu_cluster):
     transport, got = exchange(gpu_cluster, "0", "0")
     assert transport == "cuda_ipc"
     assert got == {"transport": "cuda_ipc", "is_cuda": True, "sum": float(sum(range(1000))), "step": 3}
+
+
+def test_cuda_ipc_delivers_the_tensor_as_sent(gpu_cluster):
+    """The receiver gets the values at send time though the sender changed its tensor since
+    (a handle to the sender's live memory would show the change: sum + 1000)."""
+    transport, got = exchange(gpu_cluster, "0", "0", change_after=True)
+    assert transport == "cuda_ipc" and got["sum"] == float(sum(range(1000)))
 
 
 def test_nccl_process_group_in_a_gpu_worker(gpu_cluster):

@@ -9,8 +9,15 @@ to the receiver's mailbox; the tensors take the cheapest path for that pair:
   shm           same node, CPU tensors: one copy into a pooled shared-memory segment,
                 mapped copy-on-write by the receiver
   object_store  different nodes, CPU tensors: Ray's object store, one hop
-  cuda_ipc      same GPU: a CUDA IPC handle, no copy
+  cuda_ipc      same GPU: one copy on the GPU, handed over by a CUDA IPC handle
   nccl          different GPUs: NCCL send/recv over a pairwise communicator
+
+Between processes, every transport delivers the payload as it was when it was sent: the
+sender may change its tensors at once (an optimizer step on weights just pushed).
+``cuda_ipc`` copies them for that (a handle to the sender's live memory would let the
+receiver read whatever the sender wrote since); the copy lives until the receiver drops its
+tensors (torch keeps a shared block alive while a receiver holds it, even once the sender
+has let it go). NCCL needs no copy: the sender's later kernels queue behind the send.
 
 The transport used is recorded on the returned work handle, in the worker's
 ``comm_log`` and in trace spans.
@@ -174,7 +181,9 @@ def pack_flat(skeleton: Any, tensors: list[torch.Tensor], *, same_node: bool = T
         cuda = [t for t in tensors if t.is_cuda]
         cpu_part = _pack_cpu(None, [tensors[i] for i in cpu_index], same_node, readers) if cpu_index else None
         if same_gpu:
-            handles = [torch.multiprocessing.reductions.reduce_tensor(t.contiguous()) for t in cuda]
+            # a snapshot: the receiver maps it, not the sender's live memory
+            handles = [torch.multiprocessing.reductions.reduce_tensor(t.clone(memory_format=torch.contiguous_format))
+                       for t in cuda]
             return Packed(skeleton, "cuda_ipc", handles, nbytes, cpu_index, cpu_part)
         meta = [(tuple(t.shape), t.dtype) for t in cuda]
         return Packed(skeleton, "nccl", meta, nbytes, cpu_index, cpu_part)
