@@ -178,6 +178,43 @@ def test_a_plan_over_device_memory_names_the_component_and_the_shortfall():
     assert choice.best.mode != "collocated" and choice.rejected
 
 
+def test_the_slots_of_one_gpu_share_its_memory():
+    """cluster.gpu_slots=2 on one GPU: every rank on either slot draws on the one GPU's memory.
+    Rollout on slot 0 beside inference and actor taking turns on slot 1 need 50,000 + 40,000 MB
+    at once (each slot alone fits in 80,000); collocated on both slots, the rollout's two
+    ranks hold their turns at once (100,000 MB); collocated on one slot, one at a time."""
+    cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.gpu_slots=2"])
+    pts = [Point(c, ph, i, d, 0.01 * i / d) for c, ph in (("rollout", "work"), ("reward", "work"),
+                                                         ("inference", "work"), ("actor", "train"))
+           for i in (2, 4) for d in (1, 2)]
+    prof = Profile("t", {"devices": 2, "kind": "cuda", "cpu": "t", "gpus": ["g"]}, pts,
+                   memory_mb={"rollout": 50_000, "inference": 20_000, "actor": 40_000, "reward": 0},
+                   device_memory_mb=80_000, config=OmegaConf.to_container(cfg, resolve=True))
+    choice = choose(cfg, prof)
+    fits = {(c.mode, c.split) for c in choice.ranked}
+    # hybrid: rollout on slot 0, inference on slot 1, the actor over both: 50,000 + 20,000 or 40,000
+    assert fits == {("collocated", (1,)), ("hybrid", (1, 1))}, fits
+    short = [c.rejected for c in choice.rejected if c.mode == "disaggregated"]
+    assert short and all(r.startswith("GPU 0 (devices 0-1), used by") and "they need 90,000 MB" in r for r in short)
+    assert any("they need 100,000 MB" in c.rejected for c in choice.rejected if c.split == (2,))
+    prof.memory_mb["rollout"] = 30_000  # 30,000 + 40,000: the rollout beside the actor fits
+    assert "disaggregated" in {c.mode for c in choose(cfg, prof).ranked}
+    cfg.cluster.gpu_slots = 1  # two GPUs of 80,000 MB each: a slot's ranks alone on theirs
+    prof.memory_mb["rollout"] = 50_000
+    assert {"disaggregated", "collocated"} <= {c.mode for c in choose(cfg, prof).ranked}
+
+
+def test_ranks_taking_turns_on_disjoint_devices_hold_memory_together():
+    from m2flow.flow.planner import _peak_together
+
+    assert _peak_together([]) == 0.0
+    assert _peak_together([(0b01, 5.0), (0b01, 7.0)]) == 7.0  # one device: one at a time
+    assert _peak_together([(0b01, 5.0), (0b10, 7.0)]) == 12.0  # two devices: both at once
+    assert _peak_together([(0b01, 5.0), (0b10, 7.0), (0b11, 11.0)]) == 12.0
+    assert _peak_together([(0b01, 5.0), (0b10, 5.0), (0b11, 11.0)]) == 11.0  # the rank over both is the most
+    assert _peak_together([(0b011, 4.0), (0b110, 4.0), (0b100, 1.0), (0b001, 1.0)]) == 5.0
+
+
 def test_reasoning_candidates_vary_granularity_and_split():
     cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.cpu_slots=4"])
     s = schedule_of(cfg)

@@ -11,7 +11,9 @@ and what is short.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from m2flow.flow.cost import CostModel
 from m2flow.flow.plan import Plan, PlanError, Workflow
 from m2flow.flow.simulate import Layout, Prediction, Shape, predict
+from m2flow.runtime.placement import parse_range, rank_devices
 
 ShapeOf = Callable[[Plan, bool], Shape]  # (plan, fused) -> the step's shape under that plan
 
@@ -159,25 +162,56 @@ def candidates(workflow: Workflow, num_devices: int, kind: str, components: tupl
     return out
 
 
-def memory_shortfall(layout: Layout, model: CostModel, kind: str) -> str | None:
-    """What is over device memory under a plan's ``layout``, or None. A component that takes
-    device turns on a GPU leaves its devices' memory while another has them (offload)."""
+def memory_shortfall(plan: Plan, layout: Layout, model: CostModel, kind: str, gpu_slots: int = 0) -> str | None:
+    """What is over device memory under ``plan`` (``layout``: its turns), or None. Memory is
+    counted per GPU, each rank of a component on it holding the component's measured peak;
+    ``gpu_slots`` > 1: a GPU is that many consecutive devices, whose ranks all draw on its
+    memory. A rank that takes device turns on a GPU leaves its memory while another has the
+    devices (offload); ranks on disjoint devices of one GPU hold their turns at once."""
     limit = model.profile.device_memory_mb
     if not limit:
         return None
-    on: dict = {}
-    for c, devs in layout.devices.items():
-        for d in devs:
-            on.setdefault(d, []).append(c)
-    for d, comps in sorted(on.items()):
-        resident = [c for c in comps if not (kind == "cuda" and layout.turns[c])]
-        swapped = [c for c in comps if c not in resident]
-        need = sum(model.memory_mb(c) for c in resident) + max((model.memory_mb(c) for c in swapped), default=0.0)
+    per = max(1, gpu_slots)
+    on: dict[tuple[str, int], list[tuple[str, frozenset]]] = {}  # (node group, GPU) -> (component, devices) per rank
+    for c, p in plan.components.items():
+        group, indices = parse_range(p.devices, c)
+        for devs in rank_devices(indices, p.procs_per_device, p.devices_per_proc):
+            for gpu in sorted({d // per for d in devs}):
+                on.setdefault((group, gpu), []).append((c, frozenset(d % per for d in devs if d // per == gpu)))
+    checked = set()  # GPUs holding the same ranks need the same: one check for each kind
+    for (group, gpu), ranks in sorted(on.items()):
+        if tuple(ranks) in checked:
+            continue
+        checked.add(tuple(ranks))
+        resident = [c for c, _ in ranks if not (kind == "cuda" and layout.turns[c])]
+        swapped = [(sum(1 << d for d in devs), model.memory_mb(c)) for c, devs in ranks if c not in resident]
+        need = sum(model.memory_mb(c) for c in resident) + _peak_together(swapped)
         if need > limit:
+            comps = sorted({c for c, _ in ranks}, key=[c for c, _ in ranks].index)
             worst = max(comps, key=model.memory_mb)
-            return (f"a device shared by {'+'.join(comps)}: they need {need:,.0f} MB, it has "
+            node = "" if group == "all" else f" of node group {group!r}"
+            where = (f"GPU {gpu}{node} (devices {gpu * per}-{gpu * per + per - 1}), used by" if per > 1
+                     else "a device shared by")
+            return (f"{where} {'+'.join(comps)}: they need {need:,.0f} MB, it has "
                     f"{limit:,.0f} MB ({worst} alone {model.memory_mb(worst):,.0f} MB; short by {need - limit:,.0f} MB)")
     return None
+
+
+def _peak_together(ranks: list[tuple[int, float]]) -> float:
+    """The most memory ranks taking device turns hold at once: ``ranks`` are (their devices
+    as a bit mask, their memory); ranks on disjoint devices may hold their turns together."""
+    @functools.cache
+    def most(free: int) -> float:  # the best over ranks within the devices ``free``
+        if not free:
+            return 0.0
+        low = free & -free
+        best = most(free & ~low)  # no rank holds the lowest free device
+        for mask, mb in ranks:
+            if mask & low and mask & free == mask:
+                best = max(best, mb + most(free & ~mask))
+        return best
+
+    return most(functools.reduce(operator.or_, (m for m, _ in ranks), 0))
 
 
 @dataclass
@@ -214,12 +248,14 @@ def preference(plan: Plan, step_s: float) -> tuple:
 
 
 def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: int, kind: str,
-         components: tuple[str, ...], check: Callable[[Plan], None] | None = None, **options) -> Choice:
-    """Simulates every candidate plan; the fastest that fits first."""
+         components: tuple[str, ...], check: Callable[[Plan], None] | None = None, gpu_slots: int = 0,
+         **options) -> Choice:
+    """Simulates every candidate plan; the fastest that fits first (``gpu_slots``: devices per
+    GPU, for the memory each GPU's ranks share)."""
     start = time.perf_counter()
     ranked, rejected = [], []
     for c in candidates(workflow, num_devices, kind, components, **options):
-        reason = memory_shortfall(c.layout, model, kind)
+        reason = memory_shortfall(c.plan, c.layout, model, kind, gpu_slots)
         if reason is None and check is not None:
             try:
                 check(c.plan)

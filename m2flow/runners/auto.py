@@ -262,12 +262,15 @@ def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes
         model = CostModel(prof, internode=internode, devices_per_node=max(1, n // nodes) if nodes > 1 else None)
     opts = s.plan_options()
 
+    slots = gpu_slots_of(cfg, kind)
+
     def check(p: Plan) -> None:
-        p.check(s.workflow, n, s.components, gpu_slots=gpu_slots_of(cfg, kind))
+        p.check(s.workflow, n, s.components, gpu_slots=slots)
         s.check(p)
 
-    return plan(s.workflow, s.shape, model, n, kind, s.components, check=check, staleness=cfg.runner.max_staleness,
-                trainer_devices_per_proc=opts.get("trainer_devices_per_proc", 1), **s.knobs())
+    return plan(s.workflow, s.shape, model, n, kind, s.components, check=check, gpu_slots=slots,
+                staleness=cfg.runner.max_staleness, trainer_devices_per_proc=opts.get("trainer_devices_per_proc", 1),
+                **s.knobs())
 
 
 def auto_plan(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> DictConfig:
