@@ -171,8 +171,8 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, tmp_path):
     finally:
         runner.close()
     # every completion of every step's prompts trained on once: none lost, none twice
-    ids = [p for step in trained for p in step]
-    assert len(trained) == 8 and all(ids.count(p) == cfg.rollout.n for p in set(ids))
+    ids = [p for step in trained.values() for p in step]
+    assert sorted(trained) == list(range(1, 9)) and all(ids.count(p) == cfg.rollout.n for p in set(ids))
     assert len(set(ids)) == 8 * cfg.data.prompts_per_step
     steps = [row for row in history if row["step"] > 0]
     assert [row["step"] for row in steps] == list(range(1, 9))

@@ -47,13 +47,17 @@ class Killer(threading.Thread):
         return log.read_text().count("restart ") if log.exists() else 0
 
 
-def _run(runner_cls, preset, overrides, cluster, out, kills=()):
+def _run(runner_cls, preset, overrides, cluster, out, kills=(), keep=None):
+    """The run's history, its actor's weights hash and what was killed; ``keep``: a dict that
+    gets the runner's metrics."""
     runner = runner_cls(load_config(preset, [*overrides, f"runner.out_dir={out}", "runner.progress=false"]), cluster)
     killer = Killer(runner, out, kills)
     try:
         killer.start()
         history = runner.train()
         killer.join(timeout=5)
+        if keep is not None:
+            keep["metrics"] = runner.metrics
         return history, runner.groups["actor"].weights_hash().wait(), killer.killed
     finally:
         runner.close()
@@ -109,3 +113,29 @@ def test_reasoning_run_survives_the_rollout_and_an_actor_rank_killed(cluster, tm
 
     assert trained(history) == trained(straight) == [1, 2, 3, 4, 5]
     assert hit == weights
+
+
+@pytest.mark.slow  # a reasoning run and a restart: about a minute
+def test_reasoning_async_run_survives_the_rollout_killed(cluster, tmp_path):
+    """Two versions ahead with weights taken in flight (runner.max_staleness=2,
+    rollout.partial=true, disaggregated): the rollout is killed once checkpoint 4 is written,
+    its streams in flight. The run starts again from the last checkpoint and trains steps 1-8
+    once each, every prompt's completions once (none lost, none twice), none more than two
+    versions old, none dropped. In-flight updates make which version samples which token
+    depend on timing, so the weights are not compared with an undisturbed run's."""
+    overrides = ["runner.steps=8", "runner.checkpoint_every=2", "runner.max_staleness=2", "rollout.partial=true",
+                 "algorithm.off_policy=tis", "placement.mode=disaggregated"]
+    kept = {}
+    history, _, killed = _run(ReasoningRunner, "reasoning/grpo_arith_tiny", overrides, cluster, tmp_path,
+                              kills=[("step_000004.safetensors", "rollout", 0)], keep=kept)
+    assert killed == [("rollout", 0)]
+    log = (tmp_path / "log.txt").read_text()
+    assert log.count("restart ") == 1 and "restart 1 of at most 3: rollout-" in log
+    steps = [row for row in history if not math.isnan(row.get("step_s", math.nan))]
+    assert [row["step"] for row in steps] == list(range(1, 9))
+    assert all(row["policy_lag"] <= 2 and row["stale_dropped"] == 0 for row in steps)
+    trained = kept["metrics"].trained
+    ids = [p for step in trained.values() for p in step]
+    n = load_config("reasoning/grpo_arith_tiny", []).rollout.n
+    assert sorted(trained) == list(range(1, 9)) and all(ids.count(p) == n for p in set(ids))
+    assert len(set(ids)) == 8 * load_config("reasoning/grpo_arith_tiny", []).data.prompts_per_step

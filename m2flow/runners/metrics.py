@@ -262,7 +262,9 @@ class ReasoningMetrics:
     def __init__(self, progress_total: int):
         self.progress_total = progress_total
         self.staleness = Staleness()
-        self.trained: list[list[int]] = []  # per step: the prompt index of every completion trained on
+        # step -> the prompt index of every completion trained on (a step done again after a
+        # restart from a checkpoint replaces what it trained before)
+        self.trained: dict[int, list[int]] = {}
 
     def state_dict(self) -> dict[str, float]:
         return {}
@@ -295,7 +297,7 @@ class ReasoningMetrics:
         row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
         row["actor_update_busy_s"] = sum(r["update_busy_s"] for r in actor) / len(actor)
         row |= self._staleness(rollout, actor)
-        self.trained.append([p for r in actor for p in r.get("trained_prompts", ())])
+        self.trained[i + 1] = [p for r in actor for p in r.get("trained_prompts", ())]
         if "logprob_diff_max" in inference:
             row["logprob_diff_max"] = inference["logprob_diff_max"]
         row |= {k: report["sync"][k] if k in report["sync"] else 0.0 for k in ("weight_sync_s", "weight_mb")}
