@@ -197,11 +197,13 @@ def test_the_slots_of_one_gpu_share_its_memory():
     short = [c.rejected for c in choice.rejected if c.mode == "disaggregated"]
     assert short and all(r.startswith("GPU 0 (devices 0-1), used by") and "they need 90,000 MB" in r for r in short)
     assert any("they need 100,000 MB" in c.rejected for c in choice.rejected if c.split == (2,))
+    assert "note: 2 devices per GPU: their ranks share its memory (counted) and its compute" in choice.report()
     prof.memory_mb["rollout"] = 30_000  # 30,000 + 40,000: the rollout beside the actor fits
     assert "disaggregated" in {c.mode for c in choose(cfg, prof).ranked}
     cfg.cluster.gpu_slots = 1  # two GPUs of 80,000 MB each: a slot's ranks alone on theirs
     prof.memory_mb["rollout"] = 50_000
-    assert {"disaggregated", "collocated"} <= {c.mode for c in choose(cfg, prof).ranked}
+    choice = choose(cfg, prof)
+    assert {"disaggregated", "collocated"} <= {c.mode for c in choice.ranked} and "note:" not in choice.report()
 
 
 def test_ranks_taking_turns_on_disjoint_devices_hold_memory_together():

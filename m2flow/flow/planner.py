@@ -220,6 +220,7 @@ class Choice:
     ranked: list[Candidate]  # feasible, fastest first
     rejected: list[Candidate]
     planning_s: float
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the predictions leave out
 
     def report(self, top: int = 5) -> str:
         b = self.best
@@ -238,6 +239,7 @@ class Choice:
         lines.append(f"  its busiest process: {bottleneck} ({busy[bottleneck] / b.step_s:.0%} of the step)")
         lines.append("predicted step (one steady-state step; # work, T train, s switch, w weight sync):")
         lines.append(b.prediction.timeline())
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -272,4 +274,6 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
                                                                             f"{num_devices} device(s)"]
         raise PlanError(f"no plan fits: {reasons[0]}" + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""))
     ranked.sort(key=lambda c: preference(c.plan, c.step_s))
-    return Choice(ranked[0], ranked, rejected, time.perf_counter() - start)
+    notes = [f"{gpu_slots} devices per GPU: their ranks share its memory (counted) and its compute, which the "
+             "predictions leave out (each slot is priced as a GPU of its own)"] if gpu_slots > 1 else []
+    return Choice(ranked[0], ranked, rejected, time.perf_counter() - start, notes)
