@@ -181,9 +181,9 @@ def pack_flat(skeleton: Any, tensors: list[torch.Tensor], *, same_node: bool = T
         cuda = [t for t in tensors if t.is_cuda]
         cpu_part = _pack_cpu(None, [tensors[i] for i in cpu_index], same_node, readers) if cpu_index else None
         if same_gpu:
-            # a snapshot: the receiver maps it, not the sender's live memory
-            handles = [torch.multiprocessing.reductions.reduce_tensor(t.clone(memory_format=torch.contiguous_format))
-                       for t in cuda]
+            # a snapshot (a leaf, as the tensor was): the receiver maps it, not the sender's live memory
+            handles = [torch.multiprocessing.reductions.reduce_tensor(
+                t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(t.requires_grad)) for t in cuda]
             return Packed(skeleton, "cuda_ipc", handles, nbytes, cpu_index, cpu_part)
         meta = [(tuple(t.shape), t.dtype) for t in cuda]
         return Packed(skeleton, "nccl", meta, nbytes, cpu_index, cpu_part)
