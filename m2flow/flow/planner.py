@@ -71,9 +71,8 @@ def layout_of(plan: Plan, workflow: Workflow) -> tuple[Layout, bool]:
     atoms = {c: frozenset(token[d] for d in devs) for c, devs in devices.items()}
     t, ranks = workflow.trainer, None
     if t in plan.components and plan.world_size(t) > 1:  # the trainer's ranks, each on its devices
-        devs, n = sorted(devices[t]), plan.world_size(t)
-        parts = [[devs[r * len(devs) // n]] for r in range(n)] if n >= len(devs) else \
-            [devs[r * (len(devs) // n):(r + 1) * (len(devs) // n)] for r in range(n)]
+        p = plan.components[t]
+        parts = rank_devices(sorted(devices[t]), p.procs_per_device, p.devices_per_proc)
         ranks = {t: tuple(frozenset(token[d] for d in part) for part in parts)}
     return Layout(process, atoms, turns, {c: len(devs) for c, devs in devices.items()}, ranks), fused
 
@@ -187,7 +186,7 @@ def memory_shortfall(plan: Plan, layout: Layout, model: CostModel, kind: str, gp
         swapped = [(sum(1 << d for d in devs), model.memory_mb(c)) for c, devs in ranks if c not in resident]
         need = sum(model.memory_mb(c) for c in resident) + _peak_together(swapped)
         if need > limit:
-            comps = sorted({c for c, _ in ranks}, key=[c for c, _ in ranks].index)
+            comps = list(dict.fromkeys(c for c, _ in ranks))
             worst = max(comps, key=model.memory_mb)
             node = "" if group == "all" else f" of node group {group!r}"
             where = (f"GPU {gpu}{node} (devices {gpu * per}-{gpu * per + per - 1}), used by" if per > 1
