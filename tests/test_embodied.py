@@ -20,9 +20,9 @@ def cluster(tmp_path_factory):
     c.shutdown()
 
 
-def train_cartpole(cluster, overrides):
+def train_cartpole(cluster, pool, overrides):
     """The ppo_cartpole preset with ``overrides``, trained to the end; its history."""
-    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster, pool)
     try:
         return runner.train()
     finally:
@@ -65,12 +65,12 @@ def assert_times_add_up(history, fused):
     ("disaggregated", 1, "0", "1", "2"),
     ("hybrid", 2, "0", "1", "0-1"),
 ])
-def test_ppo_cartpole_learns_in_every_mode(cluster, tmp_path, mode, stages, env, rollout, actor):
+def test_ppo_cartpole_learns_in_every_mode(cluster, pool, tmp_path, mode, stages, env, rollout, actor):
     overrides = ["placement.mode=custom", f"placement.components.env={env}", f"placement.components.rollout={rollout}",
                  f"placement.components.actor={actor}", f"runner.stages={stages}", "runner.progress=false",
                  f"runner.out_dir={tmp_path}", "runner.target_return=450"]
     cfg = load_config("embodied/ppo_cartpole", overrides)
-    runner = EmbodiedRunner(cfg, cluster)
+    runner = EmbodiedRunner(cfg, cluster, pool)
     try:
         assert runner.plan.mode(runner.workflow) == mode
         fused = runner.fused
@@ -84,7 +84,7 @@ def test_ppo_cartpole_learns_in_every_mode(cluster, tmp_path, mode, stages, env,
 
 
 @pytest.mark.parametrize("rollout,correction", [("0", "decoupled"), ("1", "none")], ids=["fused", "separate"])
-def test_collect_ahead_learns(cluster, tmp_path, rollout, correction):
+def test_collect_ahead_learns(cluster, pool, tmp_path, rollout, correction):
     """Env on one device (the rollout fused into it, or on a device of its own), the actor on
     another; each update's rollout is collected while the actor trains on the previous one:
     the data is one version old, and PPO still learns CartPole (fused: with the decoupled
@@ -93,7 +93,7 @@ def test_collect_ahead_learns(cluster, tmp_path, rollout, correction):
                  "placement.components.actor=2", "placement.actor_devices_per_proc=1", "runner.max_staleness=1",
                  f"algorithm.off_policy={correction}",
                  "runner.progress=false", f"runner.out_dir={tmp_path}", "runner.target_return=450"]
-    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster, pool)
     try:
         assert runner.fused is (rollout == "0")
         history = runner.train()
@@ -118,7 +118,7 @@ def test_bad_overrides_are_clear_errors():
     pytest.param(1, 4, [0, 1, 0, 1], marks=pytest.mark.slow),
     # two versions ahead, but nothing in flight at the checkpoint after update 4
     (2, 8, [0, 1, 2, 2, 0, 1, 2, 2])], ids=["on-policy", "ahead", "two-ahead"])
-def test_resume_continues_exactly(cluster, tmp_path, ahead, updates, lags):
+def test_resume_continues_exactly(cluster, pool, tmp_path, ahead, updates, lags):
     """A run resumed from its checkpoint at update N reaches the same weights at 2N as
     the uninterrupted run: simulators, sampling RNGs, optimizer and shuffling all restored.
     Collecting ahead, no rollout runs past a checkpoint."""
@@ -128,7 +128,7 @@ def test_resume_continues_exactly(cluster, tmp_path, ahead, updates, lags):
               f"runner.max_staleness={ahead}"]
 
     def run(out, *extra):
-        runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", common + [f"runner.out_dir={out}", *extra]), cluster)
+        runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", common + [f"runner.out_dir={out}", *extra]), cluster, pool)
         try:
             history = runner.train()
             return runner.groups["actor"].weights_hash().wait(), history
@@ -141,6 +141,7 @@ def test_resume_continues_exactly(cluster, tmp_path, ahead, updates, lags):
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     last = tmp_path / "b" / "checkpoints" / f"update_{updates:06d}.safetensors"
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    pool.close()  # resumed in fresh processes: nothing the first run left in memory carries over
     resumed, rest = run(tmp_path / "b", "runner.resume=auto")
     assert [row["update"] for row in rest] == list(range(updates))  # the copied log's rows to the checkpoint, then its own
     assert "skipping" in (tmp_path / "b" / "log.txt").read_text()
@@ -149,7 +150,7 @@ def test_resume_continues_exactly(cluster, tmp_path, ahead, updates, lags):
     assert rest[-1]["env_steps"] == history[-1]["env_steps"]
 
 
-def test_action_chunks_and_normalisation_run_end_to_end(cluster, tmp_path):
+def test_action_chunks_and_normalisation_run_end_to_end(cluster, pool, tmp_path):
     """A policy that emits 4 actions per inference, on a continuous task with observation
     normalisation and reward scaling: every action a chunk ran counts as an env step."""
     overrides = ["env.id=Pendulum-v1", "env.kwargs.max_episode_steps=30",  # episodes end inside a chunk
@@ -157,7 +158,7 @@ def test_action_chunks_and_normalisation_run_end_to_end(cluster, tmp_path):
                  "runner.rollout_steps=16", "runner.total_env_steps=1024", "algorithm.minibatch_size=64",
                  "placement.mode=custom", "placement.components.env=0", "placement.components.rollout=1",
                  "placement.components.actor=0-1", "runner.progress=false", f"runner.out_dir={tmp_path}"]
-    history = train_cartpole(cluster, overrides)
+    history = train_cartpole(cluster, pool, overrides)
     # 16 decisions x 4 actions x 8 envs per update, less the actions skipped after an episode
     # ended inside a chunk: 30-step episodes end 2 actions into every 8th chunk, so each env
     # runs 60 of its 64 actions per update
@@ -167,17 +168,17 @@ def test_action_chunks_and_normalisation_run_end_to_end(cluster, tmp_path):
 
 
 @pytest.mark.parametrize("target_kl, epochs", [(1e-9, 1), (1e9, 4)])
-def test_target_kl_stops_the_epochs(cluster, tmp_path, target_kl, epochs):
+def test_target_kl_stops_the_epochs(cluster, pool, tmp_path, target_kl, epochs):
     """An update's epochs stop after the first whose mean approx KL exceeds algorithm.target_kl.
     Four minibatches per epoch: a lone one would run at the sampling policy, with KL 0."""
     overrides = [f"algorithm.target_kl={target_kl}", "algorithm.epochs=4", "algorithm.minibatch_size=64",
                  "runner.total_env_steps=512", "placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
                  "placement.components.actor=0-1", "runner.progress=false", f"runner.out_dir={tmp_path}"]
-    history = train_cartpole(cluster, overrides)
+    history = train_cartpole(cluster, pool, overrides)
     assert [row["epochs"] for row in history] == [epochs] * len(history) and len(history) == 2
 
 
-def test_fused_rollout_matches_separate_rollout(cluster, tmp_path):
+def test_fused_rollout_matches_separate_rollout(cluster, pool, tmp_path):
     """Env and rollout on the same devices run fused (inference inside the env workers);
     with the same seeds the weights after training equal those of separate rollout workers."""
     common = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
@@ -185,7 +186,7 @@ def test_fused_rollout_matches_separate_rollout(cluster, tmp_path):
     hashes = []
     for fuse in (True, False):
         cfg = load_config("embodied/ppo_cartpole", common + [f"placement.fuse={fuse}", f"runner.out_dir={tmp_path / str(fuse)}"])
-        runner = EmbodiedRunner(cfg, cluster)
+        runner = EmbodiedRunner(cfg, cluster, pool)
         try:
             assert runner.fused is fuse and (runner.groups["rollout"] is runner.groups["env"]) is fuse
             history = runner.train()

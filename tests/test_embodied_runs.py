@@ -37,11 +37,11 @@ def cluster(tmp_path_factory):
     patch.undo()
 
 
-def train(cluster, preset, overrides, out_dir):
+def train(cluster, pool, preset, overrides, out_dir):
     """Runs ``preset`` with ``overrides`` to its end; returns its history and actor rank 0's
     state (policy weights) before and after."""
     cfg = load_config(preset, [*overrides, "runner.progress=false", f"runner.out_dir={out_dir}"])
-    runner = EmbodiedRunner(cfg, cluster)
+    runner = EmbodiedRunner(cfg, cluster, pool)
     try:
         (before,) = runner.groups["actor"].call("state", ranks=[0]).wait()
         before = {k: v.clone() for k, v in before["policy"].items()}
@@ -64,12 +64,12 @@ def check_trained(history, env_steps, before, after, keys=("policy_loss", "value
     assert not unchanged, f"weights that did not change: {unchanged}"
 
 
-def test_pixel_policy_trains_end_to_end(cluster, tmp_path):
+def test_pixel_policy_trains_end_to_end(cluster, pool, tmp_path):
     """36x36 RGB frames through the env workers into a NatureCNN policy: 4 envs x 16 steps per
     update, 8-step episodes."""
     overrides = [f"env.id={PIXEL_TASK}", "env.num_envs=4", "runner.rollout_steps=16", "runner.total_env_steps=128",
                  "algorithm.minibatch_size=32", "algorithm.epochs=2"]
-    history, before, after = train(cluster, "embodied/ppo_cartpole", overrides, tmp_path)
+    history, before, after = train(cluster, pool, "embodied/ppo_cartpole", overrides, tmp_path)
     check_trained(history, [64, 128], before, after)
     assert all(row["episodes"] == 8 and row["episode_length"] == 8 for row in history)
     assert before["encoder.convs.0.weight"].shape == (32, 3, 8, 8)  # a CNN over the 3 colour channels
@@ -90,19 +90,19 @@ def test_pixel_policy_trains_end_to_end(cluster, tmp_path):
     ("embodied/ppo_halfcheetah", ["env.num_envs=2", "runner.rollout_steps=64", "runner.total_env_steps=256",
                                   "algorithm.minibatch_size=64", "algorithm.epochs=2"], [128, 256]),
 ], ids=["ant", "halfcheetah"])
-def test_mujoco_preset_trains(cluster, tmp_path, preset, overrides, env_steps):
-    history, before, after = train(cluster, preset, overrides, tmp_path)
+def test_mujoco_preset_trains(cluster, pool, tmp_path, preset, overrides, env_steps):
+    history, before, after = train(cluster, pool, preset, overrides, tmp_path)
     check_trained(history, env_steps, before, after)
 
 
 @pytest.mark.filterwarnings("ignore:__array_wrap__ must accept context:DeprecationWarning")  # ManiSkill 3.0.1
-def test_maniskill_preset_trains(cluster, tmp_path):
+def test_maniskill_preset_trains(cluster, pool, tmp_path):
     """PushCube-v1 from its preset, 2 envs x 50 steps per update: each update runs one whole
     50-step episode per env (terminations ignored) and reports its success."""
     pytest.importorskip("mani_skill", reason="needs the maniskill extra: scripts/setup_maniskill.sh")
     overrides = ["env.num_envs=2", "runner.rollout_steps=50", "runner.total_env_steps=200",
                  "algorithm.minibatch_size=50", "algorithm.epochs=2"]
-    history, before, after = train(cluster, "embodied/ppo_maniskill_pushcube", overrides, tmp_path)
+    history, before, after = train(cluster, pool, "embodied/ppo_maniskill_pushcube", overrides, tmp_path)
     check_trained(history, [100, 200], before, after)
     for row in history:
         assert row["episodes"] == 2 and row["episode_length"] == 50
@@ -134,7 +134,7 @@ def test_a_run_whose_simulator_hangs_stops_with_a_report(cluster, tmp_path):
 
 
 @pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["fused", "separate"])
-def test_in_flight_updates_reach_a_running_rollout(cluster, tmp_path, fused):
+def test_in_flight_updates_reach_a_running_rollout(cluster, pool, tmp_path, fused):
     """Two versions ahead with in-flight updates, on a simulator slower than the learner: the
     actor's pushes reach the rollout between env steps, so an update's data holds steps of
     several versions, each recorded per step and none beyond the bound; the rollout reports
@@ -145,7 +145,7 @@ def test_in_flight_updates_reach_a_running_rollout(cluster, tmp_path, fused):
                  "placement.components.env=0", f"placement.components.rollout={rollout}", "placement.components.actor=1",
                  "placement.actor_devices_per_proc=1", "runner.max_staleness=2", "runner.in_flight_updates=true",
                  "runner.progress=false", f"runner.out_dir={tmp_path}"]
-    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster, pool)
     try:
         assert runner.fused is fused and runner.refreshing() == {"rollout"}
         history = runner.train()

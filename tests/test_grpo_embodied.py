@@ -98,9 +98,9 @@ def test_embodied_presets_load_and_validate(preset):
 
 # ------------------------------------------------------------------ training
 
-def _train(cluster, tmp_path, overrides):
+def _train(cluster, pool, tmp_path, overrides):
     cfg = load_config("embodied/grpo_cartpole", ["runner.progress=false", f"runner.out_dir={tmp_path}", *overrides])
-    runner = EmbodiedRunner(cfg, cluster)
+    runner = EmbodiedRunner(cfg, cluster, pool)
     try:
         return runner, runner.train()
     finally:
@@ -112,10 +112,10 @@ def _one(env, rollout, actor):
             f"placement.components.actor={actor}"]
 
 
-def test_grpo_cartpole_learns(cluster, tmp_path):
+def test_grpo_cartpole_learns(cluster, pool, tmp_path):
     """From a random policy (~22) to the 500 cap: seeds 1-6 of this preset need 10-43 windows
     (all reach 150 within 24); seed 1 (the preset's) 11, a few seconds on 2 cores."""
-    _, history = _train(cluster, tmp_path, _one(0, 0, 0) + ["runner.target_return=450", "runner.total_env_steps=400000"])
+    _, history = _train(cluster, pool, tmp_path, _one(0, 0, 0) + ["runner.target_return=450", "runner.total_env_steps=400000"])
     first, last = history[0], history[-1]
     assert first["episode_return"] < 40
     assert last["episode_return"] >= 450, f"return {last['episode_return']:.1f} after {len(history)} windows"
@@ -128,9 +128,9 @@ def test_grpo_cartpole_learns(cluster, tmp_path):
     (True, 1, 30, 10),     # every episode ends inside the window: the fused worker stops early
     (False, 2, 20, 500),   # separate rollout, 2 stages, 2 actor ranks; the window cuts long episodes
 ])
-def test_grpo_windows_hold_one_episode_per_env(cluster, tmp_path, fused, stages, rollout_steps, limit):
+def test_grpo_windows_hold_one_episode_per_env(cluster, pool, tmp_path, fused, stages, rollout_steps, limit):
     placement = _one(0, 0, 0) if fused else _one(0, 1, "0-1")
-    runner, history = _train(cluster, tmp_path, placement + [
+    runner, history = _train(cluster, pool, tmp_path, placement + [
         f"runner.stages={stages}", f"runner.rollout_steps={rollout_steps}", f"env.kwargs.max_episode_steps={limit}",
         f"runner.total_env_steps={3 * 16 * rollout_steps}"])
     assert runner.fused is fused and len(history) == 3

@@ -34,9 +34,9 @@ def test_bad_configs_are_named():
 
 
 
-def _train(cluster, tmp_path, *overrides):
+def _train(cluster, pool, tmp_path, *overrides):
     cfg = load_config(PRESET, [f"runner.out_dir={tmp_path}", "runner.progress=false", *overrides])
-    runner = ReasoningRunner(cfg, cluster=cluster)
+    runner = ReasoningRunner(cfg, cluster=cluster, pool=pool)
     try:
         history = runner.train()
         hashes = [runner.groups["actor"].weights_hash().wait()[0], *runner.groups["rollout"].weights_hash().wait()]
@@ -103,9 +103,9 @@ def _option(overrides, key, default):
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in LEARNING])
-def test_training_raises_the_reward(cluster, tmp_path, case):
+def test_training_raises_the_reward(cluster, pool, tmp_path, case):
     overrides = LEARNING[case]
-    history, hashes = _train(cluster, tmp_path, "runner.steps=30", *overrides)
+    history, hashes = _train(cluster, pool, tmp_path, "runner.steps=30", *overrides)
     gain, rewards = _reward_gain(history)
     assert gain > 0.15, f"{case}: rewards {[round(r, 3) for r in rewards]}"
     # Greedy held-out answers flip late: with 4 hybrid ranks taking batches in whichever order
@@ -153,7 +153,7 @@ def test_training_raises_the_reward(cluster, tmp_path, case):
     assert (tmp_path / "metrics.csv").is_file() and (tmp_path / "learning_curve.png").is_file()
 
 
-def test_two_versions_ahead_with_weights_taken_in_flight(cluster, tmp_path):
+def test_two_versions_ahead_with_weights_taken_in_flight(cluster, pool, tmp_path):
     """runner.max_staleness=2, disaggregated: the rollout generates up to two steps ahead and
     takes new weights between decode steps (rollout.partial). Every token trained on is at
     most two versions old and none is dropped (a step's generation starts on weights recent
@@ -163,7 +163,7 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, tmp_path):
     cfg = load_config(PRESET, [f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.steps=8",
                                "runner.max_staleness=2", "placement.mode=disaggregated", "algorithm.off_policy=tis",
                                "runner.eval_every=2", "runner.eval_deferred=true"])
-    runner = ReasoningRunner(cfg, cluster=cluster)
+    runner = ReasoningRunner(cfg, cluster=cluster, pool=pool)
     try:
         history = runner.train()
         hashes = [runner.groups["actor"].weights_hash().wait()[0], *runner.groups["rollout"].weights_hash().wait()]
@@ -195,16 +195,17 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, tmp_path):
     assert not list((tmp_path / "saved_weights").iterdir())
 
 
-def test_resume_reaches_the_same_weights(cluster, tmp_path):
+def test_resume_reaches_the_same_weights(cluster, pool, tmp_path):
     """Stopped at step 2 and resumed to step 4: the same weights as 4 steps in one go, with a
     KL term to the reference model in the loss. Bit-exact needs the full forward: the
     shared-prompt one is reproducible within a process, but two runs in fresh processes
     differed in the last bits (a loss differed by 2e-7)."""
     exact = ("algorithm.share_prompts=false", "algorithm.kl_coef=0.05")
-    straight = _train(cluster, tmp_path / "straight", "runner.steps=4", *exact)[1]
-    _train(cluster, tmp_path / "split", "runner.steps=2", *exact)
+    straight = _train(cluster, pool, tmp_path / "straight", "runner.steps=4", *exact)[1]
+    _train(cluster, pool, tmp_path / "split", "runner.steps=2", *exact)
     checkpoint = tmp_path / "split" / "checkpoints" / "step_000002.safetensors"
-    resumed = _train(cluster, tmp_path / "split", "runner.steps=4", f"runner.resume={checkpoint}", *exact)[1]
+    pool.close()  # resumed in fresh processes: nothing the stopped run left in memory carries over
+    resumed = _train(cluster, pool, tmp_path / "split", "runner.steps=4", f"runner.resume={checkpoint}", *exact)[1]
     assert resumed[0] == straight[0]
     history = (tmp_path / "split" / "metrics.csv").read_text().splitlines()
     assert [float(row.split(",")[0]) for row in history[1:]] == [0, 1, 2, 3, 4]

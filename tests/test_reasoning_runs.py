@@ -41,12 +41,12 @@ def write_prompts(path):
     return path
 
 
-def run(cluster, out_dir, source, *overrides):
+def run(cluster, pool, out_dir, source, *overrides):
     """Trains the tiny preset on ``source``; returns the history, the prompts the runner sent
     to the rollout for training and for evaluation, the answers it scored evaluations
     against, its prompt split, and the actor's weight hashes before and after."""
     cfg = load_config(PRESET, [f"runner.out_dir={out_dir}", f"data.source={source}", *COMMON, *overrides])
-    runner = ReasoningRunner(cfg, cluster=cluster)
+    runner = ReasoningRunner(cfg, cluster=cluster, pool=pool)
     sent = {"generate": [], "complete": [], "score_texts": []}
 
     def recording(group):
@@ -70,12 +70,12 @@ def run(cluster, out_dir, source, *overrides):
 
 
 @pytest.fixture(scope="module")
-def runs(cluster, tmp_path_factory):
+def runs(cluster, pool, tmp_path_factory):
     """The JSONL file in fp32, the Parquet file under bf16 autocast."""
     tmp = tmp_path_factory.mktemp("prompts")
     jsonl, parquet = write_prompts(tmp / "problems.jsonl"), write_prompts(tmp / "problems.parquet")
-    return {"jsonl": run(cluster, tmp / "out-jsonl", jsonl) | {"out_dir": tmp / "out-jsonl"},
-            "parquet": run(cluster, tmp / "out-parquet", parquet, "model.autocast=bfloat16")}
+    return {"jsonl": run(cluster, pool, tmp / "out-jsonl", jsonl) | {"out_dir": tmp / "out-jsonl"},
+            "parquet": run(cluster, pool, tmp / "out-parquet", parquet, "model.autocast=bfloat16")}
 
 
 def row_of(prompt):
