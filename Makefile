@@ -31,7 +31,7 @@ run: setup
 	$(PY) -m m2flow.cli train embodied/ppo_cartpole
 
 test: setup maniskill metaworld
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 	$(VENV)-metaworld/bin/python -m pytest -q tests/test_metaworld.py \
 		"tests/test_envs.py::test_snapshot_restore_continues_bit_for_bit[metaworld:reach-v3]"
 

@@ -19,6 +19,8 @@ DEVICES = range(4)
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster(tmp_path_factory):
+    if ray.is_initialized():
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, namespace="m2flow-test",
              _temp_dir=str(tmp_path_factory.mktemp("ray")))
     # The driver creates (and so owns) the lock actors: a killed holder must not take them along.

@@ -216,8 +216,10 @@ class WorkerPool:
             _kill_named(name, self._idle.pop(name)[3])
 
     def close(self) -> None:
-        for _, _, _, actor in self._idle.values():
-            ray.kill(actor, no_restart=True)
+        """Ends the idle processes; returns once their names are free, so that the pool's
+        next runs start processes named as these were."""
+        for name, (_, _, _, actor) in self._idle.items():
+            _kill_named(name, actor)
         self._idle.clear()
 
 
