@@ -12,9 +12,11 @@ problems) with the same seed and data, in fresh processes, one at a time, altern
              (``rollout.partial=true``), truncated importance sampling
              (``algorithm.off_policy=tis``; ``--async-override`` changes any of it)
 
-Each side that plans profiles its own configuration once (the async side's differs in
-``rollout.partial`` and ``algorithm.off_policy``), in its first repeat; the later repeats reuse
-it. Profiling times are reported apart (``profiling_s``), counted in neither side's time.
+Each side that plans profiles its own configuration once per seed (the async side's differs in
+``rollout.partial`` and ``algorithm.off_policy``; a profile is of one config, seed included), in
+its first repeat; the later repeats reuse it. Profiling times are reported apart, with the run
+that profiled (``profiling_s``; null where a stored profile was reused), counted in neither
+side's time.
 
 Each side evaluates every ``--eval-every`` steps (greedy, the held-out problems). By default
 the evaluations are deferred (``runner.eval_deferred``): the actor saves its weights at those
@@ -28,24 +30,39 @@ the on-policy run's whole time (``time_to_on_policy_accuracy_ratio``; <= 0.67 is
 faster), and its final accuracy less the on-policy one (in points). Wall time is the runs'
 ``time_s`` less the inline evaluations before it (``eval_s``; both sides run the same ones,
 and they are the benchmark's, not the training's), with Ray start-up, model loading and the
-profiling excluded.
+profiling excluded. Each side also reports how it learned, per step (``learning``): its training
+reward, its policy's entropy and its completions' mean length (what tells a run that learned
+less per step from one that only ran slower).
+
+``--seed`` takes several seeds: a pair of runs per seed (and repeat), the sides' order
+alternating from pair to pair. One run's held-out curve at this size varies more than the
+effect measured (the same seed's on-policy run ended 16 points apart under two plans), so the
+summary gives, over the pairs, the spread of each criterion, how many pairs met both, and the
+mean accuracy difference with its standard error. ``--journal FILE`` appends each finished
+pair to FILE (JSON lines) and, run again with the same settings, runs only the pairs it lacks
+(the sides' profiles are kept beside it): the pairs of several shorter runs add up.
 
     python benchmarks/async_reasoning.py [--steps 24] [--eval-every 4] [--eval deferred] [--repeats 1]
+        [--seed 0 1 2] [--journal pairs.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Run, json_safe, loaded, log, run_child, side_order, spread  # noqa: E402
+from common import (Run, append_jsonl, json_safe, loaded, log, read_jsonl, run_child,  # noqa: E402
+                    side_order, spread)
 
 PRESET = "reasoning/grpo_arith_smollm2"
 ASYNC = ["placement=auto", "runner.max_staleness=2", "rollout.partial=true", "algorithm.off_policy=tis"]
+LEARNING = ("reward", "entropy", "completion_length")  # per step, from each side's metrics
 
 
 def child(spec: dict) -> None:
@@ -63,16 +80,43 @@ def child(spec: dict) -> None:
             curve.append({"step": int(r["step"]), "time_s": r["time_s"] - evaluating, "accuracy": r["eval_reward"]})
         evaluating += r.get("eval_s", 0.0) if r["step"] > 0 else 0.0
     steps = [r for r in history if r["step"] > 0]
-    profile = Path(cfg.placement.profile) if cfg.placement.profile else None
     json.dump({"curve": curve, "final_accuracy": curve[-1]["accuracy"], "time_s": curve[-1]["time_s"],
                "policy_lag": [r["policy_lag"] for r in steps],
                "stale_dropped": sum(r.get("stale_dropped", 0) for r in steps),
-               "profile": str(profile) if profile else None}, open(spec["result"], "w"))
+               "learning": {k: [r.get(k) for r in steps] for k in LEARNING}}, open(spec["result"], "w"))
 
 
 def first_reaching(curve: list[dict], accuracy: float) -> float | None:
     """The wall time of the first evaluation at or above ``accuracy`` (None: never)."""
     return next((p["time_s"] for p in curve if p["accuracy"] >= accuracy - 1e-9), None)
+
+
+def _stamp(path: Path) -> int | None:
+    """When ``path`` was last written (None: it does not exist)."""
+    return path.stat().st_mtime_ns if path.exists() else None
+
+
+def pair_result(on: dict, asy: dict) -> dict:
+    """The acceptance's two figures for one pair of runs."""
+    reached = first_reaching(asy["curve"], on["final_accuracy"])
+    return {"time_to_on_policy_accuracy_s": reached,
+            "time_to_on_policy_accuracy_ratio": None if reached is None else round(reached / on["time_s"], 3),
+            "final_accuracy_difference_points": round(100 * (asy["final_accuracy"] - on["final_accuracy"]), 1)}
+
+
+def summary(pairs: list[dict], max_ratio: float = 0.67, min_difference: float = -3.0) -> dict:
+    """Over the pairs: each criterion's spread, the pairs that met both (the time ratio at most
+    ``max_ratio``, the accuracy difference at least ``min_difference`` points), and the mean
+    difference with its standard error (None from one pair)."""
+    ratios = [p["time_to_on_policy_accuracy_ratio"] for p in pairs]
+    diffs = [p["final_accuracy_difference_points"] for p in pairs]
+    met = sum(r is not None and r <= max_ratio and d >= min_difference for r, d in zip(ratios, diffs))
+    mean = statistics.fmean(diffs) if diffs else None
+    sem = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return {"pairs": len(pairs), "met_both": met, "never_reached": sum(r is None for r in ratios),
+            "ratio": spread(ratios, 3), "accuracy_difference_points": spread(diffs, 1),
+            "accuracy_difference_mean_points": None if mean is None else round(mean, 1),
+            "accuracy_difference_sem_points": None if sem is None else round(sem, 1)}
 
 
 def main() -> None:
@@ -83,38 +127,45 @@ def main() -> None:
     p.add_argument("--eval", choices=("deferred", "inline"), default="deferred",
                    help="evaluate saved weights after training (deferred) or in the run, draining it (inline)")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, nargs="+", default=[0], help="one pair of runs per seed (and repeat)")
     p.add_argument("--on-policy-placement", default="placement=auto", help="placement=... for the on-policy side")
     p.add_argument("--async-override", nargs="*", default=[], help="key=value for the async side")
     p.add_argument("--override", nargs="*", default=[], help="key=value for both sides")
+    p.add_argument("--journal", help="append each pair here (JSON lines); the pairs it holds are not run again")
     args = p.parse_args()
     if args.child:
         return child(json.loads(args.child))
     bench = Run()
+    # what makes two pairs comparable: everything but the seeds, the repeats and the journal
+    settings = {k: v for k, v in vars(args).items() if k not in ("child", "seed", "repeats", "journal")}
+    done = {(r["seed"], r["repeat"]): r for r in read_jsonl(args.journal) if r.get("settings") == settings}
+    keep = Path(args.journal).with_suffix(".profiles") if args.journal else Path(tempfile.mkdtemp(prefix="m2flow-"))
+    keep.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="m2flow-async-"))
-    common = [f"seed={args.seed}", f"runner.steps={args.steps}", f"runner.eval_every={args.eval_every}",
-              f"runner.eval_deferred={args.eval == 'deferred'}", "runner.progress=false", *args.override]
     sides = {"on-policy": ["runner.max_staleness=0", args.on_policy_placement],
              "async": [*ASYNC, *args.async_override]}
-    profiles = {side: tmp / f"{side}-profile.json" for side in sides}  # one per side, kept over the repeats
     runs = []
-    for r in range(args.repeats):
+    for n, (seed, r) in enumerate((seed, r) for seed in args.seed for r in range(args.repeats)):
+        if (seed, r) in done:
+            log(f"== seed {seed}, repeat {r + 1}: in {args.journal}")
+            runs.append(done[(seed, r)])
+            continue
+        common = [f"seed={seed}", f"runner.steps={args.steps}", f"runner.eval_every={args.eval_every}",
+                  f"runner.eval_deferred={args.eval == 'deferred'}", "runner.progress=false", *args.override]
         got = {}
-        for side in side_order(list(sides), r):
-            log(f"== repeat {r + 1}: {side}")
-            spec = {"overrides": [*common, *sides[side], f"placement.profile={profiles[side]}",
-                                  f"runner.out_dir={tmp / f'{side}{r}'}"]}
+        for side in side_order(list(sides), n):
+            log(f"== seed {seed}, repeat {r + 1}: {side}")
+            profile = keep / f"{side}-seed{seed}.json"  # made by the seed's first repeat, reused by the later ones
+            spec = {"overrides": [*common, *sides[side], f"placement.profile={profile}",
+                                  f"runner.out_dir={tmp / f'{side}-seed{seed}-{r}'}"]}
+            before = _stamp(profile)
             got[side], load = loaded(lambda: run_child(__file__, spec))
-            got[side] |= load
-        on, asy = got["on-policy"], got["async"]
-        reached = first_reaching(asy["curve"], on["final_accuracy"])
-        runs.append({**got, "time_to_on_policy_accuracy_s": reached,
-                     "time_to_on_policy_accuracy_ratio": None if reached is None else round(reached / on["time_s"], 3),
-                     "final_accuracy_difference_points": round(100 * (asy["final_accuracy"] - on["final_accuracy"]), 1)})
-    out = {"benchmark": "async_reasoning", "args": vars(args), "runs": runs,
-           "profiling_s": {side: json.loads(f.read_text()).get("profiling_s") for side, f in profiles.items() if f.exists()},
-           "ratio": spread([r["time_to_on_policy_accuracy_ratio"] for r in runs], 3),
-           "accuracy_difference_points": spread([r["final_accuracy_difference_points"] for r in runs], 1),
+            profiled = _stamp(profile) != before  # a side with a plan given never writes it
+            got[side] |= load | {"profiling_s": json.loads(profile.read_text()).get("profiling_s") if profiled else None}
+        runs.append({"seed": seed, "repeat": r, "settings": settings, **got,
+                     **pair_result(got["on-policy"], got["async"])})
+        append_jsonl(args.journal, runs[-1])
+    out = {"benchmark": "async_reasoning", "args": vars(args), "runs": runs, "summary": summary(runs),
            **bench.finish()}
     print(json.dumps(json_safe(out), indent=1))
 

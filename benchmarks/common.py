@@ -129,3 +129,28 @@ def run_child(script: str, spec: dict) -> dict:
 
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def append_jsonl(path: str | None, record: dict) -> None:
+    """Appends ``record`` to the journal at ``path`` as one line of strict JSON (nothing
+    without a path): a benchmark cut short keeps what it measured."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(json_safe(record)) + "\n")
+
+
+def read_jsonl(path: str | None) -> list[dict]:
+    """The records of the journal at ``path`` (none without a path or file); a line that is
+    not JSON (the last one of a killed run, cut short) is left out, and said so."""
+    if not path or not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                log(f"{path}:{n}: not JSON, left out")
+    return records

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Run, cores, json_safe, load1, log, matmul_gflops, side_order, spread  # noqa: E402
+from common import Run, append_jsonl, cores, json_safe, load1, log, matmul_gflops, read_jsonl, side_order, spread  # noqa: E402
 
 WORKLOADS = {
     "halfcheetah": ("embodied/ppo_halfcheetah", []),
@@ -92,12 +92,6 @@ def measure(preset: str, overrides: list[str], out: Path, warmup: int = 1) -> di
             "gflops_after": matmul_gflops(cores())}
 
 
-def journal(args: argparse.Namespace, record: dict) -> None:
-    if args.journal:
-        with open(args.journal, "a") as f:
-            f.write(json.dumps(json_safe(record)) + "\n")
-
-
 def plan_key(plan: dict) -> str:
     return json.dumps(plan, sort_keys=True)
 
@@ -114,14 +108,7 @@ def journaled(path: str | None, name: str, base: list[str]) -> dict:
         return [o for o in overrides if not o.startswith("placement.profile=")]
 
     own = settings(base)
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a killed run: the last one
-            log(f"{path}:{n}: not JSON, left out")
-            continue
+    for record in read_jsonl(path):
         if record.get("workload") != name:
             continue
         if "profile" in record:
@@ -156,7 +143,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         subprocess.run([*M2FLOW, "profile", preset, *base], check=True, stdout=sys.stderr, stderr=sys.stderr)
         profile_wall = time.perf_counter() - t0
         stored = json.loads(Path(cfg.placement.profile).read_text())  # also for benchmarks/planner_replay.py
-        journal(args, {"workload": name, "preset": preset, "overrides": base, "profile": stored,
+        append_jsonl(args.journal, {"workload": name, "preset": preset, "overrides": base, "profile": stored,
                        "profiling_wall_s": round(profile_wall, 1)})
     prof = Profile.from_dict(stored)
     choice = choose(cfg, prof)
@@ -182,7 +169,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
                      "measured_s": round(m["step_s"], 4), "error": round(c.step_s / m["step_s"] - 1, 3), **m,
                      "plan_file": c.plan.to_dict()})
         if before is None:
-            journal(args, {"workload": name, "row": rows[-1]})
+            append_jsonl(args.journal, {"workload": name, "row": rows[-1]})
     best = min(rows, key=lambda r: r["measured_s"])
     pick = rows[0]
     # placement=auto (reusing the stored profile) against the best measured plan, alternately
@@ -199,7 +186,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
                 else [f"placement=@{best_path}"]
             got[side] = measure(preset, [*extra, *args.override, *length(cfg, args.updates), *over],
                                 tmp / f"{name}-{side}{r}", args.warmup)
-            journal(args, {"workload": name, "side": side, "repeat": r, **got[side]})
+            append_jsonl(args.journal, {"workload": name, "side": side, "repeat": r, **got[side]})
         auto_vs.append({"auto_s": got["auto"]["step_s"], "best_s": got["best"]["step_s"],
                         "throughput_ratio": round(got["best"]["step_s"] / got["auto"]["step_s"], 3)})
     if cfg.flow == "embodied":

@@ -1,5 +1,5 @@
 """The benchmarks' own bookkeeping (not their figures): what a cut-short planner run's journal
-gives the run that resumes it."""
+gives the run that resumes it; the asynchronous reasoning benchmark's criteria over pairs."""
 
 from __future__ import annotations
 
@@ -13,15 +13,19 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _planner():
+def _bench(name: str):
     sys.path.insert(0, str(BENCH))
     try:
-        spec = importlib.util.spec_from_file_location("planner_bench", BENCH / "planner.py")
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod
     finally:
         sys.path.remove(str(BENCH))
+
+
+def _planner():
+    return _bench("planner")
 
 
 def test_journal_resume_reads_profile_rows_and_sides(tmp_path):
@@ -55,3 +59,28 @@ def test_journal_of_other_overrides_is_refused(tmp_path):
                                 "profile": {"points": []}}) + "\n")
     with pytest.raises(SystemExit, match="rollout.n=4"):
         planner.journaled(str(path), "smollm2", ["rollout.n=8"])
+
+
+def test_async_pairs_criteria_by_hand():
+    bench = _bench("async_reasoning")
+    on = {"curve": [{"step": 0, "time_s": 0.0, "accuracy": 0.19}, {"step": 4, "time_s": 100.0, "accuracy": 0.4},
+                    {"step": 8, "time_s": 200.0, "accuracy": 0.62}], "final_accuracy": 0.62, "time_s": 200.0}
+    asy = {"curve": [{"step": 0, "time_s": 0.0, "accuracy": 0.19}, {"step": 4, "time_s": 60.0, "accuracy": 0.61},
+                     {"step": 8, "time_s": 120.0, "accuracy": 0.68}], "final_accuracy": 0.68, "time_s": 120.0}
+    # first at or above 0.62 at 120 s of the on-policy run's 200 s; 68 - 62 points
+    assert bench.pair_result(on, asy) == {"time_to_on_policy_accuracy_s": 120.0, "time_to_on_policy_accuracy_ratio": 0.6,
+                                          "final_accuracy_difference_points": 6.0}
+    behind = asy | {"curve": asy["curve"][:2], "final_accuracy": 0.61}
+    assert bench.pair_result(on, behind)["time_to_on_policy_accuracy_ratio"] is None  # never reached
+    pairs = [{"time_to_on_policy_accuracy_ratio": 0.5, "final_accuracy_difference_points": 6.0},
+             {"time_to_on_policy_accuracy_ratio": None, "final_accuracy_difference_points": -14.0},
+             {"time_to_on_policy_accuracy_ratio": 0.7, "final_accuracy_difference_points": 2.0},
+             {"time_to_on_policy_accuracy_ratio": 0.6, "final_accuracy_difference_points": -4.0}]
+    got = bench.summary(pairs)
+    # met both: 0.5 / +6 only (0.7 is slower than 0.67x; -4 is more than 3 points under)
+    assert (got["pairs"], got["met_both"], got["never_reached"]) == (4, 1, 1)
+    # mean (6 - 14 + 2 - 4) / 4 = -2.5; deviations 8.5, -11.5, 4.5, -1.5: variance 223 / 3, sem sqrt(223 / 3) / 2
+    assert got["accuracy_difference_mean_points"] == -2.5
+    assert got["accuracy_difference_sem_points"] == 4.3
+    assert got["ratio"] == {"min": 0.5, "median": 0.6, "max": 0.7, "n": 3}
+    assert bench.summary(pairs[:1])["accuracy_difference_sem_points"] is None  # one pair: no spread to go by
