@@ -13,6 +13,8 @@ Micro-batches then keep a prompt's rows together.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +74,23 @@ def _scores(logits: Tensor, targets: Tensor, valid: Tensor, temperature: float,
     return logprobs, entropy
 
 
+@functools.cache
+def _cache_argument(model_type: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
+
+
+def with_kv_cache(model: nn.Module, cache: Any) -> dict[str, Any]:
+    """The keyword that passes a KV cache to ``model``'s forward: ``cache`` from transformers
+    5.24 on (``past_key_values`` is deprecated there and goes in 5.40), ``past_key_values``
+    before."""
+    return {_cache_argument(type(model)): cache}
+
+
+def kv_cache_of(out: Any) -> Any:
+    """The KV cache a forward returned, under either name (``with_kv_cache``)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
 def token_logprobs(model: nn.Module, batch: SequenceBatch, temperature: float, with_entropy: bool,
                    layout: PromptLayout | None = None) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropies of the predicting distribution), ``[b, l]`` fp32,
@@ -116,11 +135,11 @@ def _shared_prompt_logprobs(model: PreTrainedModel, batch: SequenceBatch, layout
     if width > 0:
         prefix_ids = torch.where(torch.arange(width, device=device)[None, :] < prefix_len[first_row, None],
                                  ids[first_row, :width], ids.new_zeros(()))
-        out = model(input_ids=prefix_ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prefix_ids, **with_kv_cache(model, DynamicCache()), use_cache=True, logits_to_keep=1)
         # Each row's prompt's keys and values; the suffix forward appends its own to them (a
         # differentiable concatenation, so gradients reach the prompt's forward).
         cache = DynamicCache()
-        for i, layer in enumerate(out.past_key_values.layers):
+        for i, layer in enumerate(kv_cache_of(out).layers):
             cache.update(layer.keys[which], layer.values[which], i)
     suffix_width = max(int(completion_len.max()), 1)
     steps = torch.arange(suffix_width, device=device)
@@ -134,7 +153,7 @@ def _shared_prompt_logprobs(model: PreTrainedModel, batch: SequenceBatch, layout
     dtype = model.dtype
     additive = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     logits = model(input_ids=suffix_ids, attention_mask=additive[:, None], position_ids=columns,
-                   past_key_values=cache, use_cache=True).logits
+                   **with_kv_cache(model, cache), use_cache=True).logits
     targets = ids.gather(1, (columns + 1).clamp(max=length - 1))
     valid = steps[None, :] < completion_len[:, None]
     logprobs, entropy = _scores(logits, targets, valid, temperature, with_entropy)

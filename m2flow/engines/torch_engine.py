@@ -39,6 +39,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, validate_prompts
+from m2flow.engines.scoring import kv_cache_of, with_kv_cache
 from m2flow.engines.weights import weights_hash
 
 
@@ -280,8 +281,8 @@ class TorchEngine(GenerationEngine):
             query, key = columns[:, None], columns[None, :]
             allowed = (key <= query) & ((key >= pad[:, None, None]) | (key == query))
             out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=self._additive(allowed),
-                             past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
-            layer_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+                             **with_kv_cache(self.model, DynamicCache()), use_cache=True, logits_to_keep=1)
+            layer_kv = [(layer.keys, layer.values) for layer in kv_cache_of(out).layers]
             for i, p in enumerate(chunk):
                 kv = [(k[i, :, width - len(prompts[p]):], v[i, :, width - len(prompts[p]):]) for k, v in layer_kv]
                 prefilled[p] = _PrefilledPrompt(kv, out.logits[i, -1].float())
@@ -308,7 +309,8 @@ class TorchEngine(GenerationEngine):
         self.cache.begin_step(length, width)
         allowed = torch.arange(width, device=device)[None, :] <= length[:, None]
         out = self.model(input_ids=torch.tensor(last_tokens, device=device)[:, None], position_ids=length[:, None],
-                         attention_mask=self._additive(allowed[:, None, :]), past_key_values=self.cache, use_cache=True)
+                         attention_mask=self._additive(allowed[:, None, :]), **with_kv_cache(self.model, self.cache),
+                         use_cache=True)
         self.stats["decode_steps"] += 1
         self.stats["decoded_rows"] += len(lengths)
         return out.logits[:, -1].float()
