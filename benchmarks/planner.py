@@ -50,7 +50,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Run, append_jsonl, cores, json_safe, load1, log, matmul_gflops, read_jsonl, side_order, spread  # noqa: E402
+from common import (Run, append_jsonl, cores, json_safe, load1, log, matmul_gflops, read_jsonl,  # noqa: E402
+                    side_order, spread)
 
 WORKLOADS = {
     "halfcheetah": ("embodied/ppo_halfcheetah", []),
