@@ -330,3 +330,26 @@ def test_prefill_in_chunks_is_exact():
     for a, b in zip(whole, chunked):
         for x, y in zip(a, b):
             assert x.token_ids == y.token_ids and torch.allclose(x.logprobs, y.logprobs, atol=1e-4)
+
+
+def test_the_kv_cache_goes_under_the_name_the_forward_takes():
+    # transformers 5.24 renamed forward's past_key_values (deprecated there, removed in 5.40) to cache
+    from m2flow.engines.scoring import kv_cache_of, with_kv_cache
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None):
+            return {"cache": cache}
+
+    class Before(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return {"past_key_values": past_key_values}
+
+    kv = object()
+    for model, name in ((Renamed(), "cache"), (Before(), "past_key_values")):
+        assert with_kv_cache(model, kv) == {name: kv}
+        assert kv_cache_of(model(**with_kv_cache(model, kv))) is kv
+    model, _ = load_lm("tiny-llama")  # the installed release's own model takes it, returns it
+    from transformers.cache_utils import DynamicCache
+
+    out = model(input_ids=torch.tensor([[5, 6, 7]]), **with_kv_cache(model, DynamicCache()), use_cache=True)
+    assert kv_cache_of(out).get_seq_length() == 3
