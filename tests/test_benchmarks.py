@@ -79,7 +79,7 @@ def test_async_pairs_criteria_by_hand():
     got = bench.summary(pairs)
     # met both: 0.5 / +6 only (0.7 is slower than 0.67x; -4 is more than 3 points under)
     assert (got["pairs"], got["met_both"], got["never_reached"]) == (4, 1, 1)
-    # mean (6 - 14 + 2 - 4) / 4 = -2.5; deviations 8.5, -11.5, 4.5, -1.5: variance 223 / 3, sem sqrt(223 / 3) / 2
+    # mean (6 - 14 + 2 - 4) / 4 = -2.5; deviations 8.5, -11.5, 4.5, -1.5: variance 227 / 3, sem sqrt(227 / 3) / 2
     assert got["accuracy_difference_mean_points"] == -2.5
     assert got["accuracy_difference_sem_points"] == 4.3
     assert got["ratio"] == {"min": 0.5, "median": 0.6, "max": 0.7, "n": 3}
