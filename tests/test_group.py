@@ -3,6 +3,7 @@ import os
 import pydoc
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -56,6 +57,15 @@ class Echo(Worker):
     def sleep(self, seconds):
         time.sleep(seconds)
         return os.getpid()
+
+    def fail_then(self, seconds, die):
+        """Rank 0 fails at once; the others, ``seconds`` later, die (``die``) or return."""
+        if self.rank == 0:
+            raise ConnectionResetError("its peer is gone")
+        time.sleep(seconds)
+        if die:
+            os._exit(1)
+        return self.rank
 
     def all_reduce(self):
         import torch.distributed as dist
@@ -204,6 +214,33 @@ def test_killed_worker_surfaces_fast(cluster):
     with pytest.raises(WorkerDiedError) as err:
         handle.wait()
     assert err.value.rank == 1 and "died" in str(err.value)
+    g.kill()
+
+
+def test_a_death_behind_another_ranks_error_is_raised_as_the_cause(cluster):
+    # A collective whose peer was killed fails on the living rank a moment before Ray notices
+    # the death: the run must see the death (and restart), not the living rank's error.
+    from m2flow.runtime.group import wait
+
+    two = Placement.from_config({"pair": "2-3"}, cluster)["pair"]
+    g = WorkerGroup(Echo, two)
+    with pytest.raises(WorkerDiedError) as err:
+        g.fail_then(1.0, die=True).wait()
+    assert err.value.rank == 1 and err.value.method == "fail_then"
+    g.kill()
+    # the same across calls waited on together: the error in one, the death in another group's
+    g, other = WorkerGroup(Echo, two), WorkerGroup(Echo, Placement.from_config({"other": "0"}, cluster)["other"])
+    pid = other.pids()[0]
+    failing, sleeping = g.call("fail_then", 0.0, False, ranks=[0]), other.sleep(600)
+    threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+    with pytest.raises(WorkerDiedError) as err:
+        wait(failing, sleeping)
+    assert err.value.group == other.name and err.value.rank == 0
+    other.kill()
+    # with no death, the error itself, once the others have finished
+    with pytest.raises(WorkerError, match="ConnectionResetError: its peer is gone") as err:
+        g.fail_then(1.0, die=False).wait()
+    assert not isinstance(err.value, WorkerDiedError) and err.value.rank == 0
     g.kill()
 
 

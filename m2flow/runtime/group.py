@@ -4,7 +4,11 @@
 a ``GroupHandle`` at once (``group.generate`` has the worker method's signature, plus
 ``ranks``, and docstring); ``handle.wait()`` gives the gathered result, or raises a
 ``WorkerError`` naming the group, the rank and the remote traceback. A rank whose process
-died surfaces as ``WorkerDiedError`` as soon as Ray notices, not at a time-out.
+died surfaces as ``WorkerDiedError`` as soon as Ray notices, not at a time-out. A death is
+often first seen as another rank's error (a collective whose peer is gone: its connection
+reset), a moment before Ray notices it: an error is held back until the calls waited on with
+it have finished or ``DEATH_GRACE_S`` seconds have passed, and if one of them shows a death,
+the death is raised instead, as its cause (a run restarts on a death, not on an error).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ ACTOR_CPUS = 0.01
 # Arguments sent to several ranks above this size go through the object store once.
 _SHARE_BYTES = 100 * 1024
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# How long an error waits for a death among the calls waited on with it (Ray notices a killed
+# process within about a second; the peers that talked to it fail at once).
+DEATH_GRACE_S = 5.0
+_DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
 class WorkerError(RuntimeError):
@@ -102,13 +110,19 @@ class GroupHandle:
             except GetTimeoutError:
                 self._timeout(timeout, [rank])
             except RayTaskError as e:
+                died = _death_among(pending, DEATH_GRACE_S)  # a peer's death may be what made it fail
+                if died is not None:
+                    self._died(rank_of[died[0]], died[1])
                 full = _ANSI.sub("", str(e)).strip()
                 frames = "".join(f"\n  at {f}" for f in own_frames(full))
                 detail = f"{type(e.cause).__name__}: {e.cause}{frames}"
                 raise WorkerError(self.group.name, rank, self.method, detail, e.cause, full) from None
-            except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
-                raise WorkerDiedError(self.group.name, rank, self.method, f"the worker process died: {e}", e) from None
+            except _DIED as e:
+                self._died(rank, e)
         return [outputs[r] for r in self.ranks]
+
+    def _died(self, rank: int, e: BaseException) -> None:
+        raise WorkerDiedError(self.group.name, rank, self.method, f"the worker process died: {e}", e) from None
 
     def _timeout(self, timeout: float | None, ranks: list[int]) -> None:
         raise TimeoutError(f"{self.group.name}.{self.method}() not finished after {timeout}s on rank(s) {sorted(ranks)}")
@@ -133,6 +147,27 @@ def own_frames(traceback: str, last: int = 3) -> list[str]:
         path = m["file"] if rel.startswith("..") else rel
         frames.append(f"{path}:{m['line']} in {m['func']}" + (f": {code}" if code else ""))
     return frames[-last:]
+
+
+def _death_among(refs: list, grace_s: float) -> tuple[Any, BaseException] | None:
+    """The first of the calls ``refs`` whose worker process died, with Ray's error, given
+    ``grace_s`` seconds to show it; None when none did by then (those that finish otherwise
+    are passed over)."""
+    deadline = time.monotonic() + grace_s
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        try:
+            ray.get(ready[0])
+        except RayTaskError:  # the call's own error (checked first: it may also be an instance of _DIED)
+            continue
+        except _DIED as e:
+            return ready[0], e
+        except Exception:  # noqa: BLE001 -- any other outcome is not a death
+            continue
+    return None
 
 
 def start_together(*groups: WorkerGroup, channels: Sequence[Channel] = (), locks: DeviceLock | None = None) -> None:
@@ -169,7 +204,16 @@ def wait(*handles: GroupHandle, timeout: float | None = None) -> list:
         try:
             ray.get(ready[0])
         except Exception:
-            owner[ready[0]].wait()  # raises the WorkerError with group, rank and traceback
+            failed = owner[ready[0]]
+            try:
+                failed.wait()  # raises the WorkerError with group, rank and traceback
+            except WorkerDiedError:
+                raise
+            except WorkerError:  # a death in another call may be what made it fail
+                died = _death_among([r for r in pending if owner[r] is not failed], DEATH_GRACE_S)
+                if died is not None:
+                    owner[died[0]].wait()  # raises its WorkerDiedError
+                raise
     return [h.wait() for h in handles]
 
 
