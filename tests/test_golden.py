@@ -26,7 +26,10 @@ from m2flow.runners.reasoning import ReasoningRunner
 # CPU kind -> (embodied digest, reasoning digest); a kind of instruction set alone stands for
 # every processor with it that has no entry of its own. The "AVX512" pair was recorded on machines
 # whose processor was not written down; an AVX-512 AMD EPYC reaches the AVX2 AMD EPYC's embodied
-# weights and reasoning weights of its own.
+# weights and reasoning weights of its own. The reasoning digests of the first two kinds were
+# recorded under the transformers release of their day (not written down, 5.23.0 or earlier; on
+# the AVX-512 AMD EPYC 5.23.0 and 5.24.0 agree): one that fails under TRANSFORMERS is to be
+# recorded again on its kind of CPU.
 DIGESTS = {
     "AVX512": ("f25b181c72b6bcd8eeeedb57ba00400604bfc6a4d2968d68609adf9914e515af",
                "cb47aea00eb545a39f694b5ec03803124b4ba22713b4992b4f302daf9ed162c2"),
