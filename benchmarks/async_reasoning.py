@@ -139,9 +139,9 @@ def main() -> None:
     # what makes two pairs comparable: everything but the seeds, the repeats and the journal
     settings = {k: v for k, v in vars(args).items() if k not in ("child", "seed", "repeats", "journal")}
     done = {(r["seed"], r["repeat"]): r for r in read_jsonl(args.journal) if r.get("settings") == settings}
-    keep = Path(args.journal).with_suffix(".profiles") if args.journal else Path(tempfile.mkdtemp(prefix="m2flow-"))
-    keep.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="m2flow-async-"))
+    keep = Path(args.journal).with_suffix(".profiles") if args.journal else tmp  # the sides' profiles
+    keep.mkdir(parents=True, exist_ok=True)
     sides = {"on-policy": ["runner.max_staleness=0", args.on_policy_placement],
              "async": [*ASYNC, *args.async_override]}
     runs = []
