@@ -220,7 +220,8 @@ class EmbodiedConfig(BaseConfig):
 class ModelConfig:
     path: str = opt(MISSING, f"a checkpoint directory or a built-in model: {' | '.join(BUILTIN_MODELS)}")
     dtype: str = opt("float32", "the weights' dtype", choices=DTYPES)
-    autocast: Optional[str] = opt(None, "training under autocast, e.g. bfloat16 (GPU); null: off", choices=DTYPES)
+    autocast: Optional[str] = opt(None, "training under autocast, e.g. bfloat16 (GPU, or a CPU with bf16 "
+                                        "instructions); null: off", choices=DTYPES)
 
 
 @dataclass
@@ -248,6 +249,9 @@ class RolloutConfig:
     max_new_tokens: int = opt(MISSING, "tokens per completion at most", within=AT_LEAST_1)
     stop: List[str] = opt([], "strings that end a completion")
     max_batch_size: int = opt(32, "sequences generated at once (continuous batching refills slots)", within=AT_LEAST_1)
+    dtype: Optional[str] = opt(None, "the rollout's weights, e.g. bfloat16: the actor's weights rounded as they "
+                                     "arrive, the sampling log-probs theirs (the loss's ratio sees the difference); "
+                                     "null: model.dtype", choices=DTYPES)
     partial: bool = opt(True, "runner.max_staleness >= 1: new weights reach the rollout between decode steps and the "
                               "sequences in flight go on with them (each token records its version); false: a step's "
                               "generation ends with the weights it started with")

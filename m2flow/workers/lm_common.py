@@ -38,14 +38,15 @@ def dtype_of(name: str | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def load_model(cfg: dict, device: str) -> tuple[torch.nn.Module, object]:
+def load_model(cfg: dict, device: str, dtype: str | None = None) -> tuple[torch.nn.Module, object]:
     """``(model, tokenizer)`` of ``model.path`` on ``device``: every component loads the same
-    initial weights (tiny models from the run's seed)."""
+    initial weights (tiny models from the run's seed), in ``model.dtype``; ``dtype`` (e.g.
+    ``rollout.dtype``), when given, then casts them: the same weights, rounded."""
     from m2flow.models.lm import load_lm
 
     m = cfg["model"]
     model, tokenizer = load_lm(m["path"], dtype=dtype_of(m["dtype"]), seed=cfg["seed"])
-    return model.to(device), tokenizer
+    return model.to(device=device, dtype=dtype_of(dtype)), tokenizer
 
 
 def memory_mb(device: str) -> float:

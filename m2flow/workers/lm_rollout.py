@@ -66,7 +66,7 @@ class LMRolloutWorker(WeightReceiver):
         torch.manual_seed(cfg["seed"] + 7919 * (self.rank + 1))  # sampling, reproducible per rank
         # vLLM loads its own copy: the transformers model only gives it a config (and, if
         # built in memory, a checkpoint), so it need not reach the GPU.
-        model, self.tokenizer = load_model(cfg, "cpu" if r["backend"] == "vllm" else self.device)
+        model, self.tokenizer = load_model(cfg, "cpu" if r["backend"] == "vllm" else self.device, r["dtype"])
         model.requires_grad_(False)
         self.engine = build_engine(r["backend"], model, self.tokenizer, **engine_options(r, take_turns))
         self.params = SamplingParams(n=r["n"], temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"],
