@@ -84,3 +84,22 @@ def test_async_pairs_criteria_by_hand():
     assert got["accuracy_difference_sem_points"] == 4.3
     assert got["ratio"] == {"min": 0.5, "median": 0.6, "max": 0.7, "n": 3}
     assert bench.summary(pairs[:1])["accuracy_difference_sem_points"] is None  # one pair: no spread to go by
+
+
+def test_precision_benchmark_smoke():
+    """benchmarks/precision.py on the tiny model: both sides ran, the same tokens trained on,
+    and each ratio is the float32 time over the bfloat16 time of its repetition."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(BENCH / "precision.py"), "--model", "tiny-llama", "--prompts", "2",
+                          "--samples", "2", "--max-new-tokens", "8", "--repeats", "2"],
+                         capture_output=True, text=True, timeout=240, cwd=BENCH.parent)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    gen, train = result["generate"], result["train"]
+    for side in ("float32", "bfloat16"):
+        assert gen[side]["s"]["n"] == train[side]["s"]["n"] == 2
+        assert all(4 <= t <= 32 for t in gen[side]["tokens"])  # 2 prompts x 2 samples, 1-8 tokens each
+    assert len(gen["ratio_per_row"]) == len(train["ratio"]) == 2 and all(r > 0 for r in train["ratio"])
+    assert train["rows"] == 4 and train["tokens"] > 4
+    assert train["ratio_spread"]["min"] == min(train["ratio"])

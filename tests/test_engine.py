@@ -191,6 +191,36 @@ def test_load_weights_then_generate_uses_them():
         engine.load_weights([("model.norm.weight", torch.zeros(3))])
 
 
+def test_a_bfloat16_rollout_samples_with_the_weights_rounded():
+    """``rollout.dtype=bfloat16``: the rollout loads the run's initial weights rounded, takes
+    the actor's float32 pushes rounded as they arrive, and records the log-probs of the
+    rounded weights (which the loss's ratio then sees against the actor's)."""
+    from m2flow.workers.lm_common import load_model
+
+    cfg = {"model": {"path": "tiny-llama", "dtype": "float32"}, "seed": 3}
+    full, tok = load_model(cfg, "cpu")
+    half, _ = load_model(cfg, "cpu", "bfloat16")
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert all(torch.equal(h, f.to(torch.bfloat16)) for h, f in zip(half.state_dict().values(),
+                                                                      full.state_dict().values()))
+    assert half.lm_head.weight is half.model.embed_tokens.weight  # tied weights stay tied
+    pushed, _ = lively_lm("tiny-llama")  # float32: what the actor sends
+    engine = TorchEngine(half, tok)
+    engine.load_weights(pushed.state_dict().items(), version=1)
+    assert all(torch.equal(engine.model.state_dict()[k], v.to(torch.bfloat16)) for k, v in pushed.state_dict().items())
+    prompts = make_prompts([5, 12], seed=4)
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=12, seed=2)
+    completions = [c for g in engine.generate(prompts, params) for c in g]
+    gap_to_full = []
+    for c in completions:
+        assert set(c.versions) == {1}
+        rounded, tokens = reference_logprobs(engine.model, prompts[c.prompt_index], c.token_ids, params.temperature)
+        assert (rounded.gather(1, tokens[:, None]).squeeze(1) - c.logprobs).abs().max().item() <= 0.05
+        exact, _ = reference_logprobs(pushed, prompts[c.prompt_index], c.token_ids, params.temperature)
+        gap_to_full.append((exact.gather(1, tokens[:, None]).squeeze(1) - c.logprobs).abs().max().item())
+    assert 0 < max(gap_to_full) < 0.5  # the rounding shows, a little
+
+
 def test_weights_loaded_between_steps_continue_the_sequences_in_flight():
     """New weights mid-generation (an in-flight update): the sequences in flight keep their
     cached keys and values and go on with the new weights; each token records the version
