@@ -146,7 +146,6 @@ def test_training_raises_the_reward(cluster, pool, tmp_path, case):
     expected = [False] + [True] * (28 if ahead else 29) + ([False] if ahead else [])
     assert [row["weight_mb"] > 0 for row in steps] == ([False, False] + [True] * 28 if partial else expected)
     # The inference worker recomputed the sampling log-probs with the weights that sampled them
-    # (where it held those: the decoupled objective's proximal weights may be newer).
     # (where it held those: the decoupled objective's proximal weights may be newer). Against
     # a bfloat16 rollout's log-probs the difference is the rounding's.
     if "algorithm.old_logprobs=recompute" in overrides:
