@@ -7,15 +7,15 @@ completions differ (the rounding changes the draws), so the figure compared is t
 decoded row (one sequence's token of one decode step), and the time per call is reported too.
 
 ``train``: the actor's forward and backward over those float32 completions, their prompts
-included (``token_logprobs`` as the trainer takes it, a sum of the completion tokens'
-log-probs backpropagated), in float32 and under bfloat16 autocast (``model.autocast``): the
-same tokens on both sides.
+included (``token_logprobs`` over whole rows, not the trainer's shared-prompt forward; every
+token's log-prob summed and backpropagated), in float32 and under bfloat16 autocast (``model.autocast``): the same tokens
+on both sides.
 
 Both on ``--threads`` torch threads, the sides in ABAB order over ``--repeats`` repetitions
 (each side warmed up first); prints one JSON object: per side the times' spread, and
 ``ratio`` (float32 time / bfloat16 time: > 1 means bfloat16 is faster) per repetition and
 its spread. Whether the CPU has bfloat16 instructions (``avx512_bf16``, ``amx_bf16``) is
-reported: without them torch emulates bfloat16, and it is slower.
+reported: without them torch emulates bfloat16 (not measured here).
 
     python benchmarks/precision.py                       # SmolLM2-135M-Instruct, 1 thread
     python benchmarks/precision.py --model tiny-llama    # fast smoke test
