@@ -8,8 +8,8 @@ decoded row (one sequence's token of one decode step), and the time per call is 
 
 ``train``: the actor's forward and backward over those float32 completions, their prompts
 included (``token_logprobs`` over whole rows, not the trainer's shared-prompt forward; every
-token's log-prob summed and backpropagated), in float32 and under bfloat16 autocast (``model.autocast``): the same tokens
-on both sides.
+token's log-prob summed and backpropagated), in float32 and under bfloat16 autocast
+(``model.autocast``): the same tokens on both sides.
 
 Both on ``--threads`` torch threads, the sides in ABAB order over ``--repeats`` repetitions
 (each side warmed up first); prints one JSON object: per side the times' spread, and
@@ -28,6 +28,7 @@ import copy
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,13 +63,36 @@ def generate(engine: TorchEngine, prompts: list[list[int]], params: SamplingPara
             "completions": completions}
 
 
-def train(model, batch: SequenceBatch, dtype: torch.dtype | None) -> float:
+def train(model, batch: SequenceBatch, dtype: torch.dtype | None) -> dict:
     start = time.perf_counter()
     with autocast(torch.device("cpu"), dtype):
         logprobs, _ = token_logprobs(model, batch, 0.7, False)
     logprobs.sum().backward()
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return {"s": time.perf_counter() - start}
+
+
+def alternate(what: str, repeats: int, run: Callable[[str], dict]) -> dict[str, list[dict]]:
+    """``run(side)`` for both sides, ABAB over ``repeats`` repetitions: per side, each
+    repetition's result with the load before and after it."""
+    results: dict[str, list[dict]] = {s: [] for s in SIDES}
+    for r in range(repeats):
+        for side in side_order(SIDES, r):
+            result, load = loaded(lambda: run(side))
+            results[side].append(result | load)
+            log(f"{what} {side}: {result['s']:.2f} s")
+    return results
+
+
+def per_side(results: dict[str, list[dict]], *keys: str) -> dict[str, dict]:
+    """Per side: each of ``keys``'s spread over the repetitions, and the loads around them."""
+    return {s: {**{k: spread((x[k] for x in results[s]), 3) for k in keys},
+                "load": [[x["load_before"], x["load_after"]] for x in results[s]]} for s in SIDES}
+
+
+def ratios(results: dict[str, list[dict]], key: str) -> list[float]:
+    """float32's ``key`` over bfloat16's, repetition by repetition."""
+    return [round(a[key] / b[key], 3) for a, b in zip(results["float32"], results["bfloat16"])]
 
 
 def main() -> None:
@@ -92,12 +116,7 @@ def main() -> None:
     params = SamplingParams(n=args.samples, temperature=0.7, max_new_tokens=args.max_new_tokens, seed=1)
     for engine in engines.values():
         generate(engine, warm, params)
-    gen: dict[str, list[dict]] = {s: [] for s in SIDES}
-    for r in range(args.repeats):
-        for side in side_order(SIDES, r):
-            result, load = loaded(lambda: generate(engines[side], prompts, params))
-            gen[side].append(result | load)
-            log(f"generate {side}: {result['s']:.2f} s, {result['ms_per_row']:.2f} ms per row")
+    gen = alternate("generate", args.repeats, lambda side: generate(engines[side], prompts, params))
     # The actor's work: the float32 side's last completions, the same tokens for both sides.
     completions = gen["float32"][-1]["completions"]
     batch = SequenceBatch.from_completions([prompts[c.prompt_index] for c in completions],
@@ -106,30 +125,17 @@ def main() -> None:
     dtypes = {"float32": None, "bfloat16": torch.bfloat16}
     for side in SIDES:
         train(model, batch, dtypes[side])
-    trained: dict[str, list[dict]] = {s: [] for s in SIDES}
-    for r in range(args.repeats):
-        for side in side_order(SIDES, r):
-            seconds, load = loaded(lambda: train(model, batch, dtypes[side]))
-            trained[side].append({"s": seconds} | load)
-            log(f"train {side}: {seconds:.2f} s")
-
-    def ratios(results: dict[str, list[dict]], key: str) -> list[float]:
-        return [round(a[key] / b[key], 3) for a, b in zip(results["float32"], results["bfloat16"])]
-
+    trained = alternate("train", args.repeats, lambda side: train(model, batch, dtypes[side]))
+    generated = per_side(gen, "s", "ms_per_row")
+    for side in SIDES:
+        generated[side]["tokens"] = [x["tokens"] for x in gen[side]]
     report = {
         "model": args.model, "threads": args.threads, "prompts": args.prompts, "samples": args.samples,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "cpu_bf16_flags": cpu_flags(),
-        "generate": {
-            **{s: {"s": spread((x["s"] for x in gen[s]), 3), "ms_per_row": spread((x["ms_per_row"] for x in gen[s]), 3),
-                   "tokens": [x["tokens"] for x in gen[s]],
-                   "load": [[x["load_before"], x["load_after"]] for x in gen[s]]} for s in SIDES},
-            "ratio_per_row": ratios(gen, "ms_per_row"), "ratio_per_call": ratios(gen, "s"),
-            "ratio_per_row_spread": spread(ratios(gen, "ms_per_row"), 3)},
-        "train": {
-            "tokens": int(batch.attention_mask.sum()), "rows": len(batch),
-            **{s: {"s": spread((x["s"] for x in trained[s]), 3),
-                   "load": [[x["load_before"], x["load_after"]] for x in trained[s]]} for s in SIDES},
-            "ratio": ratios(trained, "s"), "ratio_spread": spread(ratios(trained, "s"), 3)},
+        "generate": {**generated, "ratio_per_row": ratios(gen, "ms_per_row"), "ratio_per_call": ratios(gen, "s"),
+                     "ratio_per_row_spread": spread(ratios(gen, "ms_per_row"), 3)},
+        "train": {"tokens": int(batch.attention_mask.sum()), "rows": len(batch), **per_side(trained, "s"),
+                  "ratio": ratios(trained, "s"), "ratio_spread": spread(ratios(trained, "s"), 3)},
         **bench.finish(torch=torch.__version__),
     }
     print(json.dumps(json_safe(report), indent=1))
