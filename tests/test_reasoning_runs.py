@@ -159,6 +159,31 @@ def test_tensorboard_scalars_equal_metrics_csv(runs):
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key  # TensorBoard stores float32
 
 
+def test_a_steps_training_statistics_are_over_every_actor_rank():
+    """Two actor ranks: the one whose rows were all inert (it forwarded nothing, so reports no
+    entropy and nan losses) counts for nothing; the others are weighted by the completion
+    tokens each forwarded. Rank 0's alone would have given no entropy at all."""
+    from m2flow.runners.metrics import ReasoningMetrics, across_ranks
+
+    def actor(forwarded, **stats):
+        return {"busy_s": 1.0, "idle_s": 0.0, "version": 1, "update_end": 0.0, "inert_rows": 8 if not forwarded else 0,
+                "optimizer_steps": 1, "completion_tokens": 80, "token_lags": {0: 80}, "forwarded_tokens": forwarded,
+                "update_busy_s": 0.1, "grad_norm": 2.0} | stats
+
+    idle = actor(0, loss=float("nan"))
+    report = {"rollout": [{"completions": 16, "completion_tokens": 160, "truncated": 0, "busy_s": 1.0, "idle_s": 0.0}],
+              "reward": [{"reward": 0.25, "busy_s": 0.1, "idle_s": 0.0}], "inference": [{"busy_s": 0.1, "idle_s": 0.0}],
+              "sync": {}}
+    row = ReasoningMetrics(4).row(0, report | {"actor": [idle, actor(30, loss=0.5, entropy=0.6, approx_kl=0.01)]},
+                                  1.0, 1.0)
+    assert (row["entropy"], row["loss"], row["approx_kl"], row["grad_norm"]) == (0.6, 0.5, 0.01, 2.0)
+    assert row["inert_rows"] == 8 and "forwarded_tokens" not in row
+    both = across_ranks([actor(10, entropy=0.2, loss=1.0), actor(30, entropy=0.6, loss=0.0)], ("busy_s",))
+    assert both["entropy"] == pytest.approx(0.5) and both["loss"] == pytest.approx(0.25) and "busy_s" not in both
+    assert across_ranks([{"epochs": 2, "kl": 0.1}, {"epochs": 4, "kl": 0.3}]) == pytest.approx({"epochs": 3, "kl": 0.2})
+    assert math.isnan(across_ranks([idle, idle])["loss"])  # no rank forwarded anything: no statistic
+
+
 def test_bf16_autocast_takes_effect_and_trains(runs):
     """The actor's forward under bf16 autocast gives log-probs that differ from the inference
     worker's fp32 ones by bf16 round-off (ratios off 1 at the first pass of a step); in fp32

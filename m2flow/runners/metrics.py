@@ -18,7 +18,7 @@ update (``metrics.csv`` columns and TensorBoard scalars):
                        at any step: ManiSkill, Meta-World); the previous value when none
                        ended; absent for envs that report no success
   policy_loss, value_loss, entropy, approx_kl, clip_fraction, grad_norm, epochs,
-  explained_variance   PPO statistics of actor rank 0, averaged over its minibatches
+  explained_variance   PPO statistics averaged over the minibatches and the actor's ranks
   policy_lag           policy versions between the weights trained and the oldest that
                        collected the data (0 on-policy; up to runner.max_staleness)
   staleness_<j>        the share of the update's env steps whose actions came from weights j
@@ -174,6 +174,26 @@ class RunLog:
         return path
 
 
+def across_ranks(ranks: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The actor ranks' training statistics as one row: each number's mean over the ranks
+    that report a finite one, weighted by the completion tokens each forwarded
+    (``forwarded_tokens``; equal weights where the ranks do not report it). A rank that
+    forwarded nothing (all its rows inert) reports nan statistics and weighs nothing; a
+    value that is not a number, or that no rank has finite, is the first rank's that has it."""
+    out: dict[str, Any] = {}
+    weights = [float(r.get("forwarded_tokens", 1)) for r in ranks]
+    keys = dict.fromkeys(k for r in ranks for k in r)  # in order: a rank that forwarded nothing lacks some
+    for key in keys:
+        if key in skip or key == "forwarded_tokens":
+            continue
+        first = next(r[key] for r in ranks if key in r)
+        numbers = [(float(r[key]), w) for r, w in zip(ranks, weights)
+                   if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool) and math.isfinite(r[key])]
+        total = sum(w for _, w in numbers)
+        out[key] = sum(v * w for v, w in numbers) / total if total else first
+    return out
+
+
 class Staleness:
     """How old the trained data was, and how soon new weights reached the rollout: the share
     of what a step trained on (tokens, env steps) j versions behind the weights trained
@@ -241,8 +261,7 @@ class EmbodiedMetrics:
         }
         if not math.isnan(self.last_success):
             row["success_rate"] = self.last_success
-        row |= {k: v for k, v in actor[0].items()
-                if k not in ("busy_s", "idle_s", "lock_wait_s", "step_lags", "version", "update_end")}
+        row |= across_ranks(actor, ("busy_s", "idle_s", "lock_wait_s", "step_lags", "version", "update_end"))
         row |= self.staleness.row([r["step_lags"] for r in actor], rollout, actor)
         for name, ranks in (("env", env), ("rollout", rollout), ("actor", actor)):
             for k in ("busy_s", "idle_s"):
@@ -292,7 +311,7 @@ class ReasoningMetrics:
         skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
                 "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
                 "update_end", "trained_prompts", "update_busy_s")
-        row |= {k: v for k, v in actor[0].items() if k not in skip}
+        row |= across_ranks(actor, skip)
         row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
         row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
         row["actor_update_busy_s"] = sum(r["update_busy_s"] for r in actor) / len(actor)

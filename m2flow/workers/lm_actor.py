@@ -134,7 +134,7 @@ class LMActorWorker(Worker):
         clock = Clock()
         batches = []
         stats: dict[str, Any] = {}
-        tokens = seqs = policy_lag = inert_rows = stale_dropped = 0
+        tokens = seqs = forwarded = policy_lag = inert_rows = stale_dropped = 0
         token_lags: dict[int, int] = {}  # versions behind -> completion tokens trained on
         trained: list[int] = []  # the prompt index of every completion trained on (ids, for checks)
         # A rank whose devices another component holds (hybrid: the rank beside the rollout)
@@ -173,14 +173,18 @@ class LMActorWorker(Worker):
                 switch(self.trainer.onload_optimizer)
                 raw = LossScale(tokens=self.world_size, sequences=self.world_size, world_size=self.world_size)
                 part = self.trainer.accumulate(rows, self._loss, raw)
-            _add_weighted(stats, part, int(rows.completion_mask.sum()))
+            n = int(rows.completion_mask.sum())
+            forwarded += n
+            _add_weighted(stats, part, n)
         with clock.turn(self.together), clock.busy():
             update_start = time.perf_counter()
             switch(self.trainer.onload_optimizer)
             if self.streaming:
-                result = self._finish_streamed(stats, tokens, seqs) | {"inert_rows": inert_rows}
+                result = self._finish_streamed(stats, tokens, seqs) | {"inert_rows": inert_rows,
+                                                                       "forwarded_tokens": forwarded}
             else:
                 result = self._train_gathered(batches)
+                result["forwarded_tokens"] = result.get("completion_tokens", 0)
             peak = memory_mb(self.device)
             switch(self.trainer.offload_optimizer)  # context switching: the rollout gets the room
             # streamed: the step's update apart from the batches' forward and backward (the
