@@ -103,3 +103,22 @@ def test_precision_benchmark_smoke():
     assert len(gen["ratio_per_row"]) == len(train["ratio"]) == 2 and all(r > 0 for r in train["ratio"])
     assert train["rows"] == 4 and train["tokens"] > 4
     assert train["ratio_spread"]["min"] == min(train["ratio"])
+
+
+def test_thread_numerics_smoke():
+    """benchmarks/thread_numerics.py on the tiny model: both dtypes compared completion by
+    completion, every differing one with the position where it parts."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(BENCH / "thread_numerics.py"), "--model", "tiny-llama", "--prompts", "2",
+                          "--samples", "3", "--max-new-tokens", "8"],
+                         capture_output=True, text=True, timeout=240, cwd=BENCH.parent)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["threads"] == [1, 2]
+    for dtype in ("float32", "bfloat16"):
+        got = result[dtype]
+        assert got["completions"] == 6 and 0 <= got["identical"] <= 6
+        assert all(0 <= i <= 8 for i in got["first_difference_at_token"])
+    first = _bench("thread_numerics").first_difference
+    assert (first([5, 6, 7], [5, 6, 8]), first([5, 6], [5, 6, 7]), first([9], [8])) == (2, 2, 0)
