@@ -34,6 +34,15 @@ profiling excluded. Each side also reports how it learned, per step (``learning`
 reward, its policy's entropy and its completions' mean length (what tells a run that learned
 less per step from one that only ran slower).
 
+``--control`` adds a third run to each pair, after the async one: on-policy
+(``runner.max_staleness=0``, no correction, no weights taken in flight) in the plan the async
+side ran (the plan file its scheduler wrote, run ahead 0; or its given placement). Two plans
+give the arithmetic other round-off (a component on one CPU slot computes on one thread, on
+two on two), and at this size one run's curve turns that into 10-25 points; the async run
+less the control is the lag's effect with the round-off of the same devices
+(``final_accuracy_difference_vs_control_points``), and the control less the on-policy run
+the plan's (``control_less_on_policy_points``).
+
 Each side's run folder (``runner.out_dir``, in a temporary folder whose name the log gives)
 keeps its ``metrics.csv``, log and trace; its checkpoints (the preset's at step 20 and the
 last, 3.4 GB a side for SmolLM2) are deleted once the side ends.
@@ -47,7 +56,7 @@ pair to FILE (JSON lines) and, run again with the same settings, runs only the p
 (the sides' profiles are kept beside it): the pairs of several shorter runs add up.
 
     python benchmarks/async_reasoning.py [--steps 24] [--eval-every 4] [--eval deferred] [--repeats 1]
-        [--seed 0 1 2] [--journal pairs.jsonl]
+        [--seed 0 1 2] [--control] [--journal pairs.jsonl]
 """
 
 from __future__ import annotations
@@ -109,6 +118,34 @@ def pair_result(on: dict, asy: dict) -> dict:
             "final_accuracy_difference_points": round(100 * (asy["final_accuracy"] - on["final_accuracy"]), 1)}
 
 
+def control_result(on: dict, asy: dict, control: dict) -> dict:
+    """The async run against on-policy in its own plan, and that against the on-policy run."""
+    return {"final_accuracy_difference_vs_control_points": round(100 * (asy["final_accuracy"]
+                                                                      - control["final_accuracy"]), 1),
+            "control_less_on_policy_points": round(100 * (control["final_accuracy"] - on["final_accuracy"]), 1)}
+
+
+def control_overrides(async_overrides: list[str], async_out: Path, plan_file: Path) -> list[str]:
+    """The control side's overrides: the async side's, made on-policy, in the plan it ran. A
+    plan its scheduler wrote (``plan.yaml``) is run again as it is, but not ahead."""
+    from m2flow.flow import Plan
+
+    on_policy = [*async_overrides, "runner.max_staleness=0", "rollout.partial=false", "algorithm.off_policy=none"]
+    written = async_out / "plan.yaml"
+    if not written.exists():  # a placement given, not planned: the same overrides place it alike
+        return on_policy
+    plan = Plan.load(written)
+    plan.run_ahead = 0
+    return [*on_policy, "placement.mode=collocated", f"placement=@{plan.save(plan_file)}"]  # a plan file wins
+
+
+def _mean_sem(values: list[float]) -> dict:
+    mean = statistics.fmean(values) if values else None
+    sem = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+    return {"mean": None if mean is None else round(mean, 1), "sem": None if sem is None else round(sem, 1),
+            "n": len(values)}
+
+
 def summary(pairs: list[dict], max_ratio: float = 0.67, min_difference: float = -3.0) -> dict:
     """Over the pairs: each criterion's spread, the pairs that met both (the time ratio at most
     ``max_ratio``, the accuracy difference at least ``min_difference`` points), and the mean
@@ -116,12 +153,15 @@ def summary(pairs: list[dict], max_ratio: float = 0.67, min_difference: float = 
     ratios = [p["time_to_on_policy_accuracy_ratio"] for p in pairs]
     diffs = [p["final_accuracy_difference_points"] for p in pairs]
     met = sum(r is not None and r <= max_ratio and d >= min_difference for r, d in zip(ratios, diffs))
-    mean = statistics.fmean(diffs) if diffs else None
-    sem = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
-    return {"pairs": len(pairs), "met_both": met, "never_reached": sum(r is None for r in ratios),
-            "ratio": spread(ratios, 3), "accuracy_difference_points": spread(diffs, 1),
-            "accuracy_difference_mean_points": None if mean is None else round(mean, 1),
-            "accuracy_difference_sem_points": None if sem is None else round(sem, 1)}
+    diff = _mean_sem(diffs)
+    out = {"pairs": len(pairs), "met_both": met, "never_reached": sum(r is None for r in ratios),
+           "ratio": spread(ratios, 3), "accuracy_difference_points": spread(diffs, 1),
+           "accuracy_difference_mean_points": diff["mean"], "accuracy_difference_sem_points": diff["sem"]}
+    controlled = [p for p in pairs if "final_accuracy_difference_vs_control_points" in p]
+    if controlled:  # the pairs run with --control
+        out["vs_control_points"] = _mean_sem([p["final_accuracy_difference_vs_control_points"] for p in controlled])
+        out["control_less_on_policy_points"] = _mean_sem([p["control_less_on_policy_points"] for p in controlled])
+    return out
 
 
 def main() -> None:
@@ -136,13 +176,16 @@ def main() -> None:
     p.add_argument("--on-policy-placement", default="placement=auto", help="placement=... for the on-policy side")
     p.add_argument("--async-override", nargs="*", default=[], help="key=value for the async side")
     p.add_argument("--override", nargs="*", default=[], help="key=value for both sides")
+    p.add_argument("--control", action="store_true",
+                   help="a third run per pair: on-policy in the plan the async side ran (see above)")
     p.add_argument("--journal", help="append each pair here (JSON lines); the pairs it holds are not run again")
     args = p.parse_args()
     if args.child:
         return child(json.loads(args.child))
     bench = Run()
     # what makes two pairs comparable: everything but the seeds, the repeats and the journal
-    settings = {k: v for k, v in vars(args).items() if k not in ("child", "seed", "repeats", "journal")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("child", "seed", "repeats", "journal")
+                and (k != "control" or v)}  # journals from before --control stay comparable without it
     done = {(r["seed"], r["repeat"]): r for r in read_jsonl(args.journal) if r.get("settings") == settings}
     tmp = Path(tempfile.mkdtemp(prefix="m2flow-async-"))
     keep = Path(args.journal).with_suffix(".profiles") if args.journal else tmp  # the sides' profiles
@@ -159,18 +202,22 @@ def main() -> None:
         common = [f"seed={seed}", f"runner.steps={args.steps}", f"runner.eval_every={args.eval_every}",
                   f"runner.eval_deferred={args.eval == 'deferred'}", "runner.progress=false", *args.override]
         got = {}
-        for side in side_order(list(sides), n):
+        order = side_order(list(sides), n) + (["control"] if args.control else [])  # the control after the async
+        for side in order:
             log(f"== seed {seed}, repeat {r + 1}: {side}")
             profile = keep / f"{side}-seed{seed}.json"  # made by the seed's first repeat, reused by the later ones
             out_dir = tmp / f"{side}-seed{seed}-{r}"
-            spec = {"overrides": [*common, *sides[side], f"placement.profile={profile}", f"runner.out_dir={out_dir}"]}
+            overrides = sides[side] if side in sides else control_overrides(
+                sides["async"], tmp / f"async-seed{seed}-{r}", tmp / f"control-seed{seed}-{r}.yaml")
+            spec = {"overrides": [*common, *overrides, f"placement.profile={profile}", f"runner.out_dir={out_dir}"]}
             before = _stamp(profile)
             got[side], load = loaded(lambda: run_child(__file__, spec))
             shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)  # 3.4 GB a side; metrics.csv and the log stay
             profiled = _stamp(profile) != before  # a side with a plan given never writes it
             got[side] |= load | {"profiling_s": json.loads(profile.read_text()).get("profiling_s") if profiled else None}
         runs.append({"seed": seed, "repeat": r, "settings": settings, **got,
-                     **pair_result(got["on-policy"], got["async"])})
+                     **pair_result(got["on-policy"], got["async"]),
+                     **(control_result(got["on-policy"], got["async"], got["control"]) if args.control else {})})
         append_jsonl(args.journal, runs[-1])
     out = {"benchmark": "async_reasoning", "args": vars(args), "runs": runs, "summary": summary(runs),
            **bench.finish()}

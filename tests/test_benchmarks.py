@@ -86,6 +86,44 @@ def test_async_pairs_criteria_by_hand():
     assert bench.summary(pairs[:1])["accuracy_difference_sem_points"] is None  # one pair: no spread to go by
 
 
+def test_async_control_runs_on_policy_in_the_async_plan(tmp_path):
+    """--control: the async side's overrides made on-policy; a plan its scheduler wrote is run
+    again as it is but not ahead (and not planned again); the differences by hand."""
+    from m2flow.config import load_config
+    from m2flow.flow import Plan
+    from m2flow.runners.reasoning import WORKFLOW
+
+    bench = _bench("async_reasoning")
+    async_out = tmp_path / "async"
+    async_out.mkdir()
+    given = ["placement.mode=disaggregated", "runner.max_staleness=2", "rollout.partial=true"]
+    # a placement given: nothing was planned, the same overrides place the control alike
+    plain = bench.control_overrides(given, async_out, tmp_path / "control.yaml")
+    cfg = load_config("reasoning/grpo_arith_tiny", plain)
+    assert (cfg.placement.mode, cfg.placement.plan, cfg.runner.max_staleness) == ("disaggregated", None, 0)
+    assert (cfg.rollout.partial, cfg.algorithm.off_policy) == (False, "none")
+    planned = Plan.for_mode(WORKFLOW, "disaggregated", 2, granularity=4, run_ahead=2)
+    planned.save(async_out / "plan.yaml")
+    cfg = load_config("reasoning/grpo_arith_tiny",
+                      bench.control_overrides([*bench.ASYNC, "algorithm.off_policy=decoupled"], async_out,
+                                              tmp_path / "control.yaml"))
+    assert cfg.placement.mode != "auto" and cfg.placement.plan == str(tmp_path / "control.yaml")
+    assert (cfg.runner.max_staleness, cfg.rollout.partial, cfg.algorithm.off_policy) == (0, False, "none")
+    control = Plan.load(cfg.placement.plan)
+    assert control.run_ahead == 0 and control.to_dict() == {**planned.to_dict(), "run_ahead": 0}
+    on, asy, ctl = ({"final_accuracy": a} for a in (0.51, 0.23, 0.26))
+    assert bench.control_result(on, asy, ctl) == {"final_accuracy_difference_vs_control_points": -3.0,
+                                                  "control_less_on_policy_points": -25.0}
+    pairs = [{"time_to_on_policy_accuracy_ratio": None, "final_accuracy_difference_points": -28.0,
+              "final_accuracy_difference_vs_control_points": -3.0, "control_less_on_policy_points": -25.0},
+             {"time_to_on_policy_accuracy_ratio": 0.6, "final_accuracy_difference_points": 18.0,
+              "final_accuracy_difference_vs_control_points": 14.0, "control_less_on_policy_points": 4.0}]
+    got = bench.summary(pairs)
+    assert got["vs_control_points"] == {"mean": 5.5, "sem": 8.5, "n": 2}  # stdev of -3, 14: 17 / sqrt 2
+    assert got["control_less_on_policy_points"] == {"mean": -10.5, "sem": 14.5, "n": 2}
+    assert "vs_control_points" not in bench.summary([{k: p[k] for k in list(p)[:2]} for p in pairs])
+
+
 def test_precision_benchmark_smoke():
     """benchmarks/precision.py on the tiny model: both sides ran, the same tokens trained on,
     and each ratio is the float32 time over the bfloat16 time of its repetition."""
