@@ -182,6 +182,8 @@ def test_a_steps_training_statistics_are_over_every_actor_rank():
     assert both["entropy"] == pytest.approx(0.5) and both["loss"] == pytest.approx(0.25) and "busy_s" not in both
     assert across_ranks([{"epochs": 2, "kl": 0.1}, {"epochs": 4, "kl": 0.3}]) == pytest.approx({"epochs": 3, "kl": 0.2})
     assert math.isnan(across_ranks([idle, idle])["loss"])  # no rank forwarded anything: no statistic
+    one = across_ranks([{"epochs": 4, "loss": 0.5}])  # one rank: its values as they are
+    assert one == {"epochs": 4, "loss": 0.5} and isinstance(one["epochs"], int)
 
 
 def test_bf16_autocast_takes_effect_and_trains(runs):

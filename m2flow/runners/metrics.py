@@ -187,10 +187,13 @@ def across_ranks(ranks: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> dic
         if key in skip or key == "forwarded_tokens":
             continue
         first = next(r[key] for r in ranks if key in r)
-        numbers = [(float(r[key]), w) for r, w in zip(ranks, weights)
+        numbers = [(r[key], w) for r, w in zip(ranks, weights)
                    if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool) and math.isfinite(r[key])]
         total = sum(w for _, w in numbers)
-        out[key] = sum(v * w for v, w in numbers) / total if total else first
+        if len({v for v, _ in numbers}) == 1:  # one rank, or the same on all (grad_norm): as it is, an int an int
+            out[key] = numbers[0][0]
+        else:
+            out[key] = sum(v * w for v, w in numbers) / total if total else first
     return out
 
 
