@@ -46,6 +46,11 @@ def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     assert {p["devices"] for p in prof["points"]} == {1, 2}  # seen on one device and on two
     assert prof["hardware"]["devices"] == 2 and prof["profiling_s"] > 0
     assert prof["hop_s"] >= 0 and all(v >= 0 for v in prof["switch_s"].values())
+    # The share of its rows the trainer forwarded: all of them in an embodied step; the
+    # profile's is over every timed update's rows, so between the probes' own.
+    shares = [r["trained_share"] for r in prof["runs"]]
+    assert all(0 <= x <= 1 for x in shares) and (preset.startswith("reasoning") or shares == [1.0] * 3)
+    assert min(shares) - 1e-12 <= prof["trained_share"] <= max(shares) + 1e-12
     # The hidden costs read off the stored probes again come out as they were measured.
     again = Profile.load(profile)
     refit_hidden_costs(cfg, again)

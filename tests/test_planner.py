@@ -78,6 +78,40 @@ def test_points_from_rows_take_a_streamed_steps_update_apart():
     assert pts["actor", "train"].seconds == 2.5 and ("actor", "update") not in pts
 
 
+def test_the_trainers_points_count_the_rows_it_forwarded():
+    # Two steps of 32 rows, one forwarding 16 (16 inert: zero gradient, skipped), one all 32:
+    # the same cost per row forwarded, where per row received one looks half as costly.
+    shape = Shape(("rollout", "reward", "inference"), "actor", items=32, chunks=4, batched=("rollout",),
+                  trainer_streams=True)
+    layout = layout_of(_plan(REASONING, "collocated", 2), REASONING)[0]
+    rows = [{"rollout_busy_s": 8.0, "reward_busy_s": 0.1, "inference_busy_s": 0.2, "weight_sync_s": 0.0,
+             "actor_busy_s": 1.0 + 0.25 * forwarded, "actor_update_busy_s": 1.0, "inert_rows": 32 - forwarded}
+            for forwarded in (16, 32)]
+    train = [p for p in points_from_rows(shape, layout, rows) if p.phase == "train"]
+    assert [(p.items, p.seconds) for p in train] == [(4.0, 1.0), (8.0, 2.0)]  # 16 / 4 chunks in 4 / 4 s
+    assert [p.items for p in points_from_rows(shape, layout, [rows[0] | {"inert_rows": float("nan")}])
+            if p.phase == "train"] == [8.0]  # none reported: every row counts
+    assert [p.items for p in points_from_rows(shape, layout, [rows[1]]) if p.phase == "update"] == [32]
+
+
+def test_the_model_predicts_training_at_the_profiles_share_of_rows(tmp_path):
+    pts = [Point("actor", "train", i, d, 0.1 + 0.5 * i / d) for i in (4, 8) for d in (1, 2)]
+    pts += [Point("actor", "update", 32, 1, 0.3), Point("rollout", "work", 32, 1, 5.0)]
+    prof = Profile("t", {"devices": 2, "kind": "cpu", "cpu": "t", "gpus": []}, pts, trained_share=0.5)
+    model = CostModel(prof)
+    assert model("actor", "train", 8, 1) == pytest.approx(0.1 + 0.5 * 4)  # half of 8 rows forwarded
+    assert model("actor", "update", 32, 1) == pytest.approx(0.3)  # a step's update: whatever the rows
+    assert model("rollout", "work", 32, 1) == pytest.approx(5.0)
+    assert model.at_share(1.0)("actor", "train", 8, 1) == pytest.approx(4.1)
+    assert model("actor", "train", 8, 1) == pytest.approx(2.1)  # at_share made another model
+    assert "50% of its rows" in model.share_report() and model.at_share(1.0).share_report() == ""
+    loaded = Profile.load(prof.save(tmp_path / "p.json"))
+    assert loaded.trained_share == 0.5
+    old = json.loads((tmp_path / "p.json").read_text())
+    del old["trained_share"]  # a profile of an earlier version: its points per row received
+    assert Profile.from_dict(old).trained_share == 1.0
+
+
 def test_calibrate_finds_the_hidden_cost():
     assert calibrate(10.0, lambda x: 4.0 + 3 * x) == pytest.approx(2.0, abs=1e-6)
     assert calibrate(3.0, lambda x: 4.0 + 3 * x) == 0.0  # already over: nothing hidden

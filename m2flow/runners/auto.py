@@ -4,7 +4,8 @@ a profile), plan, print the plan and why, run it.
 A profile runs the flow itself for a few updates under three probe plans (every component
 on all the devices; the same at another size, on one device or on all; one split mode), on
 one cluster and one set of worker processes (re-initialised from run to run, not
-restarted), and reads each component's busy time per update from the metrics. The switch
+restarted), and reads each component's busy time per update from the metrics (the trainer's
+per row it forwarded: ``cost.trained_rows``). The switch
 cost and the cost of a message between processes, which busy times cannot show, are read
 off the probes' whole step times through the simulator.
 """
@@ -22,7 +23,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.flow import Plan, PlanError
-from m2flow.flow.cost import CostModel, Profile, calibrate, hardware, points_from_rows, profile_key
+from m2flow.flow.cost import (CostModel, Profile, calibrate, hardware, points_from_rows, profile_key,
+                             trained_rows)
 from m2flow.flow.planner import Choice, layout_of, plan
 from m2flow.flow.simulate import Layout, Shape, predict
 from m2flow.runners.base import gpu_slots_of, local_devices, start_cluster
@@ -125,6 +127,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
     n, kind = len(cluster.devices), cluster.device_kind
     prof = Profile(key_of(cfg), hardware() | {"devices": n, "kind": kind})
     pool = WorkerPool()  # the runs share their worker processes: each is started once
+    trained = [0.0, 0]  # the trainer's rows forwarded, and made, over the probes' timed updates
     try:
         with tempfile.TemporaryDirectory(prefix="m2flow-profile-") as tmp:
             runs = probes(s, n, kind)
@@ -144,7 +147,11 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 finally:
                     runner.close()
                 layout, fused = layout_of(run.plan, s.workflow)
-                prof.points += points_from_rows(schedule_of(run_cfg).shape(run.plan, fused), layout, rows)
+                shape = schedule_of(run_cfg).shape(run.plan, fused)
+                prof.points += points_from_rows(shape, layout, rows)
+                rows_trained, rows_made = sum(trained_rows(shape, r) for r in rows), shape.batch * len(rows)
+                trained[0] += rows_trained
+                trained[1] += rows_made
                 step = statistics.median(r[s.duration] for r in rows)
                 for c in s.components:
                     mem = [r[f"{c}_peak_memory_mb"] for r in rows if f"{c}_peak_memory_mb" in r]
@@ -152,7 +159,8 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                         prof.memory_mb[c] = max(prof.memory_mb.get(c, 0.0), max(mem))
                 prof.runs.append({"probe": run.name, "role": run.role, "plan": run.plan.to_dict(), "overrides": run.overrides,
                                   "step_s": step, "run_s": time.perf_counter() - t0,
-                                  "updates_timed": len(rows), "updates_left_out": warm_up}
+                                  "updates_timed": len(rows), "updates_left_out": warm_up,
+                                  "trained_share": rows_trained / rows_made if rows_made else 1.0}
                                  # recorded: a language model's step costs with its tokens, the model counts completions
                                  | ({"completion_length": statistics.median(r["completion_length"] for r in rows)}
                                     if rows and all("completion_length" in r for r in rows) else {}))
@@ -163,6 +171,10 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
         if own:
             cluster.shutdown()
     start += time.perf_counter() - stop
+    prof.trained_share = trained[0] / trained[1] if trained[1] else 1.0
+    if prof.trained_share == 0.0:
+        log("profile: the trainer forwarded no row (every one of zero gradient): its cost per row is not "
+            "measured, and its training is predicted as free")
     measured = refit_hidden_costs(cfg, prof)
     model = CostModel(prof)
     for m in measured:  # in-sample: the hidden costs were read off these
@@ -184,10 +196,12 @@ class Probe:
     shape: Shape
     layout: Layout
     step_s: float  # measured: the median over its updates
+    trained_share: float = 1.0  # of the trainer's rows, over its updates
 
     def predicted(self, model: CostModel) -> float:
-        """Its step time as ``model`` predicts it, with its profile's switch and hop costs as they are now."""
-        return predict(self.shape, self.layout, model, model.switch_s).step_s
+        """Its step time as ``model`` predicts it, with its profile's switch and hop costs as they are now
+        and the trainer forwarding as many rows as in this probe."""
+        return predict(self.shape, self.layout, model.at_share(self.trained_share), model.switch_s).step_s
 
 
 def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str]) -> None:
@@ -227,7 +241,8 @@ def refit_hidden_costs(cfg: DictConfig, prof: Profile) -> list[Probe]:
         layout, fused = layout_of(plan, s.workflow)
         role = r.get("role") or ("split" if not r["probe"].startswith("collocated")  # a profile that names none
                                  else "collocated" if r["probe"] == "collocated" else "sized")
-        measured.append(Probe(r["probe"], role, schedule_of(run_cfg).shape(plan, fused), layout, r["step_s"]))
+        measured.append(Probe(r["probe"], role, schedule_of(run_cfg).shape(plan, fused), layout, r["step_s"],
+                              r.get("trained_share", 1.0)))
     prof.switch_s, prof.hop_s = {}, 0.0
     heavy = [c for c in s.components if c not in s.workflow.light]  # who may pay a switch
     fit_hidden_costs(prof, measured, heavy)
@@ -280,7 +295,8 @@ def auto_plan(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Dic
     model = CostModel(prof)
     err = model.held_out_error()
     log("cost model (held-out error per fit: leave one point out):\n" + model.report()
-        + (f"\n  median held-out error {err:.1%}" if err is not None else ""))
+        + (f"\n  median held-out error {err:.1%}" if err is not None else "")
+        + (f"\n{model.share_report()}" if model.share_report() else ""))
     choice = choose(cfg, prof, model=model)
     log(choice.report())
     out = Path(cfg.runner.out_dir)
