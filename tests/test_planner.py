@@ -174,6 +174,9 @@ def test_run_ahead_only_within_the_staleness_allowed():
     # one version ahead, makers and trainer on devices of their own overlap: strictly faster here
     assert ahead.best.plan.run_ahead == 1 and ahead.best.mode == "disaggregated"
     assert ahead.best.step_s == pytest.approx(0.24, rel=0.05)
+    # CPU slots computing at once slow each other, which the model leaves out: the report says so
+    assert "note: components on CPU slots of their own compute at once" in ahead.report()
+    assert "note:" not in on_policy.report()  # collocated: one component computes at a time
 
 
 def test_what_does_not_scale_decides_the_plan():

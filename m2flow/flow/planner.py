@@ -275,4 +275,7 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
     ranked.sort(key=lambda c: preference(c.plan, c.step_s))
     notes = [f"{gpu_slots} devices per GPU: their ranks share its memory (counted) and its compute, which the "
              "predictions leave out (each slot is priced as a GPU of its own)"] if gpu_slots > 1 else []
+    if kind == "cpu" and ranked[0].mode != "collocated":
+        notes.append("components on CPU slots of their own compute at once and share the node's memory and "
+                     "caches, which slows each; the predictions leave that out (each is priced as if it ran alone)")
     return Choice(ranked[0], ranked, rejected, time.perf_counter() - start, notes)
