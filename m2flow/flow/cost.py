@@ -22,9 +22,10 @@ multiplied by ``internode`` (the ratio of intra- to inter-node bandwidth).
 The trainer's ``train`` items are the rows it forwarded: a reasoning trainer skips the rows
 whose gradient is zero (a group whose samples all got the same reward), and how many it skips
 follows the step's rewards (SmolLM2's actor on the arithmetic preset, on two CPU slots, took
-13.8 s for a step of 32 rows forwarded and 0.1 s for one of none). Counted per row received, two probes that happened to skip
-different shares gave two device counts costs that contradict each other; per row forwarded
-they agree, and a step is predicted at the share the profile saw (``Profile.trained_share``).
+13.8 s for a step of 32 rows forwarded and 0.1 s for one of none). Counted per row received,
+two probes that happened to skip different shares could give costs on one and on two devices
+that contradict each other; per row forwarded they agree, and a step is predicted at the
+share the profile saw (``Profile.trained_share``).
 """
 
 from __future__ import annotations

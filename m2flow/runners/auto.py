@@ -5,9 +5,9 @@ A profile runs the flow itself for a few updates under three probe plans (every 
 on all the devices; the same at another size, on one device or on all; one split mode), on
 one cluster and one set of worker processes (re-initialised from run to run, not
 restarted), and reads each component's busy time per update from the metrics (the trainer's
-per row it forwarded: ``cost.trained_rows``). The switch
-cost and the cost of a message between processes, which busy times cannot show, are read
-off the probes' whole step times through the simulator.
+per row it forwarded: ``cost.trained_rows``). The switch cost and the cost of a message
+between processes, which busy times cannot show, are read off the probes' whole step times
+through the simulator.
 """
 
 from __future__ import annotations
