@@ -127,7 +127,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
     n, kind = len(cluster.devices), cluster.device_kind
     prof = Profile(key_of(cfg), hardware() | {"devices": n, "kind": kind})
     pool = WorkerPool()  # the runs share their worker processes: each is started once
-    trained = [0.0, 0]  # the trainer's rows forwarded, and made, over the probes' timed updates
+    forwarded_all, made_all = 0.0, 0  # the trainer's rows over the probes' timed updates
     try:
         with tempfile.TemporaryDirectory(prefix="m2flow-profile-") as tmp:
             runs = probes(s, n, kind)
@@ -149,9 +149,8 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 layout, fused = layout_of(run.plan, s.workflow)
                 shape = schedule_of(run_cfg).shape(run.plan, fused)
                 prof.points += points_from_rows(shape, layout, rows)
-                rows_trained, rows_made = sum(trained_rows(shape, r) for r in rows), shape.batch * len(rows)
-                trained[0] += rows_trained
-                trained[1] += rows_made
+                forwarded, made = sum(trained_rows(shape, r) for r in rows), shape.batch * len(rows)
+                forwarded_all, made_all = forwarded_all + forwarded, made_all + made
                 step = statistics.median(r[s.duration] for r in rows)
                 for c in s.components:
                     mem = [r[f"{c}_peak_memory_mb"] for r in rows if f"{c}_peak_memory_mb" in r]
@@ -160,7 +159,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 prof.runs.append({"probe": run.name, "role": run.role, "plan": run.plan.to_dict(), "overrides": run.overrides,
                                   "step_s": step, "run_s": time.perf_counter() - t0,
                                   "updates_timed": len(rows), "updates_left_out": warm_up,
-                                  "trained_share": rows_trained / rows_made if rows_made else 1.0}
+                                  "trained_share": forwarded / made if made else 1.0}
                                  # recorded: a language model's step costs with its tokens, the model counts completions
                                  | ({"completion_length": statistics.median(r["completion_length"] for r in rows)}
                                     if rows and all("completion_length" in r for r in rows) else {}))
@@ -171,7 +170,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
         if own:
             cluster.shutdown()
     start += time.perf_counter() - stop
-    prof.trained_share = trained[0] / trained[1] if trained[1] else 1.0
+    prof.trained_share = forwarded_all / made_all if made_all else 1.0
     if prof.trained_share == 0.0:
         log("profile: the trainer forwarded no row (every one of zero gradient): its cost per row is not "
             "measured, and its training is predicted as free")
@@ -293,10 +292,10 @@ def auto_plan(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Dic
     on ``cluster`` if a profile is to be made)."""
     prof, _ = load_or_profile(cfg, cluster, log)
     model = CostModel(prof)
-    err = model.held_out_error()
+    err, share = model.held_out_error(), model.share_report()
     log("cost model (held-out error per fit: leave one point out):\n" + model.report()
         + (f"\n  median held-out error {err:.1%}" if err is not None else "")
-        + (f"\n{model.share_report()}" if model.share_report() else ""))
+        + (f"\n{share}" if share else ""))
     choice = choose(cfg, prof, model=model)
     log(choice.report())
     out = Path(cfg.runner.out_dir)
