@@ -29,8 +29,7 @@ def replay(result: dict, profile: dict) -> dict:
     from m2flow.config import load_config
     from m2flow.flow import Plan
     from m2flow.flow.cost import CostModel, Profile
-    from m2flow.flow.planner import layout_of, preference
-    from m2flow.flow.simulate import predict
+    from m2flow.flow.planner import layout_of, predicted, preference
     from m2flow.runners.auto import refit_hidden_costs
     from m2flow.runners.schedule import schedule_of
 
@@ -43,7 +42,7 @@ def replay(result: dict, profile: dict) -> dict:
     for r in result["rows"]:
         plan = Plan.from_dict(r["plan_file"])
         layout, fused = layout_of(plan, s.workflow)
-        now = predict(s.shape(plan, fused), layout, model, model.switch_s, plan.run_ahead).step_s
+        now = predicted(model, s.shape(plan, fused), layout, plan.run_ahead).step_s
         rows.append({"plan": r["plan"], "measured_s": r["measured_s"], "predicted_then_s": r["predicted_s"],
                      "predicted_now_s": round(now, 4), "error_then": r["error"], "error_now": round(now / r["measured_s"] - 1, 3)})
         order.append(preference(plan, now))

@@ -2,6 +2,7 @@
 reuses the profile; a plan file that runs ahead is run as written."""
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -22,6 +23,9 @@ def lines_of(capsys):
     ("embodied/ppo_cartpole", ["runner.total_env_steps=4096", "env.num_envs=4", "runner.rollout_steps=128",
                                "algorithm.minibatch_size=128", "runner.target_return=null"]),
     pytest.param("reasoning/grpo_arith_tiny", ["runner.steps=2", "runner.eval_every=0"], marks=pytest.mark.slow),
+    # may run ahead: a fourth probe, the split plan one ahead, measures the contention
+    pytest.param("reasoning/grpo_arith_tiny", ["runner.steps=2", "runner.eval_every=0", "runner.max_staleness=1"],
+                 marks=pytest.mark.slow),
 ])
 def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     profile = tmp_path / "profile.json"
@@ -35,11 +39,18 @@ def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     probes = [r["probe"] for r in prof["runs"]]
     # the other size on one device (embodied) or on both (reasoning: its actor at two sizes on as many)
     sized = "collocated on device 0, " if preset.startswith("embodied") else "collocated, granularity "
-    assert probes[0] == "collocated" and probes[1].startswith(sized) and len(probes) == 3
-    assert [r["role"] for r in prof["runs"]] == ["collocated", "sized", "split"]
+    overlap = "runner.max_staleness=1" in overrides
+    assert probes[0] == "collocated" and probes[1].startswith(sized) and len(probes) == 3 + overlap
+    assert [r["role"] for r in prof["runs"]] == ["collocated", "sized", "split"] + ["overlap"] * overlap
     # the first probe's first update warms the processes up; the later probes time all theirs
     timed = 2 if preset.startswith("embodied") else 1
-    assert [(r["updates_timed"], r["updates_left_out"]) for r in prof["runs"]] == [(timed, 1), (timed, 0), (timed, 0)]
+    assert [(r["updates_timed"], r["updates_left_out"]) for r in prof["runs"]] == [(timed, 1), (timed, 0), (timed, 0)] + [
+        (3, 0)] * overlap
+    # the contention of each heavy component, where measured
+    assert set(prof["contention"]) == ({"rollout", "inference", "actor"} if overlap else set())
+    assert all(x >= 0 for x in prof["contention"].values())
+    if overlap:
+        assert "contention" in out and all(r["busy_s"]["actor"] > 0 for r in prof["runs"])
     phases = {(p["component"], p["phase"]) for p in prof["points"]}
     trainer = "actor"
     assert (trainer, "train") in phases and all(p["seconds"] >= 0 for p in prof["points"])
@@ -55,6 +66,7 @@ def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     again = Profile.load(profile)
     refit_hidden_costs(cfg, again)
     assert again.hop_s == pytest.approx(prof["hop_s"]) and again.switch_s == pytest.approx(prof["switch_s"])
+    assert again.contention == pytest.approx(prof["contention"])
     assert "cost model (held-out error" in out and "predicted step times" in out and "why:" in out
     chosen = Plan.load(tmp_path / "a" / "plan.yaml")
     assert f"plan ({chosen.mode(run_workflow(cfg))})" in out  # the run printed the plan it ran
@@ -122,3 +134,47 @@ def test_reasoning_probes_on_gpu_slots_keep_one_actor_rank_per_gpu():
                         "split": {"rollout": 1, "actor": 1}}
     assert shapes("cluster.gpu_slots=2") == {"collocated": {"rollout": 2, "actor": 1},
                                              "sized": {"rollout": 2, "actor": 1}, "split": {"rollout": 1, "actor": 1}}
+
+
+def test_contention_is_read_off_the_overlap_probes_busy_times():
+    """A rollout (4 s a stream) and a trainer (6 s an update alone) on a device each, one
+    ahead, three updates: the trainer's first two updates run beside the next stream. 20%
+    slower beside it (worked out by hand): update 0 from 4 to 10.67 (4 s at 1/1.2 do 3.33 s,
+    2.67 s alone), update 1 6.67 s beside stream 2, update 2 6 s alone; 19.33 s over 3
+    updates. The fit gives the trainer 0.2 and the rollout, as fast as alone, none."""
+    from m2flow.flow.cost import Point
+    from m2flow.flow.simulate import Layout, Shape
+    from m2flow.runners.auto import Probe, fit_contention
+
+    prof = Profile("k", {}, [Point("r", "work", 1, 1, 4.0), Point("t", "train", 1, 1, 6.0)])
+    shape = Shape(chain=("r",), trainer="t", items=1, chunks=1, receivers=("r",))
+    layout = Layout({"r": "r", "t": "t"}, {"r": frozenset([0]), "t": frozenset([1])}, {"r": False, "t": False})
+    measured = {"r": 4.0, "t": (20 / 3 + 20 / 3 + 6) / 3}
+    overlap = Probe("split, one ahead", "overlap", shape, layout, step_s=6.4, run_ahead=1, updates=3, busy_s=measured)
+    fit_contention(prof, overlap, ["r", "t"])
+    assert prof.contention["t"] == pytest.approx(0.2, rel=1e-6)
+    assert prof.contention["r"] == 0.0
+    # measured no slower than alone: none
+    fit_contention(prof, dataclasses.replace(overlap, busy_s={"r": 3.9, "t": 6.0}), ["r", "t"])
+    assert prof.contention == {"r": 0.0, "t": 0.0}
+
+
+@pytest.mark.parametrize("kind, staleness, roles", [
+    ("cpu", 0, ["collocated", "sized", "split"]),
+    ("cpu", 1, ["collocated", "sized", "split", "overlap"]),
+    ("cuda", 2, ["collocated", "sized", "split"]),
+])
+def test_the_overlap_probe_runs_the_split_plan_ahead_where_contention_is_measured(kind, staleness, roles):
+    from m2flow.runners.auto import probes
+    from m2flow.runners.schedule import schedule_of
+
+    s = schedule_of(load_config("reasoning/grpo_arith_tiny", [f"runner.max_staleness={staleness}"]))
+    runs = probes(s, 2, kind)
+    assert [r.role for r in runs] == roles
+    if "overlap" in roles:
+        split, overlap = runs[2], runs[3]
+        assert overlap.plan.run_ahead == 1 and overlap.updates == s.overlap_probe_updates
+        assert overlap.plan.to_dict() == split.plan.to_dict() | {"run_ahead": 1}
+    # the embodied flow has no such probe
+    e = schedule_of(load_config("embodied/ppo_cartpole", [f"runner.max_staleness={staleness}"]))
+    assert "overlap" not in [r.role for r in probes(e, 2, kind)]

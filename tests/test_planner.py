@@ -330,3 +330,15 @@ def test_env_and_rollout_fused_on_devices_of_their_own_are_a_candidate():
     cfg.runner.max_staleness = 1
     best = choose(cfg, prof).best
     assert best.mode == "disaggregated" and best.fused and best.plan.run_ahead == 1
+
+
+def test_step_scales_are_the_binomial_quantiles_of_the_groups_forwarded():
+    from m2flow.flow.cost import step_scales
+
+    # two groups, each forwarded with probability 1/2: 0, 1 or 2 of them with 1/4, 1/2, 1/4;
+    # the quantiles at 1/8, 3/8, 5/8, 7/8 are 0, 1, 1, 2 (mean 1)
+    scales = step_scales(0.5, 2, 4)
+    assert sorted(scales) == [0.0, 1.0, 1.0, 2.0] and step_scales(0.5, 2, 4) == scales
+    x = step_scales(0.59, 4, 24)
+    assert sum(x) / 24 == pytest.approx(1.0) and len(set(x)) > 2
+    assert step_scales(1.0, 4, 6) == [1.0] * 6 and step_scales(0.0, 4, 6) == []

@@ -25,7 +25,15 @@ follows the step's rewards (SmolLM2's actor on the arithmetic preset, on two CPU
 13.8 s for a step of 32 rows forwarded and 0.1 s for one of none). Counted per row received,
 two probes that happened to skip different shares could give costs on one and on two devices
 that contradict each other; per row forwarded they agree, and a step is predicted at the
-share the profile saw (``Profile.trained_share``).
+share the profile saw (``Profile.trained_share``). It skips whole groups (a prompt's samples),
+so the rows it forwards vary from step to step: a step is predicted over steps whose rows are
+the quantiles of the binomial count of groups forwarded at that share (``step_scales``), as a
+stream ahead absorbs a long update only as far as it is ahead.
+
+``Profile.contention``: how much slower each component works while another process computes
+beside it on the node (a fraction; a CPU profile of a flow that may run ahead measures it, see
+``runners.auto``); the simulator slows overlapping tasks by it. A profile without it (one of
+an earlier version, or of a GPU node) leaves it out: every task is priced as if it ran alone.
 """
 
 from __future__ import annotations
@@ -71,6 +79,9 @@ class Profile:
     # trainer skips the rows of zero gradient: how many follows the rewards): the train points
     # are per row forwarded, and a step is predicted at this share.
     trained_share: float = 1.0
+    # Per component: the fraction by which it works slower while another process computes
+    # beside it on the node (measured where a probe ran the split components at once).
+    contention: dict[str, float] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -191,6 +202,12 @@ class CostModel:
     def switch_s(self) -> dict[str, float]:
         return self.profile.switch_s
 
+    @property
+    def contention(self) -> dict[str, float]:
+        """The profile's contention, measured on one node: none for a plan over several
+        (``devices_per_node``), whose components need not share one."""
+        return {} if self.devices_per_node is not None else self.profile.contention
+
     def __call__(self, component: str, phase: str, items: float, devices: int) -> float:
         if phase == "hop":
             return self.profile.hop_s
@@ -208,6 +225,11 @@ class CostModel:
         other.trained_share = trained_share
         return other
 
+    def train_scales(self, groups: int, steps: int = 24) -> list[float]:
+        """Per step, the trainer's rows over their mean (``step_scales``) where it skips rows a
+        group at a time (``Shape.row_groups``) and skipped some while profiled; else none."""
+        return step_scales(self.trained_share, groups, steps) if groups and 0 < self.trained_share < 1 else []
+
     def memory_mb(self, component: str) -> float:
         return self.profile.memory_mb.get(component, 0.0)
 
@@ -221,6 +243,16 @@ class CostModel:
                          f"{f.coef[3]:28.6f} {f.points:>6} {err:>12}")
         return "\n".join(lines)
 
+    def contention_report(self) -> str:
+        """The slowdowns measured for components computing at once, if any."""
+        slow = {c: x for c, x in self.contention.items() if x > 0}
+        if not self.contention:
+            return ""
+        if not slow:
+            return "  contention: none measured (components computing at once did not slow each other)"
+        return ("  contention (slower while another process computes beside it): "
+                + ", ".join(f"{c} {x:+.0%}" for c, x in sorted(slow.items())))
+
     def share_report(self) -> str:
         """How much of its batch the trainer is predicted to forward, where not all of it."""
         if self.trained_share >= 1.0:
@@ -231,6 +263,20 @@ class CostModel:
     def held_out_error(self) -> float | None:
         errs = [f.loo_error for f in self.fits.values() if f.loo_error is not None]
         return float(np.median(errs)) if errs else None
+
+
+def step_scales(share: float, groups: int, steps: int) -> list[float]:
+    """``steps`` steps' rows over their mean when each of ``groups`` groups of rows is forwarded
+    with probability ``share``, independently: the binomial count's quantiles at ``steps``
+    evenly spaced probabilities, in a fixed shuffled order (one plan, one prediction)."""
+    cdf, total = [], 0.0
+    for k in range(groups + 1):
+        total += math.comb(groups, k) * share ** k * (1 - share) ** (groups - k)
+        cdf.append(total)
+    counts = [next((k for k, c in enumerate(cdf) if c >= (i + 0.5) / steps), groups) for i in range(steps)]
+    np.random.default_rng(0).shuffle(counts)
+    mean = sum(counts) / steps
+    return [c / mean for c in counts] if mean > 0 else []
 
 
 # -- from measured steps to points ----------------------------------------------------------

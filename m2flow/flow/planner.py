@@ -242,6 +242,13 @@ class Choice:
         return "\n".join(lines)
 
 
+def predicted(model: CostModel, shape: Shape, layout: Layout, run_ahead: int = 0) -> Prediction:
+    """A plan's steps on ``model``: with its switch costs and contention, the trainer's rows
+    varying from step to step as at the model's share."""
+    return predict(shape, layout, model, model.switch_s, run_ahead, contention=model.contention,
+                   train_scale=model.train_scales(shape.row_groups))
+
+
 def preference(plan: Plan, step_s: float) -> tuple:
     """The order of plans: the fastest first; on a tie, the simpler plan (fewer stages, no
     run-ahead, one message per item)."""
@@ -266,7 +273,7 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
             c.rejected = reason
             rejected.append(c)
             continue
-        c.prediction = predict(shape_of(c.plan, c.fused), c.layout, model, model.switch_s, c.plan.run_ahead)
+        c.prediction = predicted(model, shape_of(c.plan, c.fused), c.layout, c.plan.run_ahead)
         ranked.append(c)
     if not ranked:
         reasons = sorted({c.rejected for c in rejected if c.rejected}) or [f"no plan of {workflow.name} fits "
@@ -275,7 +282,7 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
     ranked.sort(key=lambda c: preference(c.plan, c.step_s))
     notes = [f"{gpu_slots} devices per GPU: their ranks share its memory (counted) and its compute, which the "
              "predictions leave out (each slot is priced as a GPU of its own)"] if gpu_slots > 1 else []
-    if kind == "cpu" and ranked[0].mode != "collocated":
+    if kind == "cpu" and ranked[0].mode != "collocated" and not model.contention:
         notes.append("components on CPU slots of their own compute at once and share the node's memory and "
                      "caches, which slows each; the predictions leave that out (each is priced as if it ran alone)")
     return Choice(ranked[0], ranked, rejected, time.perf_counter() - start, notes)

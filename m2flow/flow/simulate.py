@@ -7,6 +7,10 @@ first served (a request waits behind an earlier one on the same devices), and pa
 component's switch cost when another process held the devices last (offload/onload and the
 lock's hand-over). A task may go to a pool of processes instead of one (the trainer's ranks
 taking streamed chunks): whichever member is free first, with its devices free, takes it.
+With ``contention`` (a component's slowdown while another process computes at once, as a
+fraction: 0.2 is 20% slower, measured by the profile on a CPU node where processes share
+the memory and caches), a task's work goes at ``1 / (1 + contention)`` of its speed for as
+long as a task of another process runs beside it.
 ``step_tasks`` lays a flow's steps out as tasks: the makers' chain per chunk (the plan's
 granularity or env stages) repeated per rollout step, the trainer on the chunks, and the
 weight sync that lets the next step's stream start (one update late when the plan runs
@@ -55,9 +59,11 @@ class SimulationError(ValueError):
     pass
 
 
-def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None) -> list[Span]:
+def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None,
+             contention: Mapping[str, float] | None = None) -> list[Span]:
     """Runs ``tasks`` on the runtime's rules; returns when each ran, in task order."""
     switch_s = switch_s or {}
+    slow = {c: x for c, x in (contention or {}).items() if x > 0}
     queues: dict[str, deque[int]] = {}
     for i, t in enumerate(tasks):
         if any(d >= i for d in t.deps):
@@ -72,7 +78,24 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
     requests: list[tuple[float, int]] = []  # (requested at, task), waiting for devices
     requested: set[int] = set()
     running: list[tuple[float, int]] = []
+    work: dict[int, float] = {}  # with contention: a running task's work left (seconds alone) since ``since``
+    since = 0.0
     now, left = 0.0, len(tasks)
+
+    def reprice() -> None:
+        """With contention, the running tasks' ends at the speeds they go at from ``now`` on."""
+        nonlocal since
+        for _, i in running:  # the work done since the last change, at the speed it went at
+            rest = work[i] - (now - since) * speed(i, running)
+            work[i] = rest if rest > 1e-9 else 0.0  # done (its round-off left out): it ends now
+        since = now
+        running[:] = [(now + work[i] / speed(i, running), i) for _, i in running]
+        heapq.heapify(running)
+
+    def speed(i: int, among: list[tuple[float, int]]) -> float:
+        mine = ran.get(i, (tasks[i].process,))[0]
+        beside = any(ran.get(j, (tasks[j].process,))[0] != mine for _, j in among)
+        return 1.0 / (1.0 + slow.get(tasks[i].component, 0.0)) if beside else 1.0
 
     def start(i: int, process: str, devices: frozenset) -> None:
         """Task ``i`` on ``process`` (a pool's member: the pool holds the devices, so that its
@@ -86,7 +109,13 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
         holder.update(dict.fromkeys(devices, t.process))
         busy.add(process)
         queues[t.process].popleft()
-        heapq.heappush(running, (end, i))
+        if slow:
+            reprice()  # the others' work up to now, at the speeds before this task came
+            work[i] = switch + t.seconds
+            running.append((end, i))
+            reprice()
+        else:
+            heapq.heappush(running, (end, i))
 
     def dispatch() -> bool:
         """Starts what can start now; whether anything did."""
@@ -127,15 +156,22 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None)
             stuck = [tasks[q[0]].name for q in queues.values() if q]
             raise SimulationError(f"no task can start: {stuck} wait on each other")
         now = running[0][0]
+        if slow:
+            reprice()
         while running and running[0][0] == now:
             _, i = heapq.heappop(running)
             finish[i] = now
+            if slow:
+                spans[i] = dataclasses.replace(spans[i], end=now)
+                del work[i]
             process, devices = ran.get(i, (tasks[i].process, tasks[i].devices))
             busy.discard(process)
             if not tasks[i].keep:
                 for d in devices:
                     held.pop(d, None)
             left -= 1
+        if slow:
+            reprice()  # the tasks left beside fewer others
     return spans  # type: ignore[return-value]
 
 
@@ -171,6 +207,9 @@ class Shape:
     whole_turns: tuple[str, ...] = ()  # links whose device turn spans their whole call (the step's stream)
     first_out: float = 0.0  # the share of a batched link's work done when its first chunk comes out
     in_flight: bool = False  # run ahead, the receivers take pushes themselves: no wait for the last stream
+    # The trainer skips its rows a group at a time (a reasoning step's prompt groups whose samples
+    # all got one reward): how many it forwards varies from step to step. 0: it does not skip.
+    row_groups: int = 0
 
     @property
     def batch(self) -> int:
@@ -205,14 +244,17 @@ class Layout:
 Cost = Callable[[str, str, float, int], float]
 
 
-def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: int = 0) -> list[Task]:
+def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: int = 0,
+               train_scale: Sequence[float] = ()) -> list[Task]:
     """``steps`` steps of ``shape`` under ``layout`` as tasks, in the order the runner makes
     its calls. With ``run_ahead = a`` streams 0..a start on the first weights, each queued
     behind the one before on its processes; at step k >= 1 the runner waits for the receivers
     to finish stream k+a-1, syncs the weights of update k-1 and launches stream k+a, then the
     trainer's update k (the runner's ``stream``). With ``shape.in_flight`` the runner does not
     wait: it pushes the weights (the trainer's process) and launches the stream, which starts
-    on them once its processes are done with the stream before."""
+    on them once its processes are done with the stream before. ``train_scale``: step k's
+    trainer trains on ``train_scale[k % len]`` times its rows (steps that forward more or fewer
+    rows than the mean; none: all alike)."""
     tasks: list[Task] = []
     trained: list[int] = []  # the last trainer task of each step
     last_made: list[int] = []  # the last task of each stream on a receiver (a sync after it waits for it)
@@ -276,11 +318,12 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
 
     def train(k: int, ends: list[int]) -> None:
         t, proc, held = shape.trainer, layout.process[shape.trainer], layout.held(shape.trainer)
+        scale = train_scale[k % len(train_scale)] if train_scale else 1.0
         if shape.trainer_streams:
             last, parts = None, []
             per_rank = max(1, trainer_dev // len(ranks))
             for c, (end, size) in enumerate(zip(ends, sizes)):
-                part = size * shape.batch / shape.items
+                part = size * shape.batch / shape.items * scale
                 if pool:  # any rank, in the order the chunks come; all of them then update together
                     parts.append(add(Task(f"{t}[{k}.{c}]", proc, t, cost(t, "train", part, per_rank), (end,),
                                           frozenset(), k, "train", pool=tuple(pool))))
@@ -290,7 +333,7 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
             trained.append(add(Task(f"{t}.update[{k}]", proc, t, cost(t, "update", shape.batch, trainer_dev),
                                     tuple(parts) or (last,), held, k, "train")))
         else:
-            trained.append(add(Task(f"{t}[{k}]", proc, t, cost(t, "train", shape.batch, trainer_dev),
+            trained.append(add(Task(f"{t}[{k}]", proc, t, cost(t, "train", shape.batch * scale, trainer_dev),
                                     tuple(ends), held, k, "train")))
 
     if not run_ahead:
@@ -359,7 +402,8 @@ class Prediction:
 
 
 def predict(shape: Shape, layout: Layout, cost: Cost, switch_s: Mapping[str, float] | None = None,
-            run_ahead: int = 0, steps: int = 6) -> Prediction:
+            run_ahead: int = 0, steps: int = 6, contention: Mapping[str, float] | None = None,
+            train_scale: Sequence[float] = ()) -> Prediction:
     """The steady-state step time of ``shape`` under ``layout``: the trainer's finishing times
     over ``steps`` simulated steps, the first (pipeline fill) left out, and with run-ahead the
     streams of the steps after them made too (no drain).
@@ -367,12 +411,16 @@ def predict(shape: Shape, layout: Layout, cost: Cost, switch_s: Mapping[str, flo
     A long env loop (``repeats`` over 16) is simulated at 8 and 16 repeats with the trainer's
     per-step costs scaled alike (so the same component is the bottleneck), and the step time
     is extrapolated along that line to the full loop: exact for the loop's steady state, the
-    per-step constants (device hand-overs, pipeline fill and drain) counted once."""
+    per-step constants (device hand-overs, pipeline fill and drain) counted once.
+    ``contention``: as ``simulate``'s. ``train_scale``: as ``step_tasks``'s; at least as many
+    steps as it has values are timed (a stream ahead absorbs a long update only as far as it
+    is ahead: steps that vary wait on each other where steps alike would not)."""
+    steps = max(steps, len(train_scale))
     if shape.repeats <= 16:
-        return _predict(shape, layout, cost, switch_s, run_ahead, steps)
+        return _predict(shape, layout, cost, switch_s, run_ahead, steps, contention, train_scale)
     r = shape.repeats
     small, big = (_predict(dataclasses.replace(shape, repeats=k), layout, _scaled(cost, k / r), switch_s, run_ahead,
-                           steps) for k in (8, 16))
+                           steps, contention, train_scale) for k in (8, 16))
     grow = (r - 16) / 8
     busy = {p: big.busy_s[p] + grow * (big.busy_s[p] - small.busy_s.get(p, 0.0)) for p in big.busy_s}
     return Prediction(big.step_s + grow * (big.step_s - small.step_s), big.spans, busy,
@@ -387,11 +435,11 @@ def _scaled(cost: Cost, factor: float) -> Cost:
 
 
 def _predict(shape: Shape, layout: Layout, cost: Cost, switch_s: Mapping[str, float] | None, run_ahead: int,
-             steps: int) -> Prediction:
+             steps: int, contention: Mapping[str, float] | None = None, train_scale: Sequence[float] = ()) -> Prediction:
     # Ahead by a, the last a updates of a run have no stream left to make beside them: they
     # train on data made already, faster than any update of the steady state. ``steps`` updates
     # are timed, with the streams of a more made after them (their updates not counted).
-    spans = simulate(step_tasks(shape, layout, cost, steps + run_ahead, run_ahead), switch_s)
+    spans = simulate(step_tasks(shape, layout, cost, steps + run_ahead, run_ahead, train_scale), switch_s, contention)
     ends = [max(s.end for s in spans if s.step == k and s.kind == "train") for k in range(steps)]
     step_s = (ends[-1] - ends[0]) / (steps - 1) if steps > 1 else ends[0]
     busy: dict[str, float] = {}

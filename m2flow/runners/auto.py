@@ -8,6 +8,14 @@ restarted), and reads each component's busy time per update from the metrics (th
 per row it forwarded: ``cost.trained_rows``). The switch cost and the cost of a message
 between processes, which busy times cannot show, are read off the probes' whole step times
 through the simulator.
+
+On CPU slots, components of a split plan compute at once and slow each other (they share the
+node's memory and caches: SmolLM2's actor trained 14-20% slower per row beside the rollout
+than alone). Where the config may run ahead (``runner.max_staleness >= 1``, the plans whose
+components overlap most) and the flow has one (``Schedule.overlap_probe_updates``), a fourth
+probe runs the split plan one version ahead; each component's slowdown while another computes
+(``Profile.contention``) is read off its busy time against the model's, through the simulator,
+which then slows overlapping tasks by it.
 """
 
 from __future__ import annotations
@@ -25,8 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from m2flow.flow import Plan, PlanError
 from m2flow.flow.cost import (CostModel, Profile, calibrate, hardware, points_from_rows, profile_key,
                              trained_rows)
-from m2flow.flow.planner import Choice, layout_of, plan
-from m2flow.flow.simulate import Layout, Shape, predict
+from m2flow.flow.planner import Choice, layout_of, plan, predicted
+from m2flow.flow.simulate import Layout, Shape, simulate, step_tasks
 from m2flow.runners.base import gpu_slots_of, local_devices, start_cluster
 from m2flow.runners.schedule import Schedule, schedule_of
 from m2flow.runtime import Cluster
@@ -55,16 +63,23 @@ def profile_path(cfg: DictConfig) -> Path:
 @dataclass
 class ProbeRun:
     name: str
-    role: str  # "collocated", "sized" (the other size) or "split"
+    role: str  # "collocated", "sized" (the other size), "split" or "overlap" (the split plan run ahead)
     plan: Plan
     overrides: dict[str, Any]  # the config of this run, over the flow's
+    updates: int | None = None  # its updates, all timed (default: the schedule's probe_updates)
+
+
+def measures_contention(s: Schedule, kind: str) -> bool:
+    """Whether a profile of this config measures contention (``overlap`` probe): on CPU, for a
+    config that may run ahead, of a flow that has the probe."""
+    return kind == "cpu" and s.cfg.runner.max_staleness >= 1 and s.overlap_probe_updates > 0
 
 
 def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
     """The profiling runs on ``n`` devices: every component on every device; on one device
     (or on every device: ``Schedule.sized_on_one_device``) at the other size
-    (``Schedule.probe_sizes``); and the first split mode that fits (to time messages between
-    processes)."""
+    (``Schedule.probe_sizes``); the first split mode that fits (to time messages between
+    processes); and where it ``measures_contention``, that split mode one version ahead."""
     wf, opts = s.workflow, s.plan_options() | {"stages": 1, "run_ahead": 0}
     every, variant, variant_overrides = s.probe_sizes(n)
 
@@ -102,6 +117,9 @@ def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
             continue
         if fits(p):
             out.append(ProbeRun(mode, "split", p, every))
+            ahead = of(mode, n, fuse=False, run_ahead=1)
+            if measures_contention(s, kind) and fits(ahead):
+                out.append(ProbeRun(f"{mode}, one ahead", "overlap", ahead, every, s.overlap_probe_updates))
             break
     return [r for r in out if fits(r.plan)]
 
@@ -111,7 +129,8 @@ def probe_config(s: Schedule, run: ProbeRun, tmp: Path, updates: int) -> DictCon
     slug = run.name.replace(" ", "-").replace(",", "").replace("=", "")
     for k, v in s.length(updates).items() | run.overrides.items() | {
             "runner.out_dir": str(tmp / slug), "runner.progress": False, "runner.resume": None,
-            "runner.max_staleness": 0, "placement.plan": str(run.plan.save(tmp / f"{slug}.yaml"))}.items():
+            "runner.max_staleness": run.plan.run_ahead,
+            "placement.plan": str(run.plan.save(tmp / f"{slug}.yaml"))}.items():
         OmegaConf.update(cfg, k, v, merge=False)
     return cfg
 
@@ -138,7 +157,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 # The first run's first update is left out (warm-up); later runs find the
                 # processes warm and time every update they make, one fewer.
                 warm_up = int(i == 0)
-                run_cfg = probe_config(s, run, Path(tmp), s.probe_updates - 1 + warm_up)
+                run_cfg = probe_config(s, run, Path(tmp), run.updates or s.probe_updates - 1 + warm_up)
                 runner = s.runner(run_cfg, cluster=cluster, pool=pool)
                 if i == 0:
                     pool.ready()  # none is still starting while a run is timed
@@ -148,7 +167,8 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                     runner.close()
                 layout, fused = layout_of(run.plan, s.workflow)
                 shape = schedule_of(run_cfg).shape(run.plan, fused)
-                prof.points += points_from_rows(shape, layout, rows)
+                if run.role != "overlap":  # its components slowed each other: the model's costs are of each alone
+                    prof.points += points_from_rows(shape, layout, rows)
                 forwarded, made = sum(trained_rows(shape, r) for r in rows), shape.batch * len(rows)
                 forwarded_all, made_all = forwarded_all + forwarded, made_all + made
                 step = statistics.median(r[s.duration] for r in rows)
@@ -159,7 +179,10 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 prof.runs.append({"probe": run.name, "role": run.role, "plan": run.plan.to_dict(), "overrides": run.overrides,
                                   "step_s": step, "run_s": time.perf_counter() - t0,
                                   "updates_timed": len(rows), "updates_left_out": warm_up,
-                                  "trained_share": forwarded / made if made else 1.0}
+                                  "trained_share": forwarded / made if made else 1.0,
+                                  "trained_shares": [trained_rows(shape, r) / shape.batch for r in rows],
+                                  "busy_s": {c: statistics.mean(r[f"{c}_busy_s"] for r in rows) for c in s.components
+                                             if rows and all(f"{c}_busy_s" in r for r in rows)}}
                                  # recorded: a language model's step costs with its tokens, the model counts completions
                                  | ({"completion_length": statistics.median(r["completion_length"] for r in rows)}
                                     if rows and all("completion_length" in r for r in rows) else {}))
@@ -177,9 +200,16 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
     measured = refit_hidden_costs(cfg, prof)
     model = CostModel(prof)
     for m in measured:  # in-sample: the hidden costs were read off these
-        log(f"profile: {m.name}: measured {m.step_s:.3f} s, the model says {m.predicted(model):.3f} s")
+        if m.role == "overlap":  # its busy times (its first steps fill the pipeline: no steady state)
+            busy = m.busy_s or {}
+            log(f"profile: {m.name}: busy per update measured " + ", ".join(
+                f"{c} {busy[c]:.3f} s (the model says {m.busy(model, c):.3f} s)" for c in prof.contention if c in busy))
+        else:
+            log(f"profile: {m.name}: measured {m.step_s:.3f} s, the model says {m.predicted(model):.3f} s")
     log(f"profile: switch {max(prof.switch_s.values(), default=0.0) * 1e3:.1f} ms, "
         f"message between processes {prof.hop_s * 1e3:.2f} ms")
+    if prof.contention:
+        log("profile: " + model.contention_report().strip())
     prof.profiling_s = time.perf_counter() - start
     if kind == "cuda":
         import torch
@@ -196,11 +226,26 @@ class Probe:
     layout: Layout
     step_s: float  # measured: the median over its updates
     trained_share: float = 1.0  # of the trainer's rows, over its updates
+    run_ahead: int = 0  # its plan's
+    updates: int = 1  # timed
+    busy_s: dict[str, float] | None = None  # measured, per component: the mean over its updates
+    trained_shares: list[float] | None = None  # of the trainer's rows, per update
 
     def predicted(self, model: CostModel) -> float:
-        """Its step time as ``model`` predicts it, with its profile's switch and hop costs as they are now
-        and the trainer forwarding as many rows as in this probe."""
-        return predict(self.shape, self.layout, model.at_share(self.trained_share), model.switch_s).step_s
+        """Its step time as ``model`` predicts it, with its profile's switch, hop and contention
+        costs as they are now and the trainer forwarding as many rows as in this probe."""
+        return predicted(model.at_share(self.trained_share), self.shape, self.layout, self.run_ahead).step_s
+
+    def busy(self, model: CostModel, component: str) -> float:
+        """``component``'s busy time per update, as ``model`` predicts it over this probe's
+        updates (its first streams, made before any update, too: they were timed), each update
+        forwarding the rows it did."""
+        shares, mean = self.trained_shares or [], self.trained_share
+        scale = [x / mean for x in shares] if len(shares) == self.updates and mean > 0 else []
+        tasks = step_tasks(self.shape, self.layout, model.at_share(mean), self.updates, self.run_ahead, scale)
+        spans = simulate(tasks, model.switch_s, model.contention)
+        return sum(sp.end - sp.start for sp in spans if tasks[sp.task].component == component
+                   and sp.kind != "sync") / self.updates
 
 
 def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str]) -> None:
@@ -226,6 +271,28 @@ def fit_hidden_costs(prof: Profile, measured: list[Probe], heavy: list[str]) -> 
             hop(calibrate(split.step_s, hop))
 
 
+def fit_contention(prof: Profile, overlap: Probe, heavy: list[str]) -> None:
+    """Each heavy component's slowdown while another process computes beside it: the value at
+    which the simulator, the components of the ``overlap`` probe computing at once, gives the
+    busy time it measured (none where it measured no more than alone); twice, as each
+    component's slowdown changes how long the others overlap it."""
+    model = CostModel(prof)  # reads the contention from ``prof`` as it changes
+    measured = overlap.busy_s or {}
+    prof.contention = dict.fromkeys(heavy, 0.0)
+
+    def of(c: str):
+        def slowed(x: float) -> float:
+            prof.contention[c] = x
+            return overlap.busy(model, c)
+        return slowed
+
+    for _ in range(2):
+        for c in heavy:
+            if measured.get(c, 0.0) > 0:
+                slowed = of(c)
+                slowed(calibrate(measured[c], slowed))
+
+
 def refit_hidden_costs(cfg: DictConfig, prof: Profile) -> list[Probe]:
     """Reads the switch and hop costs off the probes a profile stored (their plans, configs
     and measured step times), with the simulator as it is now (so a profile measured by an
@@ -241,10 +308,14 @@ def refit_hidden_costs(cfg: DictConfig, prof: Profile) -> list[Probe]:
         role = r.get("role") or ("split" if not r["probe"].startswith("collocated")  # a profile that names none
                                  else "collocated" if r["probe"] == "collocated" else "sized")
         measured.append(Probe(r["probe"], role, schedule_of(run_cfg).shape(plan, fused), layout, r["step_s"],
-                              r.get("trained_share", 1.0)))
-    prof.switch_s, prof.hop_s = {}, 0.0
+                              r.get("trained_share", 1.0), plan.run_ahead, r.get("updates_timed", 1), r.get("busy_s"),
+                              r.get("trained_shares")))
+    prof.switch_s, prof.hop_s, prof.contention = {}, 0.0, {}
     heavy = [c for c in s.components if c not in s.workflow.light]  # who may pay a switch
-    fit_hidden_costs(prof, measured, heavy)
+    fit_hidden_costs(prof, [m for m in measured if m.role != "overlap"], heavy)
+    overlap = [m for m in measured if m.role == "overlap"]
+    if overlap:
+        fit_contention(prof, overlap[0], heavy)
     return measured
 
 
@@ -256,8 +327,13 @@ def load_or_profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) 
     if path.is_file() and known:
         prof = Profile.load(path)
         if prof.matches(key_of(cfg), hardware() | {"devices": known[0], "kind": known[1]}):
-            log(f"profile: reusing {path} (measured in {prof.profiling_s:.1f} s)")
-            return prof, path
+            roles = {r.get("role") for r in prof.runs}
+            if measures_contention(schedule_of(cfg), known[1]) and "split" in roles and "overlap" not in roles:
+                log(f"profile: {path} has no measure of contention, which this config's plans (ahead by up to "
+                    f"{cfg.runner.max_staleness}) need: profiling again")
+            else:
+                log(f"profile: reusing {path} (measured in {prof.profiling_s:.1f} s)")
+                return prof, path
     prof = profile(cfg, cluster, log=log)
     prof.config = OmegaConf.to_container(cfg, resolve=True)
     prof.save(path)
@@ -292,10 +368,10 @@ def auto_plan(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Dic
     on ``cluster`` if a profile is to be made)."""
     prof, _ = load_or_profile(cfg, cluster, log)
     model = CostModel(prof)
-    err, share = model.held_out_error(), model.share_report()
+    err, share, slow = model.held_out_error(), model.share_report(), model.contention_report()
     log("cost model (held-out error per fit: leave one point out):\n" + model.report()
         + (f"\n  median held-out error {err:.1%}" if err is not None else "")
-        + (f"\n{share}" if share else ""))
+        + "".join(f"\n{x}" for x in (share, slow) if x))
     choice = choose(cfg, prof, model=model)
     log(choice.report())
     out = Path(cfg.runner.out_dir)

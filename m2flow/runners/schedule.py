@@ -24,6 +24,9 @@ class Schedule:
     # The probe at the other size runs on one device (else on all of them, as the first does):
     # see ``probe_sizes``.
     sized_on_one_device: ClassVar[bool] = True
+    # Updates of the probe that runs the split plan one version ahead, its components computing
+    # at once, to measure how much they slow each other (``runners.auto``); 0: no such probe.
+    overlap_probe_updates: ClassVar[int] = 0
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -93,19 +96,23 @@ class ReasoningSchedule(Schedule):
     duration = "step_s"
     probe_updates = 2  # a step of a language model takes seconds to minutes
     sized_on_one_device = False
+    # (The embodied flow has none: its profiling, about 8% of a 1M-env-step run, has no room for
+    # another probe; its predictions leave contention out, and the planner says so.)
+    overlap_probe_updates = 3
 
     def shape(self, plan: Plan, fused: bool) -> Shape:
         """The rollout generates the batch, its first groups done after about one wave of
         ``rollout.max_batch_size`` sequences; its groups go on in chunks of ``granularity``
         through reward, inference (and critic) to the actor, which trains on each as it comes
-        unless its ranks are sharded."""
+        unless its ranks are sharded; it skips the rows of a group whose samples all got one
+        reward."""
         c = self.cfg
         chain = ("rollout", "reward", "inference") + (("critic",) if "critic" in self.components else ())
         prompts = c.data.prompts_per_step
         waves = -(-prompts * c.rollout.n // c.rollout.max_batch_size)  # of sequences decoded at once
         return Shape(chain, "actor", prompts * c.rollout.n, -(-prompts // plan.granularity["samples"]),
                      batched=("rollout",), trainer_streams=not sharded(c, plan), first_out=1 / waves,
-                     in_flight=self.runner.in_flight(c, plan))
+                     in_flight=self.runner.in_flight(c, plan), row_groups=prompts)
 
     def knobs(self) -> dict[str, Any]:
         p = self.cfg.data.prompts_per_step  # a step in 1, 2, 4, ... 64 chunks of prompt groups
