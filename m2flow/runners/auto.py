@@ -239,10 +239,15 @@ class Probe:
     def busy(self, model: CostModel, component: str) -> float:
         """``component``'s busy time per update, as ``model`` predicts it over this probe's
         updates (its first streams, made before any update, too: they were timed), each update
-        forwarding the rows it did."""
+        forwarding the rows it did; its messages left out, as a busy time leaves them out."""
         shares, mean = self.trained_shares or [], self.trained_share
         scale = [x / mean for x in shares] if len(shares) == self.updates and mean > 0 else []
-        tasks = step_tasks(self.shape, self.layout, model.at_share(mean), self.updates, self.run_ahead, scale)
+        at = model.at_share(mean)
+
+        def cost(c: str, phase: str, items: float, devices: int) -> float:
+            return 0.0 if phase == "hop" else at(c, phase, items, devices)
+
+        tasks = step_tasks(self.shape, self.layout, cost, self.updates, self.run_ahead, scale)
         spans = simulate(tasks, model.switch_s, model.contention)
         return sum(sp.end - sp.start for sp in spans if tasks[sp.task].component == component
                    and sp.kind != "sync") / self.updates
