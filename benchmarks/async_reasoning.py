@@ -110,19 +110,23 @@ def _stamp(path: Path) -> int | None:
     return path.stat().st_mtime_ns if path.exists() else None
 
 
+def points(a: dict, b: dict) -> float:
+    """Run ``a``'s final held-out accuracy less ``b``'s, in points."""
+    return round(100 * (a["final_accuracy"] - b["final_accuracy"]), 1)
+
+
 def pair_result(on: dict, asy: dict) -> dict:
     """The acceptance's two figures for one pair of runs."""
     reached = first_reaching(asy["curve"], on["final_accuracy"])
     return {"time_to_on_policy_accuracy_s": reached,
             "time_to_on_policy_accuracy_ratio": None if reached is None else round(reached / on["time_s"], 3),
-            "final_accuracy_difference_points": round(100 * (asy["final_accuracy"] - on["final_accuracy"]), 1)}
+            "final_accuracy_difference_points": points(asy, on)}
 
 
 def control_result(on: dict, asy: dict, control: dict) -> dict:
     """The async run against on-policy in its own plan, and that against the on-policy run."""
-    return {"final_accuracy_difference_vs_control_points": round(100 * (asy["final_accuracy"]
-                                                                      - control["final_accuracy"]), 1),
-            "control_less_on_policy_points": round(100 * (control["final_accuracy"] - on["final_accuracy"]), 1)}
+    return {"final_accuracy_difference_vs_control_points": points(asy, control),
+            "control_less_on_policy_points": points(control, on)}
 
 
 def control_overrides(async_overrides: list[str], async_out: Path, plan_file: Path) -> list[str]:
