@@ -33,7 +33,7 @@ def predict_runs(profile_path: Path, runs: list[tuple[Path, Path]]) -> dict:
 
     from m2flow.config.schema import ROOTS
     from m2flow.flow import Plan
-    from m2flow.flow.cost import CostModel, Profile
+    from m2flow.flow.cost import CostModel, Profile, trained_rows
     from m2flow.flow.planner import layout_of
     from m2flow.flow.simulate import predict
     from m2flow.runners.auto import refit_hidden_costs
@@ -52,7 +52,8 @@ def predict_runs(profile_path: Path, runs: list[tuple[Path, Path]]) -> dict:
         plan = Plan.load(plan_file)
         layout, fused = layout_of(plan, s.workflow)
         shape = s.shape(plan, fused)
-        share = 1 - statistics.mean(float(r.get("inert_rows") or 0) for r in rows) / shape.batch
+        share = statistics.mean(trained_rows(shape, {"inert_rows": float(r.get("inert_rows") or 0)})
+                                for r in rows) / shape.batch
         measured = statistics.mean(float(r["step_s"]) for r in rows)
         at = model.at_share(share)
         predicted = {name: predict(shape, layout, at, model.switch_s, plan.run_ahead,

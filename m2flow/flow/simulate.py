@@ -85,16 +85,17 @@ def simulate(tasks: Sequence[Task], switch_s: Mapping[str, float] | None = None,
     def reprice() -> None:
         """With contention, the running tasks' ends at the speeds they go at from ``now`` on."""
         nonlocal since
-        for _, i in running:  # the work done since the last change, at the speed it went at
-            rest = work[i] - (now - since) * speed(i, running)
+        speeds = {i: speed(i) for _, i in running}  # the same since the last change, and from now on
+        for i, v in speeds.items():  # the work done since the last change
+            rest = work[i] - (now - since) * v
             work[i] = rest if rest > 1e-9 else 0.0  # done (its round-off left out): it ends now
         since = now
-        running[:] = [(now + work[i] / speed(i, running), i) for _, i in running]
+        running[:] = [(now + work[i] / v, i) for i, v in speeds.items()]
         heapq.heapify(running)
 
-    def speed(i: int, among: list[tuple[float, int]]) -> float:
+    def speed(i: int) -> float:
         mine = ran.get(i, (tasks[i].process,))[0]
-        beside = any(ran.get(j, (tasks[j].process,))[0] != mine for _, j in among)
+        beside = any(ran.get(j, (tasks[j].process,))[0] != mine for _, j in running)
         return 1.0 / (1.0 + slow.get(tasks[i].component, 0.0)) if beside else 1.0
 
     def start(i: int, process: str, devices: frozenset) -> None:

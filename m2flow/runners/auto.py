@@ -169,8 +169,8 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 shape = schedule_of(run_cfg).shape(run.plan, fused)
                 if run.role != "overlap":  # its components slowed each other: the model's costs are of each alone
                     prof.points += points_from_rows(shape, layout, rows)
-                forwarded, made = sum(trained_rows(shape, r) for r in rows), shape.batch * len(rows)
-                forwarded_all, made_all = forwarded_all + forwarded, made_all + made
+                shares = [trained_rows(shape, r) / shape.batch for r in rows]
+                forwarded_all, made_all = forwarded_all + sum(shares) * shape.batch, made_all + shape.batch * len(rows)
                 step = statistics.median(r[s.duration] for r in rows)
                 for c in s.components:
                     mem = [r[f"{c}_peak_memory_mb"] for r in rows if f"{c}_peak_memory_mb" in r]
@@ -179,8 +179,8 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 prof.runs.append({"probe": run.name, "role": run.role, "plan": run.plan.to_dict(), "overrides": run.overrides,
                                   "step_s": step, "run_s": time.perf_counter() - t0,
                                   "updates_timed": len(rows), "updates_left_out": warm_up,
-                                  "trained_share": forwarded / made if made else 1.0,
-                                  "trained_shares": [trained_rows(shape, r) / shape.batch for r in rows],
+                                  "trained_share": statistics.mean(shares) if shares else 1.0,
+                                  "trained_shares": shares,
                                   "busy_s": {c: statistics.mean(r[f"{c}_busy_s"] for r in rows) for c in s.components
                                              if rows and all(f"{c}_busy_s" in r for r in rows)}}
                                  # recorded: a language model's step costs with its tokens, the model counts completions
