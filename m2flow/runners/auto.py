@@ -169,8 +169,9 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 shape = schedule_of(run_cfg).shape(run.plan, fused)
                 if run.role != "overlap":  # its components slowed each other: the model's costs are of each alone
                     prof.points += points_from_rows(shape, layout, rows)
-                shares = [trained_rows(shape, r) / shape.batch for r in rows]
-                forwarded_all, made_all = forwarded_all + sum(shares) * shape.batch, made_all + shape.batch * len(rows)
+                forwarded = [trained_rows(shape, r) for r in rows]
+                shares = [f / shape.batch for f in forwarded]
+                forwarded_all, made_all = forwarded_all + sum(forwarded), made_all + shape.batch * len(rows)
                 step = statistics.median(r[s.duration] for r in rows)
                 for c in s.components:
                     mem = [r[f"{c}_peak_memory_mb"] for r in rows if f"{c}_peak_memory_mb" in r]
