@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from m2flow.cli import main
 from m2flow.config import load_config
@@ -18,10 +19,12 @@ def _train(runner_cls, cluster, preset, overrides):
         runner.close()
 
 
-def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_users(cluster, tmp_path, capsys):
+def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_users(cluster, tmp_path, capsys,
+                                                                                   monkeypatch):
     preset = "reasoning/grpo_arith_tiny"
-    # one rollout rank, as the evaluation generates: the same batches, so the same greedy tokens
-    overrides = [f"runner.out_dir={tmp_path / 'run'}", "runner.progress=false", "runner.steps=2",
+    # one rollout rank, as the evaluation generates: the same batches, so the same greedy tokens;
+    # bfloat16 rollouts: the evaluation rounds the trained weights as the run's rollout did
+    overrides = [f"runner.out_dir={tmp_path / 'run'}", "runner.progress=false", "runner.steps=2", "rollout.dtype=bfloat16",
                  "placement.mode=custom", *(f"placement.components.{c}=0" for c in ("rollout", "reward", "inference", "actor"))]
     history = _train(ReasoningRunner, cluster, preset, overrides)
     main(["eval", preset, "checkpoint=auto", *overrides])
@@ -31,6 +34,16 @@ def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_use
     assert result["reward"] == pytest.approx(history[-1]["eval_reward"], abs=1e-6)
     assert result["prompts"] == load_config(preset).data.test_size and result["trained_for"] == 2
     assert "accuracy" in printed and f"{result['reward']:.4g}" in printed
+    # it generates with the weights in the rollout's dtype (a tiny model's greedy tokens may not show it)
+    import m2flow.engines as engines
+
+    real, dtypes = engines.build_engine, []
+    monkeypatch.setattr(engines, "build_engine",
+                        lambda backend, model, *a, **k: dtypes.append(next(model.parameters()).dtype)
+                        or real(backend, model, *a, **k))
+    main(["eval", preset, "checkpoint=auto", f"out={tmp_path / 'again.json'}", *overrides])
+    assert dtypes == [torch.bfloat16]
+    assert json.loads((tmp_path / "again.json").read_text())["reward"] == result["reward"]
     # a JSONL file of the user's: every row is scored
     rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(5)]
     (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,7 +1,8 @@
 """``m2flow eval``: scores a checkpoint, in this process (no cluster).
 
 Reasoning: one greedy completion per prompt, scored by the config's reward functions
-(``reward.functions``). The prompts are every row of ``data.source`` when it names a file (the
+(``reward.functions``), the weights rounded to the rollout's dtype (``rollout.dtype``) as in
+the run's own evaluations. The prompts are every row of ``data.source`` when it names a file (the
 user's own set), else the generated held-out problems. Reported: the mean weighted reward,
 each function's mean, and the accuracy: the share of prompts on which every reward function
 scored 1 or more (with the ``math`` reward alone, the share answered right).
@@ -72,9 +73,9 @@ def _reasoning(cfg: DictConfig, ckpt: dict) -> dict[str, Any]:
 
     plain = OmegaConf.to_container(cfg, resolve=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_model(plain, device)
+    model, tokenizer = load_model(plain, device, plain["rollout"]["dtype"])  # as the run's evaluations: the rollout's
     try:
-        model.load_state_dict(_trainer_weights(ckpt, "trainer"))
+        model.load_state_dict(_trainer_weights(ckpt, "trainer"))  # rounded to the rollout's dtype as they load
     except RuntimeError as e:
         raise ConfigError("model.path", f"the checkpoint's weights do not fit {cfg.model.path}: "
                           f"{str(e).splitlines()[0]}") from None
