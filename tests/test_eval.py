@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import m2flow.engines as engines
 from m2flow.cli import main
 from m2flow.config import load_config
 from m2flow.runners.embodied import EmbodiedRunner
@@ -35,8 +36,6 @@ def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_use
     assert result["prompts"] == load_config(preset).data.test_size and result["trained_for"] == 2
     assert "accuracy" in printed and f"{result['reward']:.4g}" in printed
     # it generates with the weights in the rollout's dtype (a tiny model's greedy tokens may not show it)
-    import m2flow.engines as engines
-
     real, dtypes = engines.build_engine, []
     monkeypatch.setattr(engines, "build_engine",
                         lambda backend, model, *a, **k: dtypes.append(next(model.parameters()).dtype)
