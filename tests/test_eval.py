@@ -28,21 +28,19 @@ def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_use
     overrides = [f"runner.out_dir={tmp_path / 'run'}", "runner.progress=false", "runner.steps=2", "rollout.dtype=bfloat16",
                  "placement.mode=custom", *(f"placement.components.{c}=0" for c in ("rollout", "reward", "inference", "actor"))]
     history = _train(ReasoningRunner, cluster, preset, overrides)
+    # the dtype it generates with, seen as the engine is built (a tiny model's greedy tokens may not show it)
+    real, dtypes = engines.build_engine, []
+    monkeypatch.setattr(engines, "build_engine",
+                        lambda backend, model, *a, **k: dtypes.append(next(model.parameters()).dtype)
+                        or real(backend, model, *a, **k))
     main(["eval", preset, "checkpoint=auto", *overrides])
+    assert dtypes == [torch.bfloat16]  # the weights rounded to the rollout's dtype, as the run's rollout had them
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "run" / "checkpoints" / "step_000002.eval.json").read_text())
     # the held-out prompts, greedy, with the final weights: the score the run's last evaluation gave
     assert result["reward"] == pytest.approx(history[-1]["eval_reward"], abs=1e-6)
     assert result["prompts"] == load_config(preset).data.test_size and result["trained_for"] == 2
     assert "accuracy" in printed and f"{result['reward']:.4g}" in printed
-    # it generates with the weights in the rollout's dtype (a tiny model's greedy tokens may not show it)
-    real, dtypes = engines.build_engine, []
-    monkeypatch.setattr(engines, "build_engine",
-                        lambda backend, model, *a, **k: dtypes.append(next(model.parameters()).dtype)
-                        or real(backend, model, *a, **k))
-    main(["eval", preset, "checkpoint=auto", f"out={tmp_path / 'again.json'}", *overrides])
-    assert dtypes == [torch.bfloat16]
-    assert json.loads((tmp_path / "again.json").read_text())["reward"] == result["reward"]
     # a JSONL file of the user's: every row is scored
     rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(5)]
     (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
