@@ -139,3 +139,27 @@ def test_dying_custom_reward_is_a_clear_error():
 def test_unimportable_reward_is_reported():
     with pytest.raises(RewardError, match="cannot import"):
         RewardScorer("m2flow.rewards.math:no_such_reward")
+
+
+def test_start_spawns_the_worker_before_the_first_score():
+    with RewardScorer({"math": 1.0, "format": 0.1}) as scorer:
+        assert scorer._proc is None  # lazily by default: the first score would spawn it
+        assert scorer.start() is scorer and scorer._proc.is_alive()
+        proc = scorer._proc
+        np.testing.assert_allclose(scorer.score(["\\boxed{2}"], ["2"]).total, [1.1], rtol=1e-6)
+        assert scorer._proc is proc  # the started one scored
+    assert RewardScorer("last_number").start()._proc is None  # every reward in the caller: no process
+
+
+def test_reward_worker_starts_its_scorer_when_built():
+    """A worker's first scored batch (a profile's probe times it) does not pay the spawn."""
+    from m2flow.workers.reward import RewardWorker
+
+    cfg = {"reward": {"functions": {"math": 1.0}, "timeout_s": 10.0, "overlong_buffer": 0, "overlong_factor": 1.0},
+           "rollout": {"max_new_tokens": 16}, "algorithm": {"dynamic_sampling": False}}
+    worker = RewardWorker(cfg)
+    try:
+        assert worker.scorer._proc is not None and worker.scorer._proc.is_alive()
+    finally:
+        worker.close()
+    assert worker.scorer._proc is None

@@ -97,6 +97,15 @@ class RewardScorer(AbstractContextManager):
         self._proc: mp.process.BaseProcess | None = None
         self._conn: Connection | None = None
 
+    def start(self) -> RewardScorer:
+        """Starts the worker process now, not at the first ``score``: its spawn and imports
+        (sympy for math-verify: half a second on a quiet core, seconds where Python's start is
+        slow) then fall outside the first scored batch. No process where every reward runs in
+        the caller. Returns the scorer."""
+        if self.remote:
+            self._start()
+        return self
+
     def _start(self) -> Connection:
         if self._proc is None or not self._proc.is_alive():
             self._kill()  # a worker that died between batches

@@ -20,7 +20,9 @@ from m2flow.workers.lm_common import END
 class RewardWorker(Worker):
     def __init__(self, cfg: dict):
         r = cfg["reward"]
-        self.scorer = RewardScorer(dict(r["functions"]), timeout_s=r["timeout_s"])
+        # Its process starts with the worker: a step (or a profile's probe, timed from its
+        # first step) would otherwise pay the spawn and imports as the reward's work.
+        self.scorer = RewardScorer(dict(r["functions"]), timeout_s=r["timeout_s"]).start()
         self.max_new_tokens = cfg["rollout"]["max_new_tokens"]
         self.overlong = (r["overlong_buffer"], r["overlong_factor"])
         self.dynamic_sampling = cfg["algorithm"]["dynamic_sampling"]
