@@ -205,6 +205,32 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, pool, tmp_path
     assert not list((tmp_path / "saved_weights").iterdir())
 
 
+def test_a_stopped_runs_deferred_evaluations_are_made_when_it_resumes(cluster, pool, tmp_path, monkeypatch):
+    """A run stopped after its last checkpoint but before its deferred evaluations (a time
+    limit, a kill) keeps the weights it saved for them; resumed (``runner.resume=auto``), it
+    trains nothing more, evaluates them and amends their rows: the figures of the run that
+    was not stopped."""
+    args = ("runner.steps=4", "runner.eval_every=2", "runner.eval_deferred=true", "algorithm.share_prompts=false")
+    straight = _train(cluster, pool, tmp_path / "straight", *args)[0]
+    with monkeypatch.context() as m:  # stopped before the evaluations at the end
+        m.setattr(ReasoningRunner, "evaluate_deferred", lambda self, log, watchdog=None: None)
+        cut = _train(cluster, pool, tmp_path / "cut", *args)[0]
+    saved = tmp_path / "cut" / "saved_weights"
+    assert sorted(p.name for p in saved.iterdir()) == ["step-2.safetensors", "step-4.safetensors"]
+    assert [row["step"] for row in cut if "eval_reward" in row] == [0]
+
+    resumed = _train(cluster, pool, tmp_path / "cut", *args, "runner.resume=auto")[0]
+
+    def evals(history):
+        return {row["step"]: row["eval_reward"] for row in history if "eval_reward" in row}
+
+    assert sorted(evals(straight)) == [0, 2, 4] and evals(resumed) == evals(straight)
+    assert [row["step"] for row in resumed] == [row["step"] for row in straight]  # nothing trained again
+    assert not list(saved.iterdir())
+    rows = list(csv.DictReader((tmp_path / "cut" / "metrics.csv").read_text().splitlines()))
+    assert [int(float(r["step"])) for r in rows if r["eval_reward"]] == [0, 2, 4]
+
+
 def test_resume_reaches_the_same_weights(cluster, pool, tmp_path):
     """Stopped at step 2 and resumed to step 4: the same weights as 4 steps in one go, with a
     KL term to the reference model in the loss. Bit-exact needs the full forward: the
