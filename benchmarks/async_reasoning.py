@@ -52,8 +52,10 @@ alternating from pair to pair. One run's held-out curve at this size varies more
 effect measured (the same seed's on-policy run ended 16 points apart under two plans), so the
 summary gives, over the pairs, the spread of each criterion, how many pairs met both, and the
 mean accuracy difference with its standard error. ``--journal FILE`` appends each finished
-pair to FILE (JSON lines) and, run again with the same settings, runs only the pairs it lacks
-(the sides' profiles are kept beside it): the pairs of several shorter runs add up.
+side and each finished pair to FILE (JSON lines) and, run again with the same settings on a
+machine of the same kind (its cores and GPUs), runs only the sides it lacks (the sides'
+profiles are kept beside it): the pairs of several shorter runs add up, and a pair cut short
+(a time limit, a lost machine) is finished by running its missing sides alone.
 
     python benchmarks/async_reasoning.py [--steps 24] [--eval-every 4] [--eval deferred] [--repeats 1]
         [--seed 0 1 2] [--control] [--journal pairs.jsonl]
@@ -64,6 +66,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -98,6 +101,14 @@ def child(spec: dict) -> None:
                "policy_lag": [r["policy_lag"] for r in steps],
                "stale_dropped": sum(r.get("stale_dropped", 0) for r in steps),
                "learning": {k: [r.get(k) for r in steps] for k in LEARNING}}, open(spec["result"], "w"))
+
+
+def machine_kind() -> dict:
+    """What makes two machines alike for this benchmark's times: their cores and GPUs."""
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {"cpus": os.cpu_count(), "gpus": gpus}
 
 
 def first_reaching(curve: list[dict], accuracy: float) -> float | None:
@@ -182,7 +193,7 @@ def main() -> None:
     p.add_argument("--override", nargs="*", default=[], help="key=value for both sides")
     p.add_argument("--control", action="store_true",
                    help="a third run per pair: on-policy in the plan the async side ran (see above)")
-    p.add_argument("--journal", help="append each pair here (JSON lines); the pairs it holds are not run again")
+    p.add_argument("--journal", help="append each side and pair here (JSON lines); the sides it holds are not run again")
     args = p.parse_args()
     if args.child:
         return child(json.loads(args.child))
@@ -190,7 +201,11 @@ def main() -> None:
     # what makes two pairs comparable: everything but the seeds, the repeats and the journal
     settings = {k: v for k, v in vars(args).items() if k not in ("child", "seed", "repeats", "journal")
                 and (k != "control" or v)}  # journals from before --control stay comparable without it
-    done = {(r["seed"], r["repeat"]): r for r in read_jsonl(args.journal) if r.get("settings") == settings}
+    journal = [r for r in read_jsonl(args.journal) if r.get("settings") == settings]
+    done = {(r["seed"], r["repeat"]): r for r in journal if "side" not in r}
+    machine = machine_kind()  # a side is reused only from a machine of the same kind
+    sides_done = {(r["seed"], r["repeat"], r["side"]): r for r in journal
+                  if "side" in r and r.get("machine") == machine}
     tmp = Path(tempfile.mkdtemp(prefix="m2flow-async-"))
     keep = Path(args.journal).with_suffix(".profiles") if args.journal else tmp  # the sides' profiles
     keep.mkdir(parents=True, exist_ok=True)
@@ -208,9 +223,17 @@ def main() -> None:
         got = {}
         order = side_order(list(sides), n) + (["control"] if args.control else [])  # the control after the async
         for side in order:
-            log(f"== seed {seed}, repeat {r + 1}: {side}")
             profile = keep / f"{side}-seed{seed}.json"  # made by the seed's first repeat, reused by the later ones
             out_dir = tmp / f"{side}-seed{seed}-{r}"
+            if (seed, r, side) in sides_done:
+                log(f"== seed {seed}, repeat {r + 1}: {side}, in {args.journal}")
+                record = sides_done[(seed, r, side)]
+                got[side] = record["result"]
+                if record.get("plan"):  # the control runs in the plan the async side ran
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    (out_dir / "plan.yaml").write_text(record["plan"])
+                continue
+            log(f"== seed {seed}, repeat {r + 1}: {side}")
             overrides = sides[side] if side in sides else control_overrides(
                 sides["async"], tmp / f"async-seed{seed}-{r}", tmp / f"control-seed{seed}-{r}.yaml")
             spec = {"overrides": [*common, *overrides, f"placement.profile={profile}", f"runner.out_dir={out_dir}"]}
@@ -219,6 +242,10 @@ def main() -> None:
             shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)  # 3.4 GB a side; metrics.csv and the log stay
             profiled = _stamp(profile) != before  # a side with a plan given never writes it
             got[side] |= load | {"profiling_s": json.loads(profile.read_text()).get("profiling_s") if profiled else None}
+            plan = out_dir / "plan.yaml"
+            append_jsonl(args.journal, {"seed": seed, "repeat": r, "settings": settings, "machine": machine,
+                                        "side": side, "result": got[side],
+                                        "plan": plan.read_text() if plan.exists() else None})
         runs.append({"seed": seed, "repeat": r, "settings": settings, **got,
                      **pair_result(got["on-policy"], got["async"]),
                      **(control_result(got["on-policy"], got["async"], got["control"]) if args.control else {})})

@@ -1,5 +1,6 @@
 """The benchmarks' own bookkeeping (not their figures): what a cut-short planner run's journal
-gives the run that resumes it; the asynchronous reasoning benchmark's criteria over pairs."""
+gives the run that resumes it; the asynchronous reasoning benchmark's criteria over pairs and
+its journal of sides."""
 
 from __future__ import annotations
 
@@ -160,3 +161,55 @@ def test_thread_numerics_smoke():
         assert all(0 <= i <= 8 for i in got["first_difference_at_token"])
     first = _bench("thread_numerics").first_difference
     assert (first([5, 6, 7], [5, 6, 8]), first([5, 6], [5, 6, 7]), first([9], [8])) == (2, 2, 0)
+
+
+def test_async_journal_finishes_a_cut_pair_by_its_missing_side(tmp_path, monkeypatch, capsys):
+    """--journal keeps each side as it ends: a pair cut short after its first side (a time
+    limit, a lost machine) runs only the missing side when run again on a machine of the same
+    kind, and the pair's figures use both; on another kind of machine both sides run again."""
+    bench = _bench("async_reasoning")
+    calls = []
+
+    def side_run(script, spec):
+        side = "async" if "runner.max_staleness=2" in spec["overrides"] else "on-policy"
+        calls.append(side)
+        if len(calls) == 2 and cut:
+            raise RuntimeError("the machine went away")
+        final, time_s = (0.6, 100.0) if side == "on-policy" else (0.7, 60.0)
+        return {"curve": [{"step": 0, "time_s": 0.0, "accuracy": 0.2}, {"step": 4, "time_s": time_s, "accuracy": final}],
+                "final_accuracy": final, "time_s": time_s, "ran": len(calls)}
+
+    class QuietRun:  # no machine-speed measurements
+        def finish(self):
+            return {}
+
+    monkeypatch.setattr(bench, "run_child", side_run)
+    monkeypatch.setattr(bench, "loaded", lambda fn: (fn(), {"load_start": 1.0}))
+    monkeypatch.setattr(bench, "Run", QuietRun)
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))  # the run folders
+    journal = tmp_path / "pairs.jsonl"
+    monkeypatch.setattr(sys, "argv", ["async_reasoning.py", "--seed", "3", "--journal", str(journal),
+                                      "--on-policy-placement", "placement=collocated"])
+    cut = True
+    with pytest.raises(RuntimeError, match="went away"):
+        bench.main()
+    first = calls[0]
+    (record,) = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert record["side"] == first and record["result"]["ran"] == 1
+    other_kind = tmp_path / "other.jsonl"
+    other_kind.write_text(journal.read_text().replace('"cpus": ', '"cpus": 1000'))
+
+    cut, calls[:] = False, []
+    bench.main()
+    assert calls == [s for s in ("on-policy", "async") if s != first]  # only the missing side ran
+    pair = json.loads(capsys.readouterr().out)["runs"][0]
+    assert pair[first]["ran"] == 1  # the journal's
+    assert pair["time_to_on_policy_accuracy_ratio"] == 0.6 and pair["final_accuracy_difference_points"] == 10.0
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [r.get("side") for r in records] == [first, calls[0], None]  # each side, then the pair
+
+    calls[:] = []
+    monkeypatch.setattr(sys, "argv", ["async_reasoning.py", "--seed", "3", "--journal", str(other_kind),
+                                      "--on-policy-placement", "placement=collocated"])
+    bench.main()
+    assert sorted(calls) == ["async", "on-policy"]  # a side from another kind of machine is not reused
