@@ -278,3 +278,34 @@ def test_a_pool_reuses_processes_re_pins_them_and_drops_their_state(cluster):
     for name in ("pooled:0", "pooled-other:0"):
         with pytest.raises(ValueError):
             ray.get_actor(name, namespace="m2flow")
+
+
+def test_a_pool_holds_a_group_only_where_it_would_start_no_process():
+    """``WorkerPool.holds``: every rank of the group finds its process idle in the pool, of its
+    class and node; a CPU worker fits any devices (it re-pins itself), a GPU worker only its
+    own (a profile's probe that moves a GPU component starts processes anew, and leaves its
+    first update out as the first probe does)."""
+    from m2flow.runtime.cluster import Device
+    from m2flow.runtime.group import WorkerPool
+    from m2flow.runtime.placement import ComponentPlacement
+
+    def devices(kind, *indices):
+        return tuple(Device(i, kind, "n0", 0, i // 2 if kind == "cuda" else i) for i in indices)
+
+    class Actor:
+        pass
+
+    class Other:
+        pass
+
+    pool = WorkerPool()
+    over_both = ComponentPlacement("actor", devices("cuda", 0, 1), devices_per_proc=2)  # one rank on both slots
+    pool.give("actor:0", Actor, "n0", over_both.ranks()[0].devices, object())
+    assert pool.holds(Actor, over_both, "actor")
+    assert not pool.holds(Actor, ComponentPlacement("actor", devices("cuda", 1)), "actor")  # moved: a new process
+    assert not pool.holds(Other, over_both, "actor")
+    assert not pool.holds(Actor, ComponentPlacement("actor", devices("cuda", 0, 1)), "actor")  # rank 1 has none
+    cpu = devices("cpu", 0, 1)
+    pool.give("rollout:0", Actor, "n0", cpu[:1], object())
+    assert pool.holds(Actor, ComponentPlacement("rollout", cpu[1:]), "rollout")  # re-pinned, not started
+    assert not pool.holds(Actor, ComponentPlacement("rollout", cpu[1:]), "reward")

@@ -205,6 +205,31 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, pool, tmp_path
     assert not list((tmp_path / "saved_weights").iterdir())
 
 
+def test_a_run_is_warm_in_a_pool_holding_every_process_it_would_start(cluster):
+    """``warm_in``: a profile's probe is warm when the pool holds a process for every rank of
+    every component the plan does not fuse into another's (``WorkerPool.holds``); one rank
+    missing and it would start a process anew (on GPUs the probe then leaves its first update
+    out)."""
+    from m2flow.flow import Plan
+    from m2flow.runners.reasoning import WORKFLOW
+    from m2flow.runtime.group import WorkerPool
+
+    cfg = load_config(PRESET)
+    plan = Plan.for_mode(WORKFLOW, "disaggregated", len(cluster.devices))
+    placement, host = plan.placement(cluster), plan.hosts(WORKFLOW)
+    pool = WorkerPool()  # holds stand-ins, never started: nothing here runs
+    assert not ReasoningRunner.warm_in(cfg, plan, cluster, pool)
+    names = []
+    for c in ReasoningRunner.components_of(cfg):
+        if c not in host:
+            for r in placement[c].ranks():
+                names.append(f"{c}-{pool.tag}:{r.rank}")
+                pool.give(names[-1], ReasoningRunner.workers[c], r.node_id, r.devices, object())
+    assert len(names) >= 3 and ReasoningRunner.warm_in(cfg, plan, cluster, pool)
+    pool._idle.pop(names[-1])
+    assert not ReasoningRunner.warm_in(cfg, plan, cluster, pool)
+
+
 def test_a_stopped_runs_deferred_evaluations_are_made_when_it_resumes(cluster, pool, tmp_path, monkeypatch):
     """A run stopped after its last checkpoint but before its deferred evaluations (a time
     limit, a kill) keeps the weights it saved for them; resumed (``runner.resume=auto``), it

@@ -108,6 +108,14 @@ class Runner:
             if c not in host:
                 pool.prestart(cls.workers[c], placement[c], f"{c}-{pool.tag}")
 
+    @classmethod
+    def warm_in(cls, cfg: DictConfig, plan: Plan, cluster: Cluster, pool: WorkerPool) -> bool:
+        """Whether a run of ``cfg`` under ``plan`` would take every worker process from
+        ``pool``, starting none anew (``WorkerPool.holds``)."""
+        placement, host = plan.placement(cluster), plan.hosts(cls.workflow)
+        return all(pool.holds(cls.workers[c], placement[c], f"{c}-{pool.tag}")
+                   for c in cls.components_of(cfg) if c not in host)
+
     # -- what a flow defines ------------------------------------------------------------
     @classmethod
     def components_of(cls, cfg: DictConfig) -> tuple[str, ...]:

@@ -233,11 +233,17 @@ class WorkerPool:
         got = self._idle.pop(name, None)
         if got is None:
             return None
-        same_devices = got[2] == devices or all(d.kind == "cpu" for d in devices)  # a CPU worker re-pins itself
-        if got[0] is cls and got[1] == node_id and same_devices:
+        if _fits(got, cls, node_id, devices):
             return got[3]
         _kill_named(name, got[3])  # its name is the new rank's
         return None
+
+    def holds(self, cls: type, placement: ComponentPlacement, name: str) -> bool:
+        """Whether a group to be made (``placement``, named ``name``) would take every rank's
+        process from the pool, starting none anew (on GPUs a process moves only with its
+        devices)."""
+        return all((got := self._idle.get(f"{name}:{r.rank}")) is not None and _fits(got, cls, r.node_id, r.devices)
+                   for r in placement.ranks())
 
     def give(self, name: str, cls: type, node_id: str, devices: tuple, actor: Any) -> None:
         self._idle[name] = (cls, node_id, devices, actor)
@@ -265,6 +271,13 @@ class WorkerPool:
         for name, (_, _, _, actor) in self._idle.items():
             _kill_named(name, actor)
         self._idle.clear()
+
+
+def _fits(idle: tuple[type, str, tuple, Any], cls: type, node_id: str, devices: tuple) -> bool:
+    """Whether an idle process (class, node, devices, actor) can be a rank of ``cls`` on
+    ``node_id`` with ``devices``: a CPU worker re-pins itself, a GPU one keeps its GPUs."""
+    same_devices = idle[2] == devices or all(d.kind == "cpu" for d in devices)
+    return idle[0] is cls and idle[1] == node_id and same_devices
 
 
 def _new_actor(cls: type, name: str, node_id: str) -> Any:
