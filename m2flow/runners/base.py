@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.cluster import cpu_slot_count
 from m2flow.runtime.group import GroupHandle, WorkerDiedError, WorkerError, WorkerPool, start_together, wait
+from m2flow.runtime.placement import ComponentPlacement
 from m2flow.runtime.trace import get_tracer, write_chrome_trace
 from m2flow.runtime.watchdog import Watchdog
 
@@ -100,21 +102,28 @@ class Runner:
         start_together(*self.distinct_groups, channels=list(self.channels.values()), locks=locks)
 
     @classmethod
-    def prestart(cls, cfg: DictConfig, plan: Plan, cluster: Cluster, pool: WorkerPool) -> None:
-        """Starts, in the background, the worker processes that a run of ``cfg`` under
-        ``plan`` on ``cluster`` would start, named as ``pool``'s runs name them."""
+    def pooled_groups(cls, cfg: DictConfig, plan: Plan, cluster: Cluster,
+                      pool: WorkerPool) -> Iterator[tuple[type, ComponentPlacement, str]]:
+        """The worker groups a run of ``cfg`` under ``plan`` on ``cluster`` makes (a fused
+        component runs in its host's): each one's worker class, placement and name, as
+        ``pool``'s runs name them."""
         placement, host = plan.placement(cluster), plan.hosts(cls.workflow)
         for c in cls.components_of(cfg):
             if c not in host:
-                pool.prestart(cls.workers[c], placement[c], f"{c}-{pool.tag}")
+                yield cls.workers[c], placement[c], f"{c}-{pool.tag}"
+
+    @classmethod
+    def prestart(cls, cfg: DictConfig, plan: Plan, cluster: Cluster, pool: WorkerPool) -> None:
+        """Starts, in the background, the worker processes that a run of ``cfg`` under
+        ``plan`` on ``cluster`` would start."""
+        for group in cls.pooled_groups(cfg, plan, cluster, pool):
+            pool.prestart(*group)
 
     @classmethod
     def warm_in(cls, cfg: DictConfig, plan: Plan, cluster: Cluster, pool: WorkerPool) -> bool:
         """Whether a run of ``cfg`` under ``plan`` would take every worker process from
         ``pool``, starting none anew (``WorkerPool.holds``)."""
-        placement, host = plan.placement(cluster), plan.hosts(cls.workflow)
-        return all(pool.holds(cls.workers[c], placement[c], f"{c}-{pool.tag}")
-                   for c in cls.components_of(cfg) if c not in host)
+        return all(pool.holds(*group) for group in cls.pooled_groups(cfg, plan, cluster, pool))
 
     # -- what a flow defines ------------------------------------------------------------
     @classmethod
