@@ -11,6 +11,12 @@ a real difference from a neighbour's load on a shared machine.
 
     python benchmarks/rollout_engine.py                      # SmolLM2-135M-Instruct, fp32, CPU
     python benchmarks/rollout_engine.py --model tiny-llama   # fast smoke test
+    python benchmarks/rollout_engine.py --device cuda --sides engine engine_graphs   # CUDA graphs
+
+``--sides`` picks what runs: ``generate``, ``engine`` and ``engine_graphs`` (the engine with
+``cuda_graphs=True``: decode steps replayed as CUDA graphs on a GPU, at fixed shapes but
+eager on a CPU). ``ratio`` compares the engine with generate(), ``ratio_graphs`` the engine
+with graphs against without, each where both ran.
 """
 
 from __future__ import annotations
@@ -55,7 +61,10 @@ def run_generate(model, tokenizer, prompts: list[list[int]], samples: int, batch
 def run_engine(engine: TorchEngine, prompts: list[list[int]], samples: int, max_new_tokens: int,
                seed: int) -> list[int]:
     params = SamplingParams(n=samples, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
-    return [len(c.token_ids) for group in engine.generate(prompts, params) for c in group]
+    lengths = [len(c.token_ids) for group in engine.generate(prompts, params) for c in group]
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return lengths
 
 
 def timed(fn) -> dict:
@@ -77,6 +86,18 @@ def summary(runs: list[dict]) -> dict:
             "mean_length": round(statistics.mean(lengths), 1), "max_length": max(lengths), "runs": runs}
 
 
+def ratio(result: dict, ours: str, theirs: str, into: str) -> None:
+    """``into`` (best against best), ``into``_median and ``into``_cpu_time, where both sides ran."""
+    if ours in result and theirs in result:
+        a, b = result[ours], result[theirs]
+        result[into] = round(a["tokens_per_s_best"] / b["tokens_per_s_best"], 2)
+        result[into + "_median"] = round(a["tokens_per_s_median"] / b["tokens_per_s_median"], 2)
+        result[into + "_cpu_time"] = round(a["tokens_per_cpu_s_best"] / b["tokens_per_cpu_s_best"], 2)
+
+
+SIDES = ("generate", "engine", "engine_graphs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny-llama, ... (m2flow.models.lm.load_lm)")
@@ -87,40 +108,46 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--sides", nargs="+", default=["generate", "engine"], choices=SIDES,
+                        help="what runs, alternately, in this order")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_lm(args.model)
+    model.to(args.device)
     problems = arithmetic_problems(args.prompts, seed=args.seed)
     prompts = [list(p.token_ids) for p in build_prompts(problems, tokenizer)]
-    engine = TorchEngine(model, tokenizer, max_batch_size=args.batch)
+    engines = {"engine": TorchEngine(model, tokenizer, max_batch_size=args.batch),
+               "engine_graphs": TorchEngine(model, tokenizer, max_batch_size=args.batch, cuda_graphs=True)}
 
-    # Warm-up: allocator, thread pools, lazy imports, for both.
-    run_generate(model, tokenizer, prompts[:2], 2, 4, 8, args.seed)
-    run_engine(engine, prompts[:2], 2, 8, args.seed)
+    def run(side: str, few: list[list[int]], samples: int, batch: int, max_new_tokens: int, seed: int) -> list[int]:
+        if side == "generate":
+            return run_generate(model, tokenizer, few, samples, batch, max_new_tokens, seed)
+        return run_engine(engines[side], few, samples, max_new_tokens, seed)
 
+    for side in args.sides:  # warm-up: allocator, thread pools, lazy imports, kernels
+        run(side, prompts[:2], 2, 4, 8, args.seed)
     load_before = os.getloadavg()[0]  # the machine may be shared: report how busy it was
-    baseline, ours = [], []
+    runs: dict[str, list[dict]] = {side: [] for side in args.sides}
     with torch.inference_mode():
         for r in range(args.repeats):
-            seed = args.seed + r
-            baseline.append(timed(lambda: run_generate(model, tokenizer, prompts, args.samples, args.batch,
-                                                       args.max_new_tokens, seed)))
-            ours.append(timed(lambda: run_engine(engine, prompts, args.samples, args.max_new_tokens, seed)))
+            for side in args.sides:
+                runs[side].append(timed(lambda: run(side, prompts, args.samples, args.batch, args.max_new_tokens,
+                                                    args.seed + r)))
+    device = torch.device(args.device)
     result = {
         "benchmark": "rollout_engine", "model": args.model, "dtype": str(model.dtype).removeprefix("torch."),
-        "device": "cpu", "threads": args.threads, "cpus": os.cpu_count(), "machine": platform.processor() or
-        platform.machine(), "torch": torch.__version__, "prompts": args.prompts, "samples": args.samples,
-        "batch": args.batch, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-        "prompt_tokens_mean": round(statistics.mean(map(len, prompts)), 1),
-        "generate": summary(baseline), "engine": summary(ours),
-        "engine_stats_last_run": engine.stats,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "threads": args.threads,
+        "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "prompts": args.prompts, "samples": args.samples, "batch": args.batch, "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "prompt_tokens_mean": round(statistics.mean(map(len, prompts)), 1),
+        **{side: summary(side_runs) for side, side_runs in runs.items()},
+        **{f"{side}_stats_last_run": engines[side].stats for side in args.sides if side in engines},
         "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
     }
-    ours, theirs = result["engine"], result["generate"]
-    result["ratio"] = round(ours["tokens_per_s_best"] / theirs["tokens_per_s_best"], 2)
-    result["ratio_median"] = round(ours["tokens_per_s_median"] / theirs["tokens_per_s_median"], 2)
-    result["ratio_cpu_time"] = round(ours["tokens_per_cpu_s_best"] / theirs["tokens_per_cpu_s_best"], 2)
+    ratio(result, "engine", "generate", "ratio")
+    ratio(result, "engine_graphs", "engine", "ratio_graphs")
     result["target"] = TARGET_RATIO
     print(json.dumps(result, indent=2))
 

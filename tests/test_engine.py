@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from m2flow.engines import SamplingParams, TorchEngine, build_engine
-from m2flow.engines.torch_engine import sample_tokens
+from m2flow.engines.decode_graphs import DecodeGraphs, buckets
+from m2flow.engines.torch_engine import SlotKVCache, sample_tokens
 from m2flow.models.lm import load_lm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,10 +222,12 @@ def test_a_bfloat16_rollout_samples_with_the_weights_rounded():
     assert 0 < max(gap_to_full) < 0.5  # the rounding shows, a little
 
 
-def test_weights_loaded_between_steps_continue_the_sequences_in_flight():
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "fixed-shapes"])
+def test_weights_loaded_between_steps_continue_the_sequences_in_flight(cuda_graphs):
     """New weights mid-generation (an in-flight update): the sequences in flight keep their
     cached keys and values and go on with the new weights; each token records the version
-    that sampled it; sequences admitted later are the new weights' own."""
+    that sampled it; sequences admitted later are the new weights' own. With fixed-shape
+    decode steps too (on a GPU their graphs read the weights where the load copies them)."""
     model, tok = lively_lm("tiny-llama")
     other, _ = lively_lm("tiny-llama")
     g = torch.Generator().manual_seed(1)
@@ -235,7 +238,7 @@ def test_weights_loaded_between_steps_continue_the_sequences_in_flight():
     prompts = make_prompts([6, 11, 4, 9], seed=8)
     old = greedy_ids(TorchEngine(model, tok, max_batch_size=2), prompts, 12)
     new = greedy_ids(TorchEngine(other, tok, max_batch_size=2), prompts, 12)
-    engine = TorchEngine(model, tok, max_batch_size=2)  # prompts 0 and 1 first, 2 and 3 once they end
+    engine = TorchEngine(model, tok, max_batch_size=2, cuda_graphs=cuda_graphs)  # prompts 0, 1 first, then 2, 3
     calls = []
 
     def between():
@@ -301,6 +304,95 @@ def test_vllm_backend_missing_is_a_clear_import_error():
         build_engine("vllm", model, tok)
 
 
+def test_fixed_shape_decode_steps_are_exact(lm):
+    """``cuda_graphs``: decode steps at fixed shapes (rows padded to a bucket, attention over
+    the whole KV capacity), eager off a GPU: log-probs those of a plain forward through
+    refills and every bucket size, greedy paths those of the variable-shape steps."""
+    model, tok = lm
+    prompts = make_prompts([3, 17, 41, 9, 26])
+    engine = TorchEngine(model, tok, max_batch_size=5, cuda_graphs=True)  # buckets 1, 2, 4, 5
+    params = SamplingParams(n=3, temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=24,
+                            stop=tuple("abcdefghij"), seed=1)
+    completions = [c for g in engine.generate(prompts, params) for c in g]
+    assert engine.stats["refills"] > 0 and engine.stats["graph_replays"] == 0  # no graphs on a CPU
+    assert engine.graphs is not None and not engine.graphs.capture
+    assert len({len(c.token_ids) for c in completions}) > 3  # rows end at different steps: buckets shrink
+    for c in completions:
+        ref, tokens = reference_logprobs(model, prompts[c.prompt_index], c.token_ids, params.temperature)
+        assert (ref.gather(1, tokens[:, None]).squeeze(1) - c.logprobs).abs().max().item() <= 1e-4
+    assert greedy_ids(engine, prompts, 20) == greedy_ids(TorchEngine(model, tok, max_batch_size=5), prompts, 20)
+
+
+def test_fixed_shape_forward_reads_nothing_back(lm):
+    """What capturing a CUDA graph needs, checked off a GPU: the fixed-shape decode forward
+    traces as one graph (``torch.compile(fullgraph=True)``), so nothing in it reads a value
+    back to the host or branches on one; and the traced forward computes the same logits."""
+    model, tok = lm
+    engine = TorchEngine(model, tok, max_batch_size=4, cuda_graphs=True)
+    greedy_ids(engine, make_prompts([5, 9]), 4)  # makes the KV buffers and the decoder over them
+    forward = engine.graphs._forward
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.compile(forward, fullgraph=True, backend="eager", dynamic=False)(4),
+                                   forward(4))
+    with pytest.raises(Exception, match="(?i)data-dependent|graph break"):  # the check can fail: a read-back breaks it
+        torch.compile(lambda: forward(4).sum().item() > 0 and forward(4), fullgraph=True, backend="eager")()
+
+
+def test_decode_graph_buckets():
+    assert buckets(1) == [1] and buckets(5) == [1, 2, 4, 5] and buckets(32) == [1, 2, 4, 8, 16, 32]
+    model, tok = lively_lm("tiny-llama")
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeGraphs(model, SlotKVCache(2, 8), capture=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_replay_the_eager_steps():
+    """On a GPU the fixed-shape steps are captured once per bucket and replayed: the same
+    greedy paths as the eager steps, log-probs of a plain forward, the graphs kept across
+    calls, dropped at an offload and captured again after it, and weights loaded in flight
+    (copied into the parameters the graphs read) taking over as in the eager steps."""
+    model, tok = lively_lm("tiny-llama")
+    other, _ = lively_lm("tiny-llama")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p.std())
+    model.to("cuda")
+    prompts = make_prompts([4, 19, 11, 7, 30], seed=9)
+    eager = TorchEngine(model, tok, max_batch_size=5)
+    graphs = TorchEngine(model, tok, max_batch_size=5, cuda_graphs=True)
+    expected = greedy_ids(eager, prompts, 16)
+    assert greedy_ids(graphs, prompts, 16) == expected
+    assert graphs.stats["graph_replays"] == graphs.stats["decode_steps"] > 0
+    assert 1 <= graphs.stats["graph_captures"] <= 4
+    assert greedy_ids(graphs, prompts, 16) == expected and graphs.stats["graph_captures"] == 0  # kept
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, stop=tuple("abcdefghij"), seed=0)
+    for group in graphs.generate(prompts, params):
+        for c in group:
+            ref, tokens = reference_logprobs(model, prompts[c.prompt_index], c.token_ids, 1.0)
+            assert (ref.gather(1, tokens[:, None]).squeeze(1).cpu() - c.logprobs).abs().max().item() <= 1e-3
+    assert graphs.stats["refills"] > 0
+    graphs.offload()
+    assert graphs.graphs is None and graphs.cache is None
+    graphs.onload()
+    assert greedy_ids(graphs, prompts, 16) == expected and graphs.stats["graph_captures"] >= 1
+
+    def in_flight(engine):
+        calls = []
+
+        def between():
+            calls.append(1)
+            if len(calls) == 4:
+                engine.load_weights(other.to("cuda").state_dict().items(), version=1)
+        done = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12), between=between)
+        result = {g[0].prompt_index: (g[0].token_ids, g[0].versions) for g in done}
+        engine.load_weights(original.items(), version=0)
+        return result
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    assert in_flight(graphs) == in_flight(eager)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_logprobs_and_offload():
     model, tok = lively_lm("tiny-llama")
@@ -323,15 +415,20 @@ def test_cuda_logprobs_and_offload():
 def test_benchmark_script_smoke():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rollout_engine.py"), "--model", "tiny-llama",
                           "--prompts", "2", "--samples", "2", "--batch", "4", "--max-new-tokens", "8",
-                          "--repeats", "1"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+                          "--repeats", "1", "--sides", "generate", "engine", "engine_graphs"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    for side in ("generate", "engine"):
+    for side in ("generate", "engine", "engine_graphs"):
         (run,) = result[side]["runs"]
         # 2 prompts x 2 samples, 1-8 tokens each (through the EOS)
         assert 4 <= run["tokens"] <= 32 and 1 <= result[side]["max_length"] <= 8, result[side]
         assert result[side]["tokens_per_s_best"] == run["tokens_per_s"]
     assert result["ratio"] == round(result["engine"]["tokens_per_s_best"] / result["generate"]["tokens_per_s_best"], 2)
+    assert result["ratio_graphs"] == round(result["engine_graphs"]["tokens_per_s_best"]
+                                           / result["engine"]["tokens_per_s_best"], 2)
+    # the same seeds, the same per-step draws: the fixed-shape steps generate the same lengths
+    assert result["engine_graphs"]["runs"][0]["tokens"] == result["engine"]["runs"][0]["tokens"]
 
 
 def test_sampling_follows_the_truncated_distribution():

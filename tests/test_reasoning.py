@@ -6,6 +6,7 @@ import csv
 import math
 
 import pytest
+import torch
 
 from m2flow.config import load_config
 from m2flow.config.validate import validate as check_config
@@ -58,7 +59,9 @@ def _reward_gain(history):
 # seed 0 starts near 0.05 and ends each case's last 6 steps 0.24-0.85 above its first 6; the
 # greedy held-out reward goes from 0 to 1. The overrides add each case's mechanics.
 LEARNING = {
-    "grpo-collocated": ("placement.mode=collocated", "algorithm.old_logprobs=recompute"),
+    # decode steps at fixed shapes (rollout.cuda_graphs: graphs on a GPU, eager here), dropped
+    # at each turn's offload and made again; the recomputed log-probs check the sampling ones
+    "grpo-collocated": ("placement.mode=collocated", "algorithm.old_logprobs=recompute", "rollout.cuda_graphs=true"),
     "grpo-disaggregated": ("placement.mode=disaggregated", "algorithm.old_logprobs=recompute"),
     # streamed: group-local advantages, one pass; dynamic sampling and the overlong penalty
     # (factor 0.1: at 1 the penalty for hitting max_new_tokens, not the digits, drives the run)
@@ -138,6 +141,10 @@ def test_training_raises_the_reward(cluster, pool, tmp_path, case):
         assert lags == [0] + [1 if ahead else 0] * 29
     assert all(row["stale_dropped"] == 0 for row in steps)
     assert all(sum(v for k, v in row.items() if k.startswith("staleness_")) == pytest.approx(1) for row in steps)
+    # the rollout's decode forwards, replayed as CUDA graphs only with rollout.cuda_graphs on a GPU
+    graphs = _option(overrides, "rollout.cuda_graphs", "false") == "true" and torch.cuda.is_available()
+    assert all(row["decode_steps"] > 0 and row["graph_replays"] == (row["decode_steps"] if graphs else 0)
+               for row in steps), [(row["decode_steps"], row["graph_replays"]) for row in steps]
     # Weights go out only when they changed: not before step 1 (the first evaluation sent
     # them), nor in the last step generated ahead (its stream was launched by step 29). Taking
     # weights in flight, a step reports the push its stream was generated after instead: none

@@ -371,7 +371,8 @@ def test_the_configured_memory_fraction_and_sleep_mode_reach_the_constructor(fak
     assert not hasattr(engine, "model")  # no transformers copy is kept
     unshared = build_engine("vllm", model, tok, **engine_options(cfg.rollout, shared=False))
     assert unshared.llm.kwargs["enable_sleep_mode"] is False
-    assert engine_options({"backend": "torch", "max_batch_size": 8}, shared=True) == {"max_batch_size": 8}
+    assert engine_options({"backend": "torch", "max_batch_size": 8, "cuda_graphs": True}, shared=True) == {
+        "max_batch_size": 8, "cuda_graphs": True}
 
 
 @pytest.mark.parametrize("value", [0, -0.1, 1.5, float("nan"), "0.5", True])

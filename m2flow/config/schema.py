@@ -249,6 +249,9 @@ class RolloutConfig:
     max_new_tokens: int = opt(MISSING, "tokens per completion at most", within=AT_LEAST_1)
     stop: List[str] = opt([], "strings that end a completion")
     max_batch_size: int = opt(32, "sequences generated at once (continuous batching refills slots)", within=AT_LEAST_1)
+    cuda_graphs: bool = opt(False, "torch backend: decode steps at fixed shapes, replayed as CUDA graphs where the "
+                                   "rollout is on a GPU (a small model's steps are bound by kernel launches); "
+                                   "elsewhere the same steps run eagerly, no faster")
     dtype: Optional[str] = opt(None, "the rollout's weights, e.g. bfloat16: the actor's weights rounded as they "
                                      "arrive, the sampling log-probs theirs (the loss's ratio sees the difference); "
                                      "null: model.dtype", choices=DTYPES)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from m2flow.engines.decode_graphs import DecodeGraphs
 from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, validate_prompts
 from m2flow.engines.scoring import kv_cache_of, with_kv_cache
 from m2flow.engines.weights import weights_hash
@@ -142,9 +143,12 @@ class TorchEngine(GenerationEngine):
     """Continuous batching over a transformers causal LM (see the module docstring).
 
     ``max_batch_size``: sequences decoded together; ``max_prefill_tokens``: padded prompt
-    tokens per prefill forward (bounds its memory). ``stats`` counts the last call's work."""
+    tokens per prefill forward (bounds its memory); ``cuda_graphs``: decode steps at fixed
+    shapes, replayed as CUDA graphs on a GPU and run eagerly elsewhere
+    (``m2flow.engines.decode_graphs``). ``stats`` counts the last call's work."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 32, max_prefill_tokens: int = 4096):
+    def __init__(self, model, tokenizer, max_batch_size: int = 32, max_prefill_tokens: int = 4096,
+                 cuda_graphs: bool = False):
         if max_batch_size < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_batch_size and max_prefill_tokens must be >= 1, got {max_batch_size}, "
                              f"{max_prefill_tokens}")
@@ -158,6 +162,8 @@ class TorchEngine(GenerationEngine):
         self.eos_ids = set(eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.cache: SlotKVCache | None = None
+        self.cuda_graphs = cuda_graphs
+        self.graphs: DecodeGraphs | None = None  # of the current cache, on the current weights' memory
         self.offloaded, self.offloaded_from = False, None  # offloaded_from: the device the weights left
         self.stats: dict[str, int] = {}
         self.version = 0  # of the weights: set by load_weights, recorded with every token sampled
@@ -192,7 +198,7 @@ class TorchEngine(GenerationEngine):
         return weights_hash(self.model)
 
     def offload(self) -> None:
-        self.cache, self.offloaded = None, True
+        self.cache, self.graphs, self.offloaded = None, None, True  # the graphs would hold the memory
         if self.offloaded_from is None and self.device.type != "cpu":
             self.offloaded_from = self.device
             self.model.to("cpu")
@@ -212,13 +218,15 @@ class TorchEngine(GenerationEngine):
         device = self.device
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
-        self.stats = {"prefill_forwards": 0, "prefill_tokens": 0, "decode_steps": 0, "decoded_rows": 0, "refills": 0}
+        self.stats = {"prefill_forwards": 0, "prefill_tokens": 0, "decode_steps": 0, "decoded_rows": 0, "refills": 0,
+                      "graph_replays": 0, "graph_captures": 0}
         if not prompts:
             return
         capacity = max(map(len, prompts)) + params.max_new_tokens
         capacity = min(capacity, self.max_positions) if self.max_positions else capacity
         if self.cache is None or self.cache.capacity < capacity or self.cache.slots != self.max_batch_size:
             self.cache = SlotKVCache(self.max_batch_size, capacity)  # else reuse the buffers of the last call
+            self.graphs = None  # captured over the buffers just dropped
         waiting = deque((p, s) for p in range(len(prompts)) for s in range(params.n))
         prefilled: dict[int, _PrefilledPrompt] = {}
         rows: list[_Sequence | None] = []  # row r of the decode batch is slot r
@@ -303,6 +311,8 @@ class TorchEngine(GenerationEngine):
     def _decode(self, last_tokens: list[int], lengths: list[int]) -> torch.Tensor:
         """One token for every row: row r feeds its last token at position lengths[r] and
         attends to its own columns 0..lengths[r]."""
+        if self.cuda_graphs:
+            return self._decode_fixed(last_tokens, lengths)
         device = self.device
         length = torch.tensor(lengths, device=device)
         width = max(lengths) + 1
@@ -314,6 +324,19 @@ class TorchEngine(GenerationEngine):
         self.stats["decode_steps"] += 1
         self.stats["decoded_rows"] += len(lengths)
         return out.logits[:, -1].float()
+
+    def _decode_fixed(self, last_tokens: list[int], lengths: list[int]) -> torch.Tensor:
+        """``_decode`` at fixed shapes: replayed CUDA graphs on a GPU, eager elsewhere. The KV
+        buffers are sized at the first prompt's put, so the graphs are made at the first decode."""
+        if self.graphs is None:
+            self.graphs = DecodeGraphs(self.model, self.cache, capture=self.device.type == "cuda")
+        replays, captures = self.graphs.replays, self.graphs.captures
+        logits = self.graphs(last_tokens, lengths)
+        self.stats["decode_steps"] += 1
+        self.stats["decoded_rows"] += len(lengths)
+        self.stats["graph_replays"] += self.graphs.replays - replays
+        self.stats["graph_captures"] += self.graphs.captures - captures
+        return logits
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """[rows, q, k] bool -> the [rows, 1, q, k] additive mask that both sdpa and eager take."""

@@ -56,7 +56,7 @@ def engine_options(rollout: dict, shared: bool) -> dict:
     if rollout["backend"] == "vllm":
         return {"gpu_memory_utilization": rollout["gpu_memory_utilization"], "enable_sleep_mode": shared}
     if rollout["backend"] == "torch":
-        return {"max_batch_size": rollout["max_batch_size"]}
+        return {"max_batch_size": rollout["max_batch_size"], "cuda_graphs": rollout["cuda_graphs"]}
     return {}  # build_engine names the valid backends
 
 
@@ -147,6 +147,8 @@ class LMRolloutWorker(WeightReceiver):
             samples_out.flush()
             peak = memory_mb(self.device)
             self._offload()  # context switching: the KV cache (and on a GPU the weights) make room
+        engine = getattr(self.engine, "stats", {})  # the torch engine's counts of this call's work
+        stats |= {k: engine.get(k, 0) for k in ("decode_steps", "graph_replays")}
         return stats | clock.report(lock_wait=True) | {
             "peak_memory_mb": peak, "tokens_per_s": stats["completion_tokens"] / max(clock.busy_s, 1e-9),
             "time_s": clock.elapsed(), "weight_loads": self.loads}
