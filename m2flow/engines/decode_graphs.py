@@ -23,9 +23,8 @@ again at its next decode (one capture per bucket used: a warm-up forward on a si
 the recorded one).
 
 Off a GPU (``capture=False``) the same fixed-shape forward runs eagerly: no faster there (on
-two CPU cores about as fast as the variable-shape steps: the padding rows and the attention
-over the whole capacity cost about what the saved bookkeeping did), and what the CPU tests
-check. Should a capture
+two CPU cores it measured about as fast as the variable-shape steps, docs/benchmarks.md), and
+what the CPU tests check. Should a capture
 fail, the steps go on eagerly at the same shapes, with a warning, and the engine's
 ``graph_replays`` stay 0.
 """
