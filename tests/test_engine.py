@@ -35,6 +35,18 @@ def lm(request):
     return lively_lm(request.param)
 
 
+def two_lms():
+    """Two lively tiny-llama models of other weights (an update's before and after), and the tokenizer."""
+    model, tok = lively_lm("tiny-llama")
+    other, _ = lively_lm("tiny-llama")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p.std())
+    return model, other, tok
+
+
 def make_prompts(lengths, seed=0, vocab=259):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]  # 0-2 are special tokens
@@ -228,13 +240,7 @@ def test_weights_loaded_between_steps_continue_the_sequences_in_flight(cuda_grap
     cached keys and values and go on with the new weights; each token records the version
     that sampled it; sequences admitted later are the new weights' own. With fixed-shape
     decode steps too (on a GPU their graphs read the weights where the load copies them)."""
-    model, tok = lively_lm("tiny-llama")
-    other, _ = lively_lm("tiny-llama")
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in other.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * p.std())
+    model, other, tok = two_lms()
     prompts = make_prompts([6, 11, 4, 9], seed=8)
     old = greedy_ids(TorchEngine(model, tok, max_batch_size=2), prompts, 12)
     new = greedy_ids(TorchEngine(other, tok, max_batch_size=2), prompts, 12)
@@ -351,13 +357,7 @@ def test_cuda_graphs_replay_the_eager_steps():
     greedy paths as the eager steps, log-probs of a plain forward, the graphs kept across
     calls, dropped at an offload and captured again after it, and weights loaded in flight
     (copied into the parameters the graphs read) taking over as in the eager steps."""
-    model, tok = lively_lm("tiny-llama")
-    other, _ = lively_lm("tiny-llama")
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in other.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * p.std())
+    model, other, tok = two_lms()
     model.to("cuda")
     prompts = make_prompts([4, 19, 11, 7, 30], seed=9)
     eager = TorchEngine(model, tok, max_batch_size=5)

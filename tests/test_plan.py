@@ -73,6 +73,10 @@ def test_plan_round_trips_through_yaml(tmp_path):
     assert Plan.load(plan.save(tmp_path / "plan.yaml")) == plan
     table = plan.table(REASONING)
     assert table.startswith("plan (hybrid):") and "actor" in table and "samples granularity 3" in table
+    assert "offload" not in plan.to_dict() and "no offload" not in table  # the default: written as before
+    plan.offload = False
+    assert Plan.load(plan.save(tmp_path / "kept.yaml")) == plan and plan.to_dict()["offload"] is False
+    assert "no offload" in plan.table(REASONING)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -85,6 +89,7 @@ def test_plan_round_trips_through_yaml(tmp_path):
     ({"granularity": {"sample": 2}}, r"unknown channel\(s\) \['sample'\]"),
     ({"run_ahead": -1}, "run_ahead must be >= 0"),
     ({"stages": 0}, "stages must be >= 1"),
+    ({"offload": "no"}, "offload must be true or false, got 'no'"),
 ])
 def test_plans_that_cannot_run_name_the_component(change, message):
     data = reasoning("collocated", 4, "cpu").to_dict()

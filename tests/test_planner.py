@@ -11,7 +11,8 @@ from m2flow.cli import main
 from m2flow.config import load_config
 from m2flow.flow import PlanError
 from m2flow.flow.cost import CostModel, Point, Profile, calibrate, fit, points_from_rows
-from m2flow.flow.planner import candidates, layout_of, splits
+from m2flow.flow.plan import Plan
+from m2flow.flow.planner import candidates, layout_of, predicted, splits
 from m2flow.flow.simulate import Shape
 from m2flow.runners.auto import choose, plan_command
 from m2flow.runners.embodied import WORKFLOW as EMBODIED
@@ -215,18 +216,22 @@ def test_a_plan_over_device_memory_names_the_component_and_the_shortfall():
     assert choice.best.mode != "collocated" and choice.rejected
 
 
+def _gpu_profile(cfg, memory_mb, **extra):
+    """A reasoning profile on one 80,000 MB GPU made two devices: every cost 0.01 s an item."""
+    pts = [Point(c, ph, i, d, 0.01 * i / d) for c, ph in (("rollout", "work"), ("reward", "work"),
+                                                         ("inference", "work"), ("actor", "train"))
+           for i in (2, 4) for d in (1, 2)]
+    return Profile("t", {"devices": 2, "kind": "cuda", "cpu": "t", "gpus": ["g"]}, pts, memory_mb=memory_mb,
+                   device_memory_mb=80_000, config=OmegaConf.to_container(cfg, resolve=True), **extra)
+
+
 def test_the_slots_of_one_gpu_share_its_memory():
     """cluster.gpu_slots=2 on one GPU: every rank on either slot draws on the one GPU's memory.
     Rollout on slot 0 beside inference and actor taking turns on slot 1 need 50,000 + 40,000 MB
     at once (each slot alone fits in 80,000); collocated on both slots, the rollout's two
     ranks hold their turns at once (100,000 MB); collocated on one slot, one at a time."""
     cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.gpu_slots=2"])
-    pts = [Point(c, ph, i, d, 0.01 * i / d) for c, ph in (("rollout", "work"), ("reward", "work"),
-                                                         ("inference", "work"), ("actor", "train"))
-           for i in (2, 4) for d in (1, 2)]
-    prof = Profile("t", {"devices": 2, "kind": "cuda", "cpu": "t", "gpus": ["g"]}, pts,
-                   memory_mb={"rollout": 50_000, "inference": 20_000, "actor": 40_000, "reward": 0},
-                   device_memory_mb=80_000, config=OmegaConf.to_container(cfg, resolve=True))
+    prof = _gpu_profile(cfg, {"rollout": 50_000, "inference": 20_000, "actor": 40_000, "reward": 0})
     choice = choose(cfg, prof)
     fits = {(c.mode, c.split) for c in choice.ranked}
     # hybrid: rollout on slot 0, inference on slot 1, the actor over both: 50,000 + 20,000 or 40,000
@@ -241,6 +246,33 @@ def test_the_slots_of_one_gpu_share_its_memory():
     prof.memory_mb["rollout"] = 50_000
     choice = choose(cfg, prof)
     assert {"disaggregated", "collocated"} <= {c.mode for c in choice.ranked} and "note:" not in choice.report()
+
+
+def test_on_gpus_the_planner_keeps_memory_in_place_where_it_all_fits():
+    """Components taking turns on a GPU move their memory out between turns (the rollout its
+    weights and KV cache, the actor its optimizer state) only where the GPU cannot hold them
+    all at once: a plan that keeps it in place (``offload`` false) is priced without the
+    switch costs. On CPU slots the plans move it out, as before."""
+    cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.gpu_slots=2"])
+    prof = _gpu_profile(cfg, {"rollout": 20_000, "inference": 10_000, "actor": 30_000, "reward": 0},
+                        switch_s={"rollout": 0.5, "inference": 0.5, "actor": 0.5})
+    choice = choose(cfg, prof)
+    model = CostModel(prof)
+    turns = [c for c in choice.ranked if any(c.layout.turns.values())]
+    assert turns and all(not c.plan.offload for c in turns)  # 60,000 MB at once: fits
+    for c in turns:
+        moving = predicted(model, schedule_of(cfg).shape(c.plan, c.fused), c.layout, c.plan.run_ahead)
+        assert c.step_s <= moving.step_s - 0.5, (c.describe(), c.step_s, moving.step_s)
+    assert all(c.plan.offload for c in choice.ranked if not any(c.layout.turns.values()))
+    assert Plan.from_dict(turns[0].plan.to_dict()) == turns[0].plan and "no offload" in turns[0].describe()
+    assert not choice.best.plan.offload and "keep their memory on the GPU (it all fits at once)" in choice.report()
+    prof.memory_mb["actor"] = 55_000  # 85,000 MB at once: the collocated plans move it out again
+    collocated = [c for c in choose(cfg, prof).ranked if c.mode == "collocated"]
+    assert collocated and all(c.plan.offload for c in collocated)
+    cpu = load_config("reasoning/grpo_arith_tiny", ["cluster.cpu_slots=2"])
+    prof.hardware = prof.hardware | {"kind": "cpu", "gpus": []}
+    prof.config = OmegaConf.to_container(cpu, resolve=True)
+    assert all(c.plan.offload for c in choose(cpu, prof).ranked)
 
 
 def test_ranks_taking_turns_on_disjoint_devices_hold_memory_together():

@@ -3,6 +3,7 @@ log-prob agreement, and short trainings of every algorithm (in several modes) th
 the reward at the preset's learning rate."""
 
 import csv
+import json
 import math
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 
 from m2flow.config import load_config
 from m2flow.config.validate import validate as check_config
-from m2flow.runners.reasoning import ReasoningRunner
+from m2flow.flow import Plan
+from m2flow.runners.reasoning import WORKFLOW, ReasoningRunner
 
 PRESET = "reasoning/grpo_arith_tiny"
 
@@ -277,3 +279,28 @@ def test_resume_reaches_the_same_weights(cluster, pool, tmp_path):
     assert resumed[0] == straight[0]
     history = (tmp_path / "split" / "metrics.csv").read_text().splitlines()
     assert [float(row.split(",")[0]) for row in history[1:]] == [0, 1, 2, 3, 4]
+
+
+def test_a_plan_that_keeps_memory_in_place_moves_nothing_between_turns(cluster, pool, tmp_path):
+    """``offload: false`` in a plan: the components still take turns on their shared devices
+    but move nothing out between them (the rollout keeps its KV cache and, on a GPU, its
+    weights; the actor its optimizer state), so the trace has no context switch; on CPU
+    slots nothing else differs, and the run trains step for step as the plan that moves it
+    (the same samples and rewards; losses within round-off: a KV cache kept from a longer
+    call is read through other strides)."""
+    runs = {}
+    for offload in (True, False):
+        plan = Plan.for_mode(WORKFLOW, "collocated", 2, "cpu", components=WORKFLOW.components[:4])
+        plan.offload = offload
+        out = tmp_path / f"offload-{offload}"
+        history, _ = _train(cluster, pool, out, "runner.steps=3", f"placement=@{plan.save(tmp_path / f'{offload}.yaml')}")
+        events = json.loads((out / "trace.json").read_text())["traceEvents"]
+        switches = {e["name"] for e in events if e.get("cat") == "switch"}
+        turns = [e for e in events if e.get("cat") == "lock" and e["name"].startswith("hold devices")]
+        runs[offload] = history, switches, turns
+    (moving, switches, turns), (kept, none, kept_turns) = runs[True], runs[False]
+    assert {"offload", "onload", "onload_optimizer", "offload_optimizer"} <= switches and none == set()
+    assert turns and kept_turns  # both took turns on the devices
+    steps = [[r for r in history if r["step"] > 0] for history in (kept, moving)]
+    assert [r["reward"] for r in steps[0]] == [r["reward"] for r in steps[1]] and len(steps[0]) == 3
+    assert [r["loss"] for r in steps[0]] == pytest.approx([r["loss"] for r in steps[1]], rel=1e-4)

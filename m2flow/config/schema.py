@@ -184,7 +184,7 @@ class EmbodiedRunnerConfig(RunnerConfig):
 
 
 MODES = ("collocated", "disaggregated", "hybrid", "custom", "auto")
-PLAN_DOC = "a plan file (YAML: components, fuse, granularity, stages, run_ahead) run as it is, instead of mode"
+PLAN_DOC = "a plan file (YAML: components, fuse, granularity, stages, run_ahead, offload) run as it is, instead of mode"
 # Keys that were renamed: their old name's error says the new one.
 RENAMED = {"runner.collect_ahead": "runner.max_staleness (true: 1)", "placement.staleness": "runner.max_staleness"}
 PROFILE_DOC = "mode auto: the profile file to reuse or write (null: runs/profiles/<preset>-<config hash>.json)"

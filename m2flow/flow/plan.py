@@ -92,6 +92,11 @@ class Plan:
     granularity: dict[str, int] = field(default_factory=dict)
     stages: int = 1
     run_ahead: int = 0
+    # Whether components that take turns on shared devices move their memory out between turns
+    # (the rollout its weights and KV cache, a trainer its optimizer state: on a GPU, to host
+    # memory). False keeps it where it is: the planner sets it on GPUs where the memory of
+    # every component fits at once, and the turns then cost only their handover.
+    offload: bool = True
 
     # -- building -----------------------------------------------------------------
     @classmethod
@@ -122,7 +127,9 @@ class Plan:
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise PlanError(f"unknown key(s) {sorted(unknown)}; known: components, fuse, granularity, stages, "
-                            "run_ahead")
+                            "run_ahead, offload")
+        if not isinstance(data.get("offload", True), bool):
+            raise PlanError(f"offload must be true or false, got {data['offload']!r}")
         comps = {}
         for name, entry in dict(data.pop("components", {})).items():
             entry = {"devices": entry} if isinstance(entry, (str, int)) else dict(entry)
@@ -143,7 +150,8 @@ class Plan:
     # -- writing --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"components": {c: p.as_dict() for c, p in self.components.items()}, "fuse": self.fuse,
-                "granularity": dict(self.granularity), "stages": self.stages, "run_ahead": self.run_ahead}
+                "granularity": dict(self.granularity), "stages": self.stages, "run_ahead": self.run_ahead,
+                **({} if self.offload else {"offload": False})}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -177,7 +185,7 @@ class Plan:
             procs = self.world_size(c)
             fused = next((", ".join(x for x in f if x != c) for f in self.fuse if c in f), "")
             lines.append(f"  {c:<11} {p.devices:<9} {f'{procs} ({per})':<22} {fused}")
-        extras = [f"stages {self.stages}", f"run ahead {self.run_ahead}"]
+        extras = [f"stages {self.stages}", f"run ahead {self.run_ahead}"] + ([] if self.offload else ["no offload"])
         extras += [f"{ch} granularity {g}" for ch, g in self.granularity.items()]
         return "\n".join(lines + ["  " + ", ".join(extras)])
 

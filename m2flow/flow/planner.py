@@ -51,6 +51,7 @@ class Candidate:
         knobs += [f"stages {p.stages}"] if p.stages > 1 else []
         knobs += ["fused"] if self.fused else []
         knobs += [f"ahead {p.run_ahead}"] if p.run_ahead else []
+        knobs += ["no offload"] if not p.offload else []
         return ", ".join(knobs)
 
 
@@ -166,7 +167,8 @@ def memory_shortfall(plan: Plan, layout: Layout, model: CostModel, kind: str, gp
     counted per GPU, each rank of a component on it holding the component's measured peak;
     ``gpu_slots`` > 1: a GPU is that many consecutive devices, whose ranks all draw on its
     memory. A rank that takes device turns on a GPU leaves its memory while another has the
-    devices (offload); ranks on disjoint devices of one GPU hold their turns at once."""
+    devices (offload), unless the plan keeps it (``plan.offload`` false); ranks on disjoint
+    devices of one GPU hold their turns at once."""
     limit = model.profile.device_memory_mb
     if not limit:
         return None
@@ -182,7 +184,7 @@ def memory_shortfall(plan: Plan, layout: Layout, model: CostModel, kind: str, gp
         if tuple(ranks) in checked:
             continue
         checked.add(tuple(ranks))
-        resident = [c for c, _ in ranks if not (kind == "cuda" and layout.turns[c])]
+        resident = [c for c, _ in ranks if not (kind == "cuda" and layout.turns[c] and plan.offload)]
         swapped = [(sum(1 << d for d in devs), model.memory_mb(c)) for c, devs in ranks if c not in resident]
         need = sum(model.memory_mb(c) for c in resident) + _peak_together(swapped)
         if need > limit:
@@ -242,10 +244,11 @@ class Choice:
         return "\n".join(lines)
 
 
-def predicted(model: CostModel, shape: Shape, layout: Layout, run_ahead: int = 0) -> Prediction:
-    """A plan's steps on ``model``: with its switch costs and contention, the trainer's rows
-    varying from step to step as at the model's share."""
-    return predict(shape, layout, model, model.switch_s, run_ahead, contention=model.contention,
+def predicted(model: CostModel, shape: Shape, layout: Layout, run_ahead: int = 0, offload: bool = True) -> Prediction:
+    """A plan's steps on ``model``: with its switch costs (none where nothing moves out between
+    turns: ``offload`` false) and contention, the trainer's rows varying from step to step as
+    at the model's share."""
+    return predict(shape, layout, model, model.switch_s if offload else {}, run_ahead, contention=model.contention,
                    train_scale=model.train_scales(shape.row_groups))
 
 
@@ -263,6 +266,10 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
     start = time.perf_counter()
     ranked, rejected = [], []
     for c in candidates(workflow, num_devices, kind, components, **options):
+        if kind == "cuda" and any(c.layout.turns.values()):  # kept where they are, if it all fits at once
+            kept = dataclasses.replace(c.plan, offload=False)
+            if memory_shortfall(kept, c.layout, model, kind, gpu_slots) is None:
+                c.plan = kept
         reason = memory_shortfall(c.plan, c.layout, model, kind, gpu_slots)
         if reason is None and check is not None:
             try:
@@ -273,7 +280,7 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
             c.rejected = reason
             rejected.append(c)
             continue
-        c.prediction = predicted(model, shape_of(c.plan, c.fused), c.layout, c.plan.run_ahead)
+        c.prediction = predicted(model, shape_of(c.plan, c.fused), c.layout, c.plan.run_ahead, c.plan.offload)
         ranked.append(c)
     if not ranked:
         reasons = sorted({c.rejected for c in rejected if c.rejected}) or [f"no plan of {workflow.name} fits "
@@ -282,6 +289,9 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
     ranked.sort(key=lambda c: preference(c.plan, c.step_s))
     notes = [f"{gpu_slots} devices per GPU: their ranks share its memory (counted) and its compute, which the "
              "predictions leave out (each slot is priced as a GPU of its own)"] if gpu_slots > 1 else []
+    if not ranked[0].plan.offload:
+        notes.append("the components taking turns keep their memory on the GPU (it all fits at once): priced with no "
+                     "switch cost, the turns' handover left out")
     if kind == "cpu" and ranked[0].mode != "collocated" and not model.contention:
         notes.append("components on CPU slots of their own compute at once and share the node's memory and "
                      "caches, which slows each; the predictions leave that out (each is priced as if it ran alone)")

@@ -82,7 +82,7 @@ class ReasoningRunner(Runner):
         self.sharded = sharded(self.cfg, self.plan)
 
     def worker_args(self, component: str, take_turns: bool) -> tuple:
-        return (self.plain,) if component == "reward" else (self.plain, take_turns)
+        return (self.plain,) if component == "reward" else (self.plain, take_turns, self.plan.offload)
 
     @classmethod
     def receivers_of(cls, cfg: DictConfig) -> list[str]:

@@ -16,7 +16,7 @@ from m2flow.workers.lm_rollout import WeightReceiver
 
 
 class InferenceWorker(WeightReceiver):
-    def __init__(self, cfg: dict, take_turns: bool = False):
+    def __init__(self, cfg: dict, take_turns: bool = False, offload: bool = True):  # it moves nothing out
         a = cfg["algorithm"]
         self.temperature = cfg["rollout"]["temperature"] or 1.0  # greedy sampling reports T=1 log-probs
         self.max_tokens = a["max_tokens_per_micro_batch"]

@@ -53,7 +53,7 @@ COLLECTIVE_TIMEOUT_S = 1800.0  # how long a rank may wait in a collective (see _
 
 
 class LMActorWorker(Worker):
-    def __init__(self, cfg: dict, take_turns: bool = False):
+    def __init__(self, cfg: dict, take_turns: bool = False, offload: bool = True):
         self.cfg, a = cfg, cfg["algorithm"]
         self.algo = a
         model, self.tokenizer = load_model(cfg, self.device)
@@ -78,7 +78,11 @@ class LMActorWorker(Worker):
         self.version = 0
         # Generated ahead (runner.max_staleness = k), a batch may be up to k versions behind the weights.
         self.max_lag = cfg["runner"]["max_staleness"]
-        self.trainer.offload_optimizer()  # until its first turn
+        # The optimizer state leaves the devices between turns only where they are shared and
+        # the plan moves memory out (Plan.offload); else it stays where it trains.
+        self.offloads = take_turns and offload
+        if self.offloads:
+            self.trainer.offload_optimizer()  # until its first turn
 
     # -- weights ----------------------------------------------------------------------
     def push_weights(self, groups: list[str], bucket_mb: float = 256.0) -> dict:
@@ -170,7 +174,7 @@ class LMActorWorker(Worker):
                 continue
             rows = batch.select((~inert).nonzero().squeeze(1)) if inert.any() else batch
             with clock.turn(self.turns), clock.busy():
-                switch(self.trainer.onload_optimizer)
+                switch(self.trainer.onload_optimizer, self.offloads)
                 raw = LossScale(tokens=self.world_size, sequences=self.world_size, world_size=self.world_size)
                 part = self.trainer.accumulate(rows, self._loss, raw)
             n = int(rows.completion_mask.sum())
@@ -178,7 +182,7 @@ class LMActorWorker(Worker):
             _add_weighted(stats, part, n)
         with clock.turn(self.together), clock.busy():
             update_start = time.perf_counter()
-            switch(self.trainer.onload_optimizer)
+            switch(self.trainer.onload_optimizer, self.offloads)
             if self.streaming:
                 result = self._finish_streamed(stats, tokens, seqs) | {"inert_rows": inert_rows,
                                                                        "forwarded_tokens": forwarded}
@@ -186,7 +190,7 @@ class LMActorWorker(Worker):
                 result = self._train_gathered(batches)
                 result["forwarded_tokens"] = result.get("completion_tokens", 0)
             peak = memory_mb(self.device)
-            switch(self.trainer.offload_optimizer)  # context switching: the rollout gets the room
+            switch(self.trainer.offload_optimizer, self.offloads)  # context switching: the rollout gets room
             # streamed: the step's update apart from the batches' forward and backward (the
             # profiler tells a cost per step from one per batch by it); gathered: all of it
             update_s = time.perf_counter() - update_start
@@ -281,7 +285,8 @@ class LMActorWorker(Worker):
     def load_state(self, state: dict[str, Any]) -> None:
         self.trainer.onload_optimizer()
         self.trainer.load_state_dict(state["trainer"])
-        self.trainer.offload_optimizer()
+        if self.offloads:
+            self.trainer.offload_optimizer()
         self.version = state["version"]
         self.shuffle.set_state(state["shuffle"])
 

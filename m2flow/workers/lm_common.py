@@ -56,8 +56,11 @@ def memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
-def switch(move: Callable[[], Any]) -> Any:
+def switch(move: Callable[[], Any], when: bool = True) -> Any:
     """``move`` (a trainer's ``onload_optimizer`` / ``offload_optimizer``) as a "switch" span
-    of the trace: the cost of a context switch, drawn in the run's timeline."""
+    of the trace: the cost of a context switch, drawn in the run's timeline. Not made unless
+    ``when`` (a worker that moves nothing between turns)."""
+    if not when:
+        return None
     with get_tracer().span(move.__name__, cat="switch"):
         return move()

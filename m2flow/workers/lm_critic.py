@@ -54,7 +54,7 @@ def whiten_advantages(batches: list[SequenceBatch]) -> None:
 
 
 class LMCriticWorker(Worker):
-    def __init__(self, cfg: dict, take_turns: bool = False):
+    def __init__(self, cfg: dict, take_turns: bool = False, offload: bool = True):
         self.algo = a = cfg["algorithm"]
         model, self.tokenizer = load_model(cfg, self.device)  # the policy's initial backbone
         self.trainer = CriticTrainer(ValueModel(model), a["critic_lr"],
@@ -63,7 +63,11 @@ class LMCriticWorker(Worker):
                                      autocast_dtype=dtype_of(cfg["model"]["autocast"]), device=self.device)
         self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 2000)
         self.turns = self.device_turns(take_turns)
-        self.trainer.offload_optimizer()  # until its first turn
+        # The optimizer state leaves the devices between turns only where they are shared and
+        # the plan moves memory out (Plan.offload); else it stays where it trains.
+        self.offloads = take_turns and offload
+        if self.offloads:
+            self.trainer.offload_optimizer()  # until its first turn
 
     def train(self, batches_in: Channel, batches_out: Channel, actor_ranks: int, key: int = 0) -> dict:
         """Adds values, advantages (whitened over the step) and returns to the step's batches
@@ -84,10 +88,10 @@ class LMCriticWorker(Worker):
             for batch in batches:
                 batches_out.put(batch, key, weight=batch.extras["groups"])
         with clock.turn(self.turns), clock.busy():
-            switch(self.trainer.onload_optimizer)
+            switch(self.trainer.onload_optimizer, self.offloads)
             stats = self._update(batches) if batches else {}
             peak = memory_mb(self.device)
-            switch(self.trainer.offload_optimizer)  # context switching: the others get the room
+            switch(self.trainer.offload_optimizer, self.offloads)  # context switching: the others get the room
         # The end markers only now: an actor rank that held one of these devices while the
         # critic waited for the rest would wait for it in the actor's all-reduce: a deadlock.
         for _ in range(actor_ranks):
@@ -127,5 +131,6 @@ class LMCriticWorker(Worker):
     def load_state(self, state: dict[str, Any]) -> None:
         self.trainer.onload_optimizer()
         self.trainer.load_state_dict(state["trainer"])
-        self.trainer.offload_optimizer()
+        if self.offloads:
+            self.trainer.offload_optimizer()
         self.shuffle.set_state(state["shuffle"])

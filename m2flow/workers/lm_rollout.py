@@ -61,18 +61,20 @@ def engine_options(rollout: dict, shared: bool) -> dict:
 
 
 class LMRolloutWorker(WeightReceiver):
-    def __init__(self, cfg: dict, take_turns: bool = False):
+    def __init__(self, cfg: dict, take_turns: bool = False, offload: bool = True):
         self.cfg, r = cfg, cfg["rollout"]
         torch.manual_seed(cfg["seed"] + 7919 * (self.rank + 1))  # sampling, reproducible per rank
         # vLLM loads its own copy: the transformers model only gives it a config (and, if
         # built in memory, a checkpoint), so it need not reach the GPU.
         model, self.tokenizer = load_model(cfg, "cpu" if r["backend"] == "vllm" else self.device, r["dtype"])
         model.requires_grad_(False)
-        self.engine = build_engine(r["backend"], model, self.tokenizer, **engine_options(r, take_turns))
+        # offload between turns only when another component uses the devices and the plan moves
+        # memory out between turns (Plan.offload)
+        self.shared = take_turns and offload
+        self.engine = build_engine(r["backend"], model, self.tokenizer, **engine_options(r, self.shared))
         self.params = SamplingParams(n=r["n"], temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"],
                                      max_new_tokens=r["max_new_tokens"], stop=tuple(r["stop"]))
         self.turns = self.device_turns(take_turns)
-        self.shared = take_turns  # offload between turns only when another component uses the devices
         self.version = -1  # no weights from the actor yet: generating before the first sync is an error
         self.loads: list[tuple[int, float]] = []  # (version, wall time) of the weights loaded in a generate call
         self._offload()  # until its first turn
