@@ -229,8 +229,9 @@ def test_the_slots_of_one_gpu_share_its_memory():
     """cluster.gpu_slots=2 on one GPU: every rank on either slot draws on the one GPU's memory.
     Rollout on slot 0 beside inference and actor taking turns on slot 1 need 50,000 + 40,000 MB
     at once (each slot alone fits in 80,000); collocated on both slots, the rollout's two
-    ranks hold their turns at once (100,000 MB); collocated on one slot, one at a time."""
-    cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.gpu_slots=2"])
+    ranks hold their turns at once (100,000 MB); collocated on one slot, one at a time. (The
+    inference worker holds a model: it recomputes the log-probs.)"""
+    cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.gpu_slots=2", "algorithm.old_logprobs=recompute"])
     prof = _gpu_profile(cfg, {"rollout": 50_000, "inference": 20_000, "actor": 40_000, "reward": 0})
     choice = choose(cfg, prof)
     fits = {(c.mode, c.split) for c in choice.ranked}
@@ -374,3 +375,20 @@ def test_step_scales_are_the_binomial_quantiles_of_the_groups_forwarded():
     x = step_scales(0.59, 4, 24)
     assert sum(x) / 24 == pytest.approx(1.0) and len(set(x)) > 2
     assert step_scales(1.0, 4, 6) == [1.0] * 6 and step_scales(0.0, 4, 6) == []
+
+
+def test_an_inference_worker_without_a_model_makes_no_one_take_turns():
+    """GRPO with the sampling log-probs and no KL term: the inference worker holds no model, so
+    on the actor's devices (disaggregated) the actor takes no device turns, and on a GPU keeps
+    its optimizer state there; with a KL term (a reference model) the two take turns."""
+    for overrides, actor_turns in ((["algorithm.kl_coef=0"], False), (["algorithm.kl_coef=0.05"], True),
+                                   (["algorithm.old_logprobs=recompute"], True)):
+        cfg = load_config("reasoning/grpo_arith_tiny", ["cluster.cpu_slots=2", *overrides])
+        s = schedule_of(cfg)
+        plan = Plan.for_mode(s.workflow, "disaggregated", 2, "cpu", components=s.components)
+        layout, _ = layout_of(plan, s.workflow)
+        assert layout.turns["actor"] is actor_turns and layout.turns["inference"] is actor_turns, overrides
+        assert layout.turns["rollout"] is False  # alone on its device
+        collocated, _ = layout_of(Plan.for_mode(s.workflow, "collocated", 2, "cpu", components=s.components),
+                                  s.workflow)
+        assert collocated.turns["rollout"] and collocated.turns["actor"]  # the two models still take turns

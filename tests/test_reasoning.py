@@ -204,6 +204,11 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, pool, tmp_path
     # The last weights saved (the final update's) and loaded from their file for the last
     # evaluation: the rollout holds exactly the actor's weights.
     assert len(set(hashes)) == 1
+    # Beside an inference worker that holds no model (no KL term, the sampling log-probs), the
+    # actor takes no device turns: no lock held or waited for, nothing moved out.
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    actor = {e["pid"] for e in events if e.get("name") == "process_name" and e["args"]["name"].startswith("actor")}
+    assert actor and not [e for e in events if e.get("pid") in actor and e.get("cat") in ("lock", "switch")]
     # Evaluated before training, then the weights saved after steps 2, 4, 6 and 8 (not a
     # barrier: nothing waits for an evaluation until the end), in metrics.csv too.
     assert [row["step"] for row in history if "eval_reward" in row] == [0, 2, 4, 6, 8]

@@ -48,6 +48,7 @@ class Runner:
         self.cfg = copy.deepcopy(cfg)  # the run's own: the plan settles some of its keys
         validate(self.cfg)  # again: a config may change after it is loaded
         self.components = self.components_of(cfg)
+        self.workflow = self.workflow_of(cfg)
         self._own_cluster = cluster is None
         self.pool = pool
         # On an embedded Ray the devices are known before it starts: a plan or config that
@@ -129,6 +130,11 @@ class Runner:
     @classmethod
     def components_of(cls, cfg: DictConfig) -> tuple[str, ...]:
         return cls.workflow.components
+
+    @classmethod
+    def workflow_of(cls, cfg: DictConfig) -> Workflow:
+        """The flow's workflow under ``cfg`` (a config may leave a component without a model)."""
+        return cls.workflow
 
     @staticmethod
     def plan_options(cfg: DictConfig) -> dict[str, Any]:

@@ -16,6 +16,7 @@ values and GAE advantages. A step's data flow, each arrow a channel:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,14 @@ class ReasoningRunner(Runner):
     def components_of(cls, cfg: DictConfig) -> tuple[str, ...]:
         """A critic only for ppo."""
         return COMPONENTS if cfg.algorithm.name == "ppo" else COMPONENTS[:-1]
+
+    @classmethod
+    def workflow_of(cls, cfg: DictConfig) -> Workflow:
+        """The inference worker holds a model only for a KL term or recomputed log-probs:
+        without either it is light (it takes no device turns and makes no one take them)."""
+        if cfg.algorithm.kl_coef > 0 or cfg.algorithm.old_logprobs == "recompute":
+            return WORKFLOW
+        return dataclasses.replace(WORKFLOW, light=(*WORKFLOW.light, "inference"))
 
     @staticmethod
     def plan_options(cfg: DictConfig) -> dict[str, Any]:

@@ -30,7 +30,7 @@ class Schedule:
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
-        self.workflow: Workflow = self.runner.workflow
+        self.workflow: Workflow = self.runner.workflow_of(cfg)
         self.components = self.runner.components_of(cfg)
 
     def shape(self, plan: Plan, fused: bool) -> Shape:
