@@ -1,7 +1,7 @@
 """Decode steps at fixed shapes, replayed as CUDA graphs (``rollout.cuda_graphs``).
 
-Why. A decode step of a small model on a GPU is bound by launching its kernels (a few hundred
-per forward, each with Python around it), not by its arithmetic: in the asynchronous GRPO
+Why. A decode step of a small model on a GPU is bound by launching its kernels one by one
+(several per layer, each with Python around it), not by its arithmetic: in the asynchronous GRPO
 runs on one H200, SmolLM2-135M generated 165-997 tokens/s at 32 sequences in flight
 (docs/benchmarks.md), about what two CPU cores do. A CUDA graph launches the whole forward at
 once.
