@@ -311,6 +311,8 @@ class TorchEngine(GenerationEngine):
     def _decode(self, last_tokens: list[int], lengths: list[int]) -> torch.Tensor:
         """One token for every row: row r feeds its last token at position lengths[r] and
         attends to its own columns 0..lengths[r]."""
+        self.stats["decode_steps"] += 1
+        self.stats["decoded_rows"] += len(lengths)
         if self.cuda_graphs:
             return self._decode_fixed(last_tokens, lengths)
         device = self.device
@@ -321,8 +323,6 @@ class TorchEngine(GenerationEngine):
         out = self.model(input_ids=torch.tensor(last_tokens, device=device)[:, None], position_ids=length[:, None],
                          attention_mask=self._additive(allowed[:, None, :]), **with_kv_cache(self.model, self.cache),
                          use_cache=True)
-        self.stats["decode_steps"] += 1
-        self.stats["decoded_rows"] += len(lengths)
         return out.logits[:, -1].float()
 
     def _decode_fixed(self, last_tokens: list[int], lengths: list[int]) -> torch.Tensor:
@@ -332,8 +332,6 @@ class TorchEngine(GenerationEngine):
             self.graphs = DecodeGraphs(self.model, self.cache, capture=self.device.type == "cuda")
         replays, captures = self.graphs.replays, self.graphs.captures
         logits = self.graphs(last_tokens, lengths)
-        self.stats["decode_steps"] += 1
-        self.stats["decoded_rows"] += len(lengths)
         self.stats["graph_replays"] += self.graphs.replays - replays
         self.stats["graph_captures"] += self.graphs.captures - captures
         return logits

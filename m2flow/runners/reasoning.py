@@ -28,7 +28,7 @@ from m2flow.flow import Plan, Workflow
 from m2flow.runners.base import Runner
 from m2flow.runners.metrics import ReasoningMetrics
 from m2flow.runtime.group import GroupHandle, wait
-from m2flow.workers.inference import InferenceWorker
+from m2flow.workers.inference import InferenceWorker, holds_a_model
 from m2flow.workers.lm_actor import LMActorWorker
 from m2flow.workers.lm_critic import LMCriticWorker
 from m2flow.workers.lm_rollout import LMRolloutWorker
@@ -70,7 +70,7 @@ class ReasoningRunner(Runner):
     def workflow_of(cls, cfg: DictConfig) -> Workflow:
         """The inference worker holds a model only for a KL term or recomputed log-probs:
         without either it is light (it takes no device turns and makes no one take them)."""
-        if cfg.algorithm.kl_coef > 0 or cfg.algorithm.old_logprobs == "recompute":
+        if holds_a_model(cfg.algorithm):
             return WORKFLOW
         return dataclasses.replace(WORKFLOW, light=(*WORKFLOW.light, "inference"))
 

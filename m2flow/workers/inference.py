@@ -15,6 +15,13 @@ from m2flow.workers.lm_common import END, load_model, memory_mb, until_end
 from m2flow.workers.lm_rollout import WeightReceiver
 
 
+def holds_a_model(algorithm) -> bool:
+    """Whether the inference worker holds a model under ``algorithm`` (the config section): a
+    reference one for a KL term, a policy copy to recompute the old log-probs. Without either
+    it passes batches through, and takes no device turns (the runner's workflow makes it light)."""
+    return algorithm["kl_coef"] > 0 or algorithm["old_logprobs"] == "recompute"
+
+
 class InferenceWorker(WeightReceiver):
     def __init__(self, cfg: dict, take_turns: bool = False, offload: bool = True):  # it moves nothing out
         a = cfg["algorithm"]
@@ -23,7 +30,7 @@ class InferenceWorker(WeightReceiver):
         self.share_prompts = a["share_prompts"]
         self.ref = load_model(cfg, self.device)[0].requires_grad_(False) if a["kl_coef"] > 0 else None
         self.policy = load_model(cfg, self.device)[0].requires_grad_(False) if a["old_logprobs"] == "recompute" else None
-        self.turns = self.device_turns(take_turns and (self.ref is not None or self.policy is not None))
+        self.turns = self.device_turns(take_turns)  # none without a model (holds_a_model)
         self.keep_behaviour = a["off_policy"] != "none"
         self.version = -1
 
