@@ -262,6 +262,41 @@ def test_weights_loaded_between_steps_continue_the_sequences_in_flight(cuda_grap
         assert got[i].versions == [1] * 12 and got[i].token_ids == new[i] != old[i]
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "fixed-shapes"])
+def test_more_prompts_join_a_call_in_progress(cuda_graphs):
+    """``more`` (continuous generation across batches of prompts): prompts added while others
+    are in flight join as slots free up, numbered on; a longer one grows the KV cache under
+    the sequences in flight; a caller may stop iterating and resume later. Every completion
+    equals the one a call of its own gives (greedy) and its log-probs a plain forward's."""
+    model, tok = lively_lm("tiny-llama")
+    first, second = make_prompts([5, 9, 7], seed=3), make_prompts([44, 3], seed=4)
+    params = SamplingParams(temperature=0, max_new_tokens=14, stop=tuple("abcdefghij"))
+    alone = {g[0].prompt_index: g[0].token_ids for g in TorchEngine(model, tok, max_batch_size=2).generate(
+        first + second, params)}
+    assert len({len(t) for t in alone.values()}) > 2  # the stop strings end sequences at other steps
+    engine = TorchEngine(model, tok, max_batch_size=2, cuda_graphs=cuda_graphs)
+    asked = []
+
+    def more():
+        asked.append(len(asked))
+        return second if len(asked) == 1 else []
+
+    session = engine.generate(first, params, more=more)
+    got = {}
+    while len(got) < len(first):  # the caller's own prompts out, then it stops iterating
+        (c,) = next(session)
+        got[c.prompt_index] = c
+    assert asked and engine.cache.capacity >= 44 + 14  # the second batch joined: the cache grew under the first
+    got |= {g[0].prompt_index: g[0] for g in session}  # resumed later: the rest
+    assert sorted(got) == list(range(5))
+    assert engine.stats["refills"] > 0
+    for i, c in got.items():
+        assert c.token_ids == alone[i], f"prompt {i}"
+        ref, tokens = reference_logprobs(model, (first + second)[i], c.token_ids, 1.0)
+        assert (ref.gather(1, tokens[:, None]).squeeze(1) - c.logprobs).abs().max().item() <= 1e-4
+    assert not TorchEngine.__mro__[1].takes_more and engine.takes_more
+
+
 def test_offload_onload_round_trip():
     model, tok = lively_lm("tiny-qwen2")
     engine = build_engine("torch", model, tok)
@@ -415,11 +450,12 @@ def test_cuda_logprobs_and_offload():
 def test_benchmark_script_smoke():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rollout_engine.py"), "--model", "tiny-llama",
                           "--prompts", "2", "--samples", "2", "--batch", "4", "--max-new-tokens", "8",
-                          "--repeats", "1", "--sides", "generate", "engine", "engine_graphs"],
+                          "--repeats", "1", "--sides", "generate", "engine", "engine_graphs", "engine_steps",
+                          "engine_continuous", "--prompts-per-step", "1"],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    for side in ("generate", "engine", "engine_graphs"):
+    for side in ("generate", "engine", "engine_graphs", "engine_steps", "engine_continuous"):
         (run,) = result[side]["runs"]
         # 2 prompts x 2 samples, 1-8 tokens each (through the EOS)
         assert 4 <= run["tokens"] <= 32 and 1 <= result[side]["max_length"] <= 8, result[side]
@@ -427,6 +463,13 @@ def test_benchmark_script_smoke():
     assert result["ratio"] == round(result["engine"]["tokens_per_s_best"] / result["generate"]["tokens_per_s_best"], 2)
     assert result["ratio_graphs"] == round(result["engine_graphs"]["tokens_per_s_best"]
                                            / result["engine"]["tokens_per_s_best"], 2)
+    assert result["ratio_continuous"] == round(result["engine_continuous"]["tokens_per_s_best"]
+                                               / result["engine_steps"]["tokens_per_s_best"], 2)
+    steps = {side: result[side]["runs"][0]["decode_steps"] for side in ("engine_steps", "engine_continuous")}
+    assert result["decode_steps_ratio_continuous"] == round(steps["engine_steps"] / steps["engine_continuous"], 3)
+    # one call for both steps, the second step's prompt added while the first's were in flight
+    assert result["engine_continuous_stats_last_run"]["prefill_forwards"] == 2
+    assert result["engine_steps_stats_last_run"]["prefill_forwards"] == 1  # the last of two calls
     # the same seeds, the same per-step draws: the fixed-shape steps generate the same lengths
     assert result["engine_graphs"]["runs"][0]["tokens"] == result["engine"]["runs"][0]["tokens"]
 

@@ -17,6 +17,17 @@ from m2flow.runtime.worker import Worker, dispatch
 class Echo(Worker):
     def __init__(self, scale=1):
         self.scale = scale
+        self.noted, self.notes = threading.Event(), []
+
+    @dispatch(split="scatter", immediate=True)
+    def note(self, values):
+        """Answered at once, beside a call in progress: what ``wait_for_note`` waits for."""
+        self.notes.extend(values)
+        self.noted.set()
+
+    def wait_for_note(self, timeout):
+        """Waits (a long call) for a ``note``; what it noted, None if none came in time."""
+        return list(self.notes) if self.noted.wait(timeout) else None
 
     def whoami(self):
         return {
@@ -111,6 +122,14 @@ def test_call_all_subset_and_trace(group):
         (f"{group.name}.sleep", 0), (f"{group.name}.times", 0), (f"{group.name}.times", 1), (f"{group.name}.times", 1),
         (f"{group.name}.times_twice", 1)]
     assert [dur for name, _, dur in spans if name.endswith(".sleep")][0] >= 0.3e6
+
+
+def test_an_immediate_method_runs_beside_a_call_in_progress(group):
+    waiting = group.wait_for_note(20)
+    time.sleep(0.5)  # the long call has started
+    assert not waiting.done()
+    group.note([1, 2, 3, 4]).wait(timeout=10)  # split like any call: ranks 0 and 1 get [1, 2] and [3, 4]
+    assert waiting.wait(timeout=10) == [[1, 2], [3, 4]]
 
 
 def test_split_and_gather(group):

@@ -197,6 +197,9 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, pool, tmp_path
     assert [row["step"] for row in steps] == list(range(1, 9))
     assert all(row["policy_lag"] <= 2 and row["stale_dropped"] == 0 for row in steps)
     assert max(row["policy_lag"] for row in steps) >= 1  # it ran ahead
+    # Continuous generation (rollout.continuous): later steps' prompts joined the decode batch
+    # while an earlier step's were still generating (the bound above held all the same).
+    assert sum(row["prompts_joined_early"] for row in steps) > 0, [row["prompts_joined_early"] for row in steps]
     for row in steps:
         shares = {k: v for k, v in row.items() if k.startswith("staleness_")}
         assert set(shares) <= {"staleness_0", "staleness_1", "staleness_2"} and sum(shares.values()) == pytest.approx(1)

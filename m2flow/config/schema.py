@@ -258,6 +258,9 @@ class RolloutConfig:
     partial: bool = opt(True, "runner.max_staleness >= 1: new weights reach the rollout between decode steps and the "
                               "sequences in flight go on with them (each token records its version); false: a step's "
                               "generation ends with the weights it started with")
+    continuous: bool = opt(True, "with rollout.partial, running ahead, on devices of its own: the rollout's decode batch "
+                                 "never drains between steps; once a step's prompts have all started, the next "
+                                 "step's join as slots free up (no token older than runner.max_staleness allows)")
 
 
 @dataclass

@@ -57,7 +57,12 @@ class Completion:
 
 class GenerationEngine(ABC):
     """Generates groups of completions from a causal LM whose weights the actor updates.
-    One ``generate`` call runs at a time per engine."""
+    One ``generate`` call runs at a time per engine.
+
+    ``takes_more``: whether ``generate`` also takes ``more``, a hook that adds prompts to a
+    call in progress (the torch engine's)."""
+
+    takes_more = False
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,

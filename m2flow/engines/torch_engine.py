@@ -11,7 +11,10 @@ from the same last-position logits. Every forward gets explicit per-row position
 additive mask, so padding never shifts a position and log-probs equal a plain forward's.
 A ``between`` hook runs before each forward (e.g. loading newer weights: the sequences in
 flight keep their KV cache, and each token records the ``version`` of the weights that
-sampled it).
+sampled it). A ``more`` hook, asked whenever a slot is free and no prompt waits, adds prompts
+to a call in progress: the generator then never drains between batches of prompts, and a
+caller may stop iterating once the groups it wants are out and resume it later, the other
+sequences still in their slots.
 
 Why this and not the alternatives (SmolLM2-135M fp32, 2 CPU threads, 32 sequences in flight;
 figures from benchmarks/rollout_engine.py and a side run of ``generate_batch``):
@@ -68,6 +71,17 @@ class SlotKVCache(Cache):
         for (k, v), key_row, value_row in zip(layer_kv, self.key_rows, self.value_rows):
             key_row[slot, :, :k.shape[1]] = k
             value_row[slot, :, :v.shape[1]] = v
+
+    def grow(self, capacity: int) -> None:
+        """Makes room for sequences up to ``capacity`` tokens, keeping what every row holds
+        (a longer prompt joining sequences in flight)."""
+        if capacity <= self.capacity:
+            return
+        for rows in (self.key_rows, self.value_rows):
+            for i, old in enumerate(rows):
+                rows[i] = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+                rows[i][:, :, :self.capacity] = old
+        self.capacity = capacity
 
     def move(self, src: int, dst: int, length: int) -> None:
         for buffer in (*self.key_rows, *self.value_rows):
@@ -174,12 +188,19 @@ class TorchEngine(GenerationEngine):
 
     # -- the GenerationEngine contract -------------------------------------------------
 
+    takes_more = True
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 between: Callable[[], None] | None = None) -> Iterator[list[Completion]]:
+                 between: Callable[[], None] | None = None,
+                 more: Callable[[], Sequence[Sequence[int]]] | None = None) -> Iterator[list[Completion]]:
+        """``more`` (this engine's own): called whenever a slot is free and no prompt waits, it
+        returns prompts to add (none: nothing to add now); they are numbered on from the last
+        (``Completion.prompt_index``). The generator ends once nothing is in flight or waiting
+        and ``more`` adds nothing."""
         if self.offloaded:
             raise RuntimeError("the engine is offloaded: call onload() before generate()")
         checked = validate_prompts(prompts, self.model.config.vocab_size, self.max_positions)
-        return self._generate(checked, params, between)  # validated now, not at the first next()
+        return self._generate(checked, params, between, more)  # validated now, not at the first next()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         state = self.model.state_dict(keep_vars=True)
@@ -212,18 +233,22 @@ class TorchEngine(GenerationEngine):
 
     # -- the loop -------------------------------------------------------------------------
 
+    def _capacity(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        capacity = max(map(len, prompts)) + params.max_new_tokens
+        return min(capacity, self.max_positions) if self.max_positions else capacity
+
     @torch.inference_mode()  # torch re-enters it around each resumption, so callers never run in it
-    def _generate(self, prompts: list[list[int]], params: SamplingParams,
-                  between: Callable[[], None] | None) -> Iterator[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, between: Callable[[], None] | None,
+                  more: Callable[[], Sequence[Sequence[int]]] | None) -> Iterator[list[Completion]]:
         device = self.device
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
         self.stats = {"prefill_forwards": 0, "prefill_tokens": 0, "decode_steps": 0, "decoded_rows": 0, "refills": 0,
                       "graph_replays": 0, "graph_captures": 0}
-        if not prompts:
+        if not prompts and more is None:
             return
-        capacity = max(map(len, prompts)) + params.max_new_tokens
-        capacity = min(capacity, self.max_positions) if self.max_positions else capacity
+        prompts = list(prompts)  # ``more`` adds to it
+        capacity = self._capacity(prompts, params) if prompts else 1
         if self.cache is None or self.cache.capacity < capacity or self.cache.slots != self.max_batch_size:
             self.cache = SlotKVCache(self.max_batch_size, capacity)  # else reuse the buffers of the last call
             self.graphs = None  # captured over the buffers just dropped
@@ -233,9 +258,22 @@ class TorchEngine(GenerationEngine):
         lengths: list[int] = []            # tokens in each slot's KV
         groups: dict[int, list[Completion]] = {}
 
-        while waiting or rows:
+        while True:
+            if more is None and not (waiting or rows):
+                return
             if between is not None:  # e.g. new weights: the sequences in flight keep their KV cache
                 between()
+            if more is not None and not waiting and (None in rows or len(rows) < self.max_batch_size):
+                added = validate_prompts(more(), self.model.config.vocab_size, self.max_positions)
+                if added:
+                    if self.cache.capacity < (capacity := self._capacity(added, params)):
+                        self.cache.grow(capacity)
+                        self.graphs = None  # captured over the buffers just replaced
+                    waiting.extend((p, s) for p in range(len(prompts), len(prompts) + len(added))
+                                   for s in range(params.n))
+                    prompts.extend(added)
+            if not (waiting or rows):
+                return
             # Fill every free slot, holes first; sequences done at their first token never take one.
             while waiting and (free := rows.count(None) + self.max_batch_size - len(rows)):
                 take = [waiting.popleft() for _ in range(min(len(waiting), free))]

@@ -313,6 +313,7 @@ class ReasoningMetrics:
         row["rollout_tokens_per_s"] = row["completion_tokens"] / max(max(r["busy_s"] for r in rollout), 1e-9)
         for k in ("decode_steps", "graph_replays"):  # over the rollout ranks
             row[k] = sum(r.get(k, 0) for r in rollout)
+        row["prompts_joined_early"] = sum(r.get("joined_early", 0) for r in rollout)
         skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
                 "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
                 "update_end", "trained_prompts", "update_busy_s")

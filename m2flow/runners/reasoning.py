@@ -118,7 +118,11 @@ class ReasoningRunner(Runner):
         items of the next step's stream, generated ahead into the same channels."""
         prompts, ch, g = next(self.loader), self.channels, self.groups
         fresh = {c: (self.trainer.name if c in self.refreshing() else None) for c in ("rollout", "inference")}
-        # a rollout that takes weights itself starts on those of the last sync at the earliest
+        # a rollout that takes weights itself starts on those of the last sync at the earliest;
+        # one that generates continuously is told of the stream at once, so that its prompts
+        # join the decode batch while the streams before it finish (answered at once)
+        if fresh["rollout"] and self.cfg.rollout.continuous:
+            g["rollout"].offer(prompts, key, self.synced or 0).wait()
         calls = {"rollout": g["rollout"].generate(prompts, ch["samples"], self.plan.granularity["samples"], key,
                                                   fresh["rollout"], self.synced or 0),
                  "reward": g["reward"].score(ch["samples"], ch["scored"], len(prompts), key)}

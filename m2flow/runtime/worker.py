@@ -43,7 +43,7 @@ class WorkerInfo:
     group_devices: tuple[int, ...]  # the device indices of every rank of the group
 
 
-def dispatch(split: str = "all", gather: str = "list") -> Callable:
+def dispatch(split: str = "all", gather: str = "list", immediate: bool = False) -> Callable:
     """Declares how a group call splits its inputs across ranks and gathers outputs.
 
     split: ``"all"`` (every rank gets the same arguments), ``"scatter"`` (tensors, arrays,
@@ -52,6 +52,9 @@ def dispatch(split: str = "all", gather: str = "list") -> Callable:
     sequence with one entry per rank).
     gather: ``"list"`` (one result per rank), ``"concat"`` (results joined in rank
     order) or ``"first"`` (the first called rank's result).
+    immediate: the method runs on the worker's IO threads, at once, even while a long call
+    of the worker's is in progress (it must be quick and share state with the main thread
+    only through what is thread-safe).
     """
     if split not in ("all", "scatter", "per_rank"):
         raise ValueError(f"unknown split {split!r}")
@@ -60,7 +63,7 @@ def dispatch(split: str = "all", gather: str = "list") -> Callable:
 
     def mark(fn: Callable) -> Callable:
         fn._m2flow_dispatch = (split, gather)
-        return fn
+        return ray.method(concurrency_group=IO_GROUP)(fn) if immediate else fn
 
     return mark
 

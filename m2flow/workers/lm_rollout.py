@@ -7,7 +7,9 @@ bucket as it arrives, so no process holds a second full copy of the model.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -77,6 +79,17 @@ class LMRolloutWorker(WeightReceiver):
         self.turns = self.device_turns(take_turns)
         self.version = -1  # no weights from the actor yet: generating before the first sync is an error
         self.loads: list[tuple[int, float]] = []  # (version, wall time) of the weights loaded in a generate call
+        # Continuous generation (rollout.continuous): one engine call goes on across streams,
+        # on devices the rollout has to itself (its KV cache stays between calls).
+        self.continuous = r["continuous"] and not take_turns and getattr(self.engine, "takes_more", False)
+        self.offer_lock = threading.Lock()
+        self.offers: deque[tuple[int, list[dict], int]] = deque()  # (key, prompts, min_version), key order
+        self.offered: set[int] = set()
+        self.session = None  # the engine's generator, suspended between calls
+        self.session_prompts: list[tuple[int, dict]] = []  # the session's prompt index -> (key, prompt)
+        self.session_done = 0  # of its prompts, those whose group is out
+        self.running: int | None = None  # the key of the generate call in progress
+        self.streams: dict[int, dict] = {}  # key -> its groups out, chunk pending and counts
         self._offload()  # until its first turn
 
     def _load_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -92,6 +105,7 @@ class LMRolloutWorker(WeightReceiver):
         runner sends the training weights again before the rollout generates for it."""
         from safetensors.torch import load_file
 
+        self._end_session("loading saved weights")
         self._load_bucket(load_file(path))
         self._offload()  # as after a pull: the load may bring weights onto the device
 
@@ -112,6 +126,30 @@ class LMRolloutWorker(WeightReceiver):
             with get_tracer().span("offload", cat="switch"):
                 self.engine.offload()
 
+    @dispatch(split="scatter", immediate=True)
+    def offer(self, prompts: list[dict], key: int, min_version: int = 0) -> None:
+        """The prompts of a stream launched behind the one in progress (``rollout.continuous``;
+        the same arguments as its ``generate`` call, which comes later): they join the decode
+        batch as soon as slots are free and the rollout holds weights of at least
+        ``min_version``. Answered at once, even while ``generate`` runs."""
+        if not self.continuous:
+            return
+        with self.offer_lock:
+            if key not in self.offered:
+                self.offered.add(key)
+                self.offers.append((key, list(prompts), min_version))
+
+    def _more(self) -> list[list[int]]:
+        """The engine's ``more`` hook: the next stream offered, once its weights are in."""
+        with self.offer_lock:
+            if not self.offers or self.version < self.offers[0][2]:
+                return []
+            key, prompts, _ = self.offers.popleft()
+        if key != self.running:  # it starts while an earlier stream's call generates
+            self.streams.setdefault(key, self._new_stream())["stats"]["joined_early"] += len(prompts)
+        self.session_prompts.extend((key, p) for p in prompts)
+        return [p["token_ids"] for p in prompts]
+
     @dispatch(split="scatter")
     def generate(self, prompts: list[dict], samples_out: Channel, granularity: int, key: int = 0,
                  weights_from: str | None = None, min_version: int = 0) -> dict:
@@ -122,7 +160,14 @@ class LMRolloutWorker(WeightReceiver):
         key. ``weights_from`` (in-flight weight updates, ``rollout.partial``): the actor group
         whose pushes are taken between decode steps, as they arrive; generation starts once
         weights of at least ``min_version`` are in (waiting for them outside the device turn),
-        so no token is older than the runner allows."""
+        so no token is older than the runner allows.
+
+        Continuous (``rollout.continuous``, with ``weights_from``): the engine's call goes on
+        across streams. Once this stream's prompts have all started, those of the streams
+        ``offer``ed behind it join as slots free up (each once weights of its own
+        ``min_version`` are in); their groups go out under their own keys as they complete,
+        and the call returns when this stream's last group is out, the others left in flight
+        for their own calls."""
         clock = Clock()
         self.loads = []
         if weights_from and self.version < min_version:
@@ -130,30 +175,89 @@ class LMRolloutWorker(WeightReceiver):
                 self.pull_weights(weights_from, min_version)
         if self.version < 0:
             raise RuntimeError("the rollout has no weights: the actor must sync them first")
-        stats = {"groups": 0, "completions": 0, "completion_tokens": 0, "truncated": 0}
         between = (lambda: self.take_newer(weights_from)) if weights_from else None
+        continuous = self.continuous and weights_from is not None
+        if continuous:
+            self.offer(prompts, key, min_version)
+        stream = self.streams.setdefault(key, self._new_stream())
+        self.running = key
         with clock.busy(), clock.turn(self.turns):  # busy: from the grant of the turn to its release
             self._onload()
-            pending: list[tuple[dict, list]] = []
-            for group in self.engine.generate([p["token_ids"] for p in prompts], self.params, between=between):
-                pending.append((prompts[group[0].prompt_index], group))
-                stats["groups"] += 1
-                stats["completions"] += len(group)
-                stats["completion_tokens"] += sum(len(c.token_ids) for c in group)
-                stats["truncated"] += sum(c.finish_reason == "length" for c in group)
-                if len(pending) == granularity:
-                    samples_out.put(self._batch(pending), key, weight=len(pending))
-                    pending = []
-            if pending:
-                samples_out.put(self._batch(pending), key, weight=len(pending))
+            if continuous:
+                counts = self._run_session(key, len(prompts), samples_out, granularity, between)
+                if self.session_done == len(self.session_prompts):  # nothing in flight: the next starts anew
+                    self._end_session("")
+            else:
+                for group in self.engine.generate([p["token_ids"] for p in prompts], self.params, between=between):
+                    self._route(stream, key, (prompts[group[0].prompt_index], group), samples_out, granularity)
+                counts = self._engine_counts()
+            if stream["pending"]:
+                samples_out.put(self._batch(stream["pending"]), key, weight=len(stream["pending"]))
             samples_out.flush()
             peak = memory_mb(self.device)
             self._offload()  # context switching: the KV cache (and on a GPU the weights) make room
-        engine = getattr(self.engine, "stats", {})  # the torch engine's counts of this call's work
-        stats |= {k: engine.get(k, 0) for k in ("decode_steps", "graph_replays")}
+        del self.streams[key]
+        stats = stream["stats"] | counts
         return stats | clock.report(lock_wait=True) | {
             "peak_memory_mb": peak, "tokens_per_s": stats["completion_tokens"] / max(clock.busy_s, 1e-9),
             "time_s": clock.elapsed(), "weight_loads": self.loads}
+
+    @staticmethod
+    def _new_stream() -> dict:
+        return {"pending": [], "stats": {"groups": 0, "completions": 0, "completion_tokens": 0, "truncated": 0,
+                                         "joined_early": 0}}
+
+    def _route(self, stream: dict, key: int, group: tuple[dict, list], samples_out: Channel, granularity: int) -> None:
+        """Counts a completed group of stream ``key``; every ``granularity`` go out together."""
+        stats, completions = stream["stats"], group[1]
+        stats["groups"] += 1
+        stats["completions"] += len(completions)
+        stats["completion_tokens"] += sum(len(c.token_ids) for c in completions)
+        stats["truncated"] += sum(c.finish_reason == "length" for c in completions)
+        stream["pending"].append(group)
+        if len(stream["pending"]) == granularity:
+            samples_out.put(self._batch(stream["pending"]), key, weight=len(stream["pending"]))
+            stream["pending"] = []
+
+    def _engine_counts(self, since: dict[str, int] | None = None) -> dict[str, int]:
+        """The torch engine's decode forwards (and graph replays) in its current call, less ``since``."""
+        stats = getattr(self.engine, "stats", {})
+        return {k: stats.get(k, 0) - (since or {}).get(k, 0) for k in ("decode_steps", "graph_replays")}
+
+    def _run_session(self, key: int, groups: int, samples_out: Channel, granularity: int, between) -> dict[str, int]:
+        """Takes the engine's continuous call on until stream ``key`` has all its ``groups``
+        out; the engine's decode forwards (and graph replays) meanwhile."""
+        stream = self.streams[key]
+        done = {"decode_steps": 0, "graph_replays": 0}
+        start = self._engine_counts() if self.session is not None else None
+        while stream["stats"]["groups"] < groups:
+            if self.session is None:
+                self.session = self.engine.generate([], self.params, between=between, more=self._more)
+            try:
+                completions = next(self.session)
+                start = start or {}  # a new call's counts start at its first step
+            except StopIteration:  # nothing in flight and nothing offered that may start now
+                done = {k: v + self._engine_counts(start)[k] for k, v in done.items()}
+                start = None
+                self.session = None
+                with self.offer_lock:
+                    if not any(k == key for k, _, _ in self.offers):
+                        raise RuntimeError(f"stream {key}: {stream['stats']['groups']} of {groups} groups out and "
+                                           "none in flight or offered") from None
+                continue
+            k, prompt = self.session_prompts[completions[0].prompt_index]
+            self.session_done += 1
+            self._route(self.streams.setdefault(k, self._new_stream()), k, (prompt, completions), samples_out,
+                        granularity)
+        now = self._engine_counts(start) if start is not None else {}
+        return {k: v + now.get(k, 0) for k, v in done.items()}
+
+    def _end_session(self, why: str) -> None:
+        """Drops the continuous call, which must hold no sequence (``why``: what needs the engine)."""
+        if self.session is not None and self.session_done < len(self.session_prompts):
+            raise RuntimeError(f"{why} while {len(self.session_prompts) - self.session_done} prompts of streams ahead "
+                               "are in flight: their generate calls must come first")
+        self.session, self.session_prompts, self.session_done = None, [], 0
 
     def _batch(self, groups: list[tuple[dict, list]]) -> SequenceBatch:
         rows = [(prompt, c) for prompt, group in groups for c in group]
@@ -179,6 +283,7 @@ class LMRolloutWorker(WeightReceiver):
         params = SamplingParams(n=1, temperature=temperature, top_p=self.params.top_p, top_k=self.params.top_k,
                                 max_new_tokens=self.params.max_new_tokens, stop=self.params.stop, seed=0)
         texts: dict[int, str] = {}
+        self._end_session("evaluating")
         with self.turns:
             self._onload()
             for (c,) in self.engine.generate([p["token_ids"] for p in prompts], params):
