@@ -213,3 +213,19 @@ def test_async_journal_finishes_a_cut_pair_by_its_missing_side(tmp_path, monkeyp
                                       "--on-policy-placement", "placement=collocated"])
     bench.main()
     assert sorted(calls) == ["async", "on-policy"]  # a side from another kind of machine is not reused
+
+
+def test_continuous_rollout_summary_by_hand():
+    """benchmarks/continuous_rollout.py: a side's figures over its runs, the warm-up steps left out."""
+    mod = _bench("continuous_rollout")
+    runs = [{"step_s": [9.0, 4.0, 2.0], "rollout_busy_s": [5.0, 3.0, 1.0], "actor_idle_s": [1.0, 0.5, 0.0],
+             "completion_tokens": [100, 60, 40], "policy_lag": [0, 1, 2], "prompts_joined_early": [0, 4, 4],
+             "stale_dropped": [0, 0, 0], "reward": [0.1, 0.2, 0.3]},
+            {"step_s": [8.0, 6.0, 3.0], "rollout_busy_s": [4.0, 2.0, 2.0], "actor_idle_s": [1.0, 0.2, 0.1],
+             "completion_tokens": [90, 50, 50], "policy_lag": [0, 2, 2], "prompts_joined_early": [0, 0, 4],
+             "stale_dropped": [0, 0, 0], "reward": [0.1, 0.2, 0.3]}]
+    got = mod.side_summary(runs, warmup=1)
+    assert got["step_s"] == {"min": 2.0, "median": 3.5, "max": 6.0, "n": 4}
+    assert got["rollout_tokens_per_busy_s"] == round(200 / 8.0, 1)  # (60 + 40 + 50 + 50) / (3 + 1 + 2 + 2)
+    assert got["policy_lag"] == {"1": 1, "2": 3} and got["prompts_joined_early"] == 12
+    assert got["actor_idle_s"]["median"] == 0.15 and got["stale_dropped"] == 0

@@ -186,7 +186,7 @@ class LMRolloutWorker(WeightReceiver):
             if continuous:
                 counts = self._run_session(key, len(prompts), samples_out, granularity, between)
                 if self.session_done == len(self.session_prompts):  # nothing in flight: the next starts anew
-                    self._end_session("")
+                    self._end_session("ending a call")
             else:
                 for group in self.engine.generate([p["token_ids"] for p in prompts], self.params, between=between):
                     self._route(stream, key, (prompts[group[0].prompt_index], group), samples_out, granularity)
