@@ -81,9 +81,9 @@ def run_engine(engine: TorchEngine, prompts: list[list[int]], samples: int, max_
 
 
 def run_steps(engine: TorchEngine, prompts: list[list[int]], per_step: int, samples: int, max_new_tokens: int,
-              seed: int, continuous: bool, temperature: float = 1.0) -> list[int]:
+              seed: int, continuous: bool, temperature: float = 1.0) -> tuple[list[int], int]:
     """The prompts in steps of ``per_step``: a call each, or one call that takes each next
-    step through ``more``."""
+    step through ``more``. The completions' lengths, and the decode forwards over the calls."""
     params = SamplingParams(n=samples, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
     steps = [prompts[i:i + per_step] for i in range(0, len(prompts), per_step)]
     if continuous:
@@ -91,14 +91,13 @@ def run_steps(engine: TorchEngine, prompts: list[list[int]], per_step: int, samp
         calls = [engine.generate(steps[0], params, more=lambda: next(rest, []))]
     else:
         calls = [engine.generate(step, params) for step in steps]
-    lengths = []
-    engine.decode_steps_total = 0  # over the calls: each call's stats start at 0
+    lengths, forwards = [], 0
     for call in calls:
         lengths += [len(c.token_ids) for group in call for c in group]
-        engine.decode_steps_total += engine.stats["decode_steps"]
+        forwards += engine.stats["decode_steps"]  # each call's stats start at 0
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-    return lengths
+    return lengths, forwards
 
 
 def timed(fn, decode_steps=lambda: None) -> dict:
@@ -162,12 +161,15 @@ def main() -> None:
                **{side: TorchEngine(model, tokenizer, max_batch_size=args.batch, cuda_graphs=args.graphs)
                   for side in ("engine_steps", "engine_continuous")}}
 
+    forwards: dict[str, int] = {}  # the decode forwards of each steps side's last run
+
     def run(side: str, few: list[list[int]], samples: int, batch: int, max_new_tokens: int, seed: int) -> list[int]:
         if side == "generate":
             return run_generate(model, tokenizer, few, samples, batch, max_new_tokens, seed, args.temperature)
         if side in ("engine_steps", "engine_continuous"):
-            return run_steps(engines[side], few, args.prompts_per_step, samples, max_new_tokens, seed,
-                             side == "engine_continuous", args.temperature)
+            lengths, forwards[side] = run_steps(engines[side], few, args.prompts_per_step, samples, max_new_tokens,
+                                                seed, side == "engine_continuous", args.temperature)
+            return lengths
         return run_engine(engines[side], few, samples, max_new_tokens, seed, args.temperature)
 
     for side in args.sides:  # warm-up: allocator, thread pools, lazy imports, kernels
@@ -179,7 +181,7 @@ def main() -> None:
             for side in args.sides:
                 runs[side].append(timed(lambda: run(side, prompts, args.samples, args.batch, args.max_new_tokens,
                                                     args.seed + r),
-                                        lambda: getattr(engines.get(side), "decode_steps_total", None)))
+                                        lambda: forwards.get(side)))
     device = torch.device(args.device)
     result = {
         "benchmark": "rollout_engine", "model": args.model, "dtype": str(model.dtype).removeprefix("torch."),
@@ -196,9 +198,9 @@ def main() -> None:
     ratio(result, "engine_graphs", "engine", "ratio_graphs")
     ratio(result, "engine_continuous", "engine_steps", "ratio_continuous")
     if "engine_continuous" in result and "engine_steps" in result:
-        forwards = {side: statistics.median(r["decode_steps"] for r in result[side]["runs"])
-                    for side in ("engine_steps", "engine_continuous")}
-        result["decode_steps_ratio_continuous"] = round(forwards["engine_steps"] / forwards["engine_continuous"], 3)
+        median = {side: statistics.median(r["decode_steps"] for r in result[side]["runs"])
+                  for side in ("engine_steps", "engine_continuous")}
+        result["decode_steps_ratio_continuous"] = round(median["engine_steps"] / median["engine_continuous"], 3)
     result["target"] = TARGET_RATIO
     print(json.dumps(result, indent=2))
 

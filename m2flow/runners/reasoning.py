@@ -121,10 +121,11 @@ class ReasoningRunner(Runner):
         # a rollout that takes weights itself starts on those of the last sync at the earliest;
         # one that generates continuously is told of the stream at once, so that its prompts
         # join the decode batch while the streams before it finish (answered at once)
+        min_version = self.synced or 0
         if fresh["rollout"] and self.cfg.rollout.continuous:
-            g["rollout"].offer(prompts, key, self.synced or 0).wait()
+            g["rollout"].offer(prompts, key, min_version).wait()
         calls = {"rollout": g["rollout"].generate(prompts, ch["samples"], self.plan.granularity["samples"], key,
-                                                  fresh["rollout"], self.synced or 0),
+                                                  fresh["rollout"], min_version),
                  "reward": g["reward"].score(ch["samples"], ch["scored"], len(prompts), key)}
         if "critic" in g:  # ppo: the critic adds values, advantages and returns on the way to the actor
             calls["inference"] = g["inference"].logprobs(ch["scored"], ch["logprobs"], 1, key, fresh["inference"])

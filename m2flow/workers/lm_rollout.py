@@ -21,6 +21,8 @@ from m2flow.runtime import Channel, Clock, dispatch, get_tracer
 from m2flow.workers.lm_common import load_model, memory_mb
 from m2flow.workers.weights import WeightFollower
 
+NO_COUNTS = {"decode_steps": 0, "graph_replays": 0}  # the engine's counts a call reports
+
 
 class WeightReceiver(WeightFollower):
     """A worker holding a language model that follows the actor's weights, pushed in buckets."""
@@ -84,10 +86,11 @@ class LMRolloutWorker(WeightReceiver):
         self.continuous = r["continuous"] and not take_turns and getattr(self.engine, "takes_more", False)
         self.offer_lock = threading.Lock()
         self.offers: deque[tuple[int, list[dict], int]] = deque()  # (key, prompts, min_version), key order
-        self.offered: set[int] = set()
+        self.offered_up_to = 0  # the last key offered: streams come in key order, each offered once
         self.session = None  # the engine's generator, suspended between calls
         self.session_prompts: list[tuple[int, dict]] = []  # the session's prompt index -> (key, prompt)
         self.session_done = 0  # of its prompts, those whose group is out
+        self.session_counted = NO_COUNTS  # its engine counts already reported by earlier calls
         self.running: int | None = None  # the key of the generate call in progress
         self.streams: dict[int, dict] = {}  # key -> its groups out, chunk pending and counts
         self._offload()  # until its first turn
@@ -135,8 +138,8 @@ class LMRolloutWorker(WeightReceiver):
         if not self.continuous:
             return
         with self.offer_lock:
-            if key not in self.offered:
-                self.offered.add(key)
+            if key > self.offered_up_to:
+                self.offered_up_to = key
                 self.offers.append((key, list(prompts), min_version))
 
     def _more(self) -> list[list[int]]:
@@ -192,7 +195,7 @@ class LMRolloutWorker(WeightReceiver):
                     self._route(stream, key, (prompts[group[0].prompt_index], group), samples_out, granularity)
                 counts = self._engine_counts()
             if stream["pending"]:
-                samples_out.put(self._batch(stream["pending"]), key, weight=len(stream["pending"]))
+                self._put(stream, key, samples_out)
             samples_out.flush()
             peak = memory_mb(self.device)
             self._offload()  # context switching: the KV cache (and on a GPU the weights) make room
@@ -216,30 +219,38 @@ class LMRolloutWorker(WeightReceiver):
         stats["truncated"] += sum(c.finish_reason == "length" for c in completions)
         stream["pending"].append(group)
         if len(stream["pending"]) == granularity:
-            samples_out.put(self._batch(stream["pending"]), key, weight=len(stream["pending"]))
-            stream["pending"] = []
+            self._put(stream, key, samples_out)
 
-    def _engine_counts(self, since: dict[str, int] | None = None) -> dict[str, int]:
-        """The torch engine's decode forwards (and graph replays) in its current call, less ``since``."""
+    def _put(self, stream: dict, key: int, samples_out: Channel) -> None:
+        """The groups of stream ``key`` pending go out as one batch."""
+        samples_out.put(self._batch(stream["pending"]), key, weight=len(stream["pending"]))
+        stream["pending"] = []
+
+    def _engine_counts(self) -> dict[str, int]:
+        """The torch engine's decode forwards (and graph replays) in its current call."""
         stats = getattr(self.engine, "stats", {})
-        return {k: stats.get(k, 0) - (since or {}).get(k, 0) for k in ("decode_steps", "graph_replays")}
+        return {k: stats.get(k, 0) for k in NO_COUNTS}
+
+    def _session_counts(self) -> dict[str, int]:
+        """The continuous call's engine counts since an earlier call last took them."""
+        now = self._engine_counts()
+        taken = {k: now[k] - self.session_counted[k] for k in NO_COUNTS}
+        self.session_counted = now
+        return taken
 
     def _run_session(self, key: int, groups: int, samples_out: Channel, granularity: int, between) -> dict[str, int]:
         """Takes the engine's continuous call on until stream ``key`` has all its ``groups``
         out; the engine's decode forwards (and graph replays) meanwhile."""
         stream = self.streams[key]
-        done = {"decode_steps": 0, "graph_replays": 0}
-        start = self._engine_counts() if self.session is not None else None
+        counts = dict(NO_COUNTS)
         while stream["stats"]["groups"] < groups:
             if self.session is None:
                 self.session = self.engine.generate([], self.params, between=between, more=self._more)
             try:
                 completions = next(self.session)
-                start = start or {}  # a new call's counts start at its first step
             except StopIteration:  # nothing in flight and nothing offered that may start now
-                done = {k: v + self._engine_counts(start)[k] for k, v in done.items()}
-                start = None
-                self.session = None
+                counts = {k: v + self._session_counts()[k] for k, v in counts.items()}
+                self.session, self.session_counted = None, NO_COUNTS  # the next call's counts start at 0
                 with self.offer_lock:
                     if not any(k == key for k, _, _ in self.offers):
                         raise RuntimeError(f"stream {key}: {stream['stats']['groups']} of {groups} groups out and "
@@ -249,15 +260,16 @@ class LMRolloutWorker(WeightReceiver):
             self.session_done += 1
             self._route(self.streams.setdefault(k, self._new_stream()), k, (prompt, completions), samples_out,
                         granularity)
-        now = self._engine_counts(start) if start is not None else {}
-        return {k: v + now.get(k, 0) for k, v in done.items()}
+        if self.session is None:  # its groups all came out in earlier calls, whose call has ended
+            return counts
+        return {k: v + self._session_counts()[k] for k, v in counts.items()}
 
     def _end_session(self, why: str) -> None:
         """Drops the continuous call, which must hold no sequence (``why``: what needs the engine)."""
         if self.session is not None and self.session_done < len(self.session_prompts):
             raise RuntimeError(f"{why} while {len(self.session_prompts) - self.session_done} prompts of streams ahead "
                                "are in flight: their generate calls must come first")
-        self.session, self.session_prompts, self.session_done = None, [], 0
+        self.session, self.session_prompts, self.session_done, self.session_counted = None, [], 0, NO_COUNTS
 
     def _batch(self, groups: list[tuple[dict, list]]) -> SequenceBatch:
         rows = [(prompt, c) for prompt, group in groups for c in group]
