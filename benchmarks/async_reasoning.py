@@ -12,11 +12,13 @@ problems) with the same seed and data, in fresh processes, one at a time, altern
              (``rollout.partial=true``), truncated importance sampling
              (``algorithm.off_policy=tis``; ``--async-override`` changes any of it)
 
-Each side that plans profiles its own configuration once per seed (the async side's differs in
-``rollout.partial`` and ``algorithm.off_policy``; a profile is of one config, seed included), in
-its first repeat; the later repeats reuse it. Profiling times are reported apart, with the run
-that profiled (``profiling_s``; null where a stored profile was reused), counted in neither
-side's time.
+Each side that plans profiles its configuration once per seed (a profile is of one config, seed
+included), in its first repeat; the later repeats reuse it. On GPUs the two sides share one
+profile, made by the side that runs first: their configs differ only in running ahead and
+truncated importance sampling, which change no probe's cost. On CPU slots the async side
+makes its own, with the probe that measures contention. Profiling times are reported apart,
+with the run that profiled (``profiling_s``; null where a stored profile was reused), counted
+in neither side's time.
 
 Each side evaluates every ``--eval-every`` steps (greedy, the held-out problems). By default
 the evaluations are deferred (``runner.eval_deferred``): the actor saves its weights at those
@@ -223,7 +225,10 @@ def main() -> None:
         got = {}
         order = side_order(list(sides), n) + (["control"] if args.control else [])  # the control after the async
         for side in order:
-            profile = keep / f"{side}-seed{seed}.json"  # made by the seed's first repeat, reused by the later ones
+            # made by the seed's first repeat, reused by the later ones; on GPUs one profile for
+            # both sides (the async config's probes are the on-policy one's: it measures no
+            # contention there), on CPU slots the async side's has its contention probe
+            profile = keep / (f"seed{seed}.json" if machine["gpus"] and side != "control" else f"{side}-seed{seed}.json")
             out_dir = tmp / f"{side}-seed{seed}-{r}"
             if (seed, r, side) in sides_done:
                 log(f"== seed {seed}, repeat {r + 1}: {side}, in {args.journal}")

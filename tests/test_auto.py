@@ -178,3 +178,23 @@ def test_the_overlap_probe_runs_the_split_plan_ahead_where_contention_is_measure
     # the embodied flow has no such probe
     e = schedule_of(load_config("embodied/ppo_cartpole", [f"runner.max_staleness={staleness}"]))
     assert "overlap" not in [r.role for r in probes(e, 2, kind)]
+
+
+def test_an_asynchronous_variant_shares_its_on_policy_configs_profile():
+    """Running ahead and truncated importance sampling change no probe's cost (the probes run
+    on-policy, or on CPU one ahead, where the profile is made again for its contention), so
+    the on-policy preset and its async variant share a key; what changes a step's work does
+    not: the decoupled objective's recomputed log-probs, another model, another batch."""
+    from m2flow.runners.auto import key_of
+
+    def key(*overrides):
+        return key_of(load_config("reasoning/grpo_arith_tiny", list(overrides)))
+
+    on_policy = key()
+    assert key("runner.max_staleness=2", "algorithm.off_policy=tis", "algorithm.is_cap=3.0",
+               "runner.steps=7", "placement.mode=disaggregated") == on_policy
+    recomputed = ("runner.max_staleness=1", "algorithm.old_logprobs=recompute", "rollout.partial=false")
+    assert key(*recomputed, "algorithm.off_policy=tis") == key(*recomputed)
+    assert key(*recomputed, "algorithm.off_policy=decoupled") != key(*recomputed)
+    assert key("rollout.max_new_tokens=8") != on_policy and key("data.prompts_per_step=2") != on_policy
+    assert key("seed=1") != on_policy  # a profile is of one seed's data

@@ -46,10 +46,23 @@ RUN_KEYS = ("total_env_steps", "steps", "out_dir", "resume", "progress", "checkp
             "max_restarts")
 
 
+# Off-policy corrections that cost nothing beyond the loss's own arithmetic (the decoupled
+# objective's proximal log-probs are another forward: ``algorithm.old_logprobs`` keys that).
+FREE_CORRECTIONS = ("none", "tis")
+
+
 def key_of(cfg: DictConfig) -> str:
+    """The key of what ``cfg``'s steps cost: its config less the run's length and bookkeeping
+    (``RUN_KEYS``), its placement and a free off-policy correction, so that an on-policy config
+    and its asynchronous variant (``runner.max_staleness``, ``algorithm.off_policy=tis``) share
+    a profile."""
     d = OmegaConf.to_container(cfg, resolve=True)
     d.pop("placement")
     d["runner"] = {k: v for k, v in d["runner"].items() if k not in RUN_KEYS}
+    algorithm = d.get("algorithm", {})
+    if algorithm.get("off_policy") in FREE_CORRECTIONS:
+        algorithm["off_policy"] = "none"
+        algorithm.pop("is_cap", None)
     return profile_key(d["name"], d)
 
 

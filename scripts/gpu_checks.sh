@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one go, from the repository's root; what each prints and
+# writes goes under OUT_DIR (docs/benchmarks.md says what to read in it):
+#
+#   bash scripts/gpu_checks.sh OUT_DIR [PART ...]
+#
+# parts, in this order by default:
+#   tests   the CUDA tests: devices, CUDA IPC and NCCL (tests/test_gpu.py); the engine's
+#           decode steps as CUDA graphs, with weights taken in flight and prompts joining a
+#           call in progress (tests/test_engine.py)
+#   engine  SmolLM2's rollout engine on the GPU: decode steps as CUDA graphs against eager
+#           ones, and continuous generation across steps against draining each step
+#   pair    asynchronous GRPO against on-policy GRPO on SmolLM2, both sides planned
+#           (placement=auto) over the GPU made two devices, the decode steps as CUDA graphs
+#           (benchmarks/async_reasoning.py); its journal (JOURNAL, default
+#           runs/gpu/pairs.jsonl) keeps each side as it ends, so a pair cut short by its time
+#           limit is finished by running this part again
+#
+# Each part has a time limit (TESTS_S, ENGINE_S, PAIR_S seconds) and a part that fails or runs
+# out does not stop the next; the script's status is that of the last part that failed.
+# SEED picks the pair's seed (default 3), PYTHON the interpreter.
+set -uo pipefail
+out=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [tests] [engine] [pair]}
+shift
+parts=${*:-tests engine pair}
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+status=0
+
+{
+    date -u
+    uptime
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    "$py" -c "import sys, torch, ray, transformers; print(sys.version.split()[0], torch.__version__, \
+torch.version.cuda, ray.__version__, transformers.__version__)"
+    git rev-parse --short HEAD 2>/dev/null
+} >"$out/machine.txt" 2>&1
+
+run() {  # run NAME LIMIT_S COMMAND...: output to OUT_DIR/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*" | tee -a "$out/$name.log"
+    timeout "$limit" "$@" >>"$out/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc" | tee -a "$out/$name.log"
+    [ "$rc" -eq 0 ] || status=$rc
+}
+
+for part in $parts; do
+    case $part in
+    tests)
+        run tests "${TESTS_S:-300}" "$py" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
+        run tests "${TESTS_S:-300}" "$py" -m pytest -q -p no:cacheprovider -rs tests/test_engine.py \
+            -k "cuda or more_prompts or weights_loaded_between_steps"
+        ;;
+    engine)
+        run engine "${ENGINE_S:-240}" "$py" benchmarks/rollout_engine.py --device cuda --graphs \
+            --sides engine_steps engine_continuous --temperature 0.7
+        run engine "${ENGINE_S:-240}" "$py" benchmarks/rollout_engine.py --device cuda --sides engine engine_graphs
+        ;;
+    pair)
+        journal=${JOURNAL:-runs/gpu/pairs.jsonl}
+        mkdir -p "$(dirname "$journal")"
+        run pair "${PAIR_S:-560}" "$py" benchmarks/async_reasoning.py --steps 24 --eval-every 4 --seed "${SEED:-3}" \
+            --override cluster.gpu_slots=2 rollout.cuda_graphs=true --journal "$journal"
+        cp "$journal" "$out/" 2>/dev/null
+        ;;
+    *)
+        echo "unknown part $part: tests, engine or pair" >&2
+        exit 2
+        ;;
+    esac
+done
+exit $status
