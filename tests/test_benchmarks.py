@@ -229,3 +229,31 @@ def test_continuous_rollout_summary_by_hand():
     assert got["rollout_tokens_per_busy_s"] == round(200 / 8.0, 1)  # (60 + 40 + 50 + 50) / (3 + 1 + 2 + 2)
     assert got["policy_lag"] == {"1": 1, "2": 3} and got["prompts_joined_early"] == 12
     assert got["actor_idle_s"]["median"] == 0.15 and got["stale_dropped"] == 0
+
+
+@pytest.mark.parametrize("gpus", [[], ["NVIDIA H200"]], ids=["cpu", "gpu"])
+def test_async_sides_share_a_profile_on_gpus_only(tmp_path, monkeypatch, capsys, gpus):
+    """On GPUs the two sides of a pair plan from one profile (their configs share its key, and
+    the async config needs no contention probe there); on CPU slots each has its own."""
+    bench = _bench("async_reasoning")
+    profiles = {}
+
+    def side_run(script, spec):
+        side = "async" if "runner.max_staleness=2" in spec["overrides"] else "on-policy"
+        profiles[side] = next(o for o in spec["overrides"] if o.startswith("placement.profile="))
+        return {"curve": [{"step": 0, "time_s": 0.0, "accuracy": 0.2}], "final_accuracy": 0.2, "time_s": 1.0}
+
+    class QuietRun:
+        def finish(self):
+            return {}
+
+    monkeypatch.setattr(bench, "run_child", side_run)
+    monkeypatch.setattr(bench, "loaded", lambda fn: (fn(), {}))
+    monkeypatch.setattr(bench, "Run", QuietRun)
+    monkeypatch.setattr(bench, "machine_kind", lambda: {"cpus": 16, "gpus": gpus})
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["async_reasoning.py", "--seed", "3", "--journal", str(tmp_path / "p.jsonl")])
+    bench.main()
+    capsys.readouterr()
+    assert set(profiles) == {"on-policy", "async"}
+    assert (profiles["on-policy"] == profiles["async"]) == bool(gpus)
