@@ -198,8 +198,12 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, pool, tmp_path
     assert all(row["policy_lag"] <= 2 and row["stale_dropped"] == 0 for row in steps)
     assert max(row["policy_lag"] for row in steps) >= 1  # it ran ahead
     # Continuous generation (rollout.continuous): later steps' prompts joined the decode batch
-    # while an earlier step's were still generating (the bound above held all the same).
+    # while an earlier step's were still generating (the bound above held all the same), on
+    # weights at most one version behind those that trained on them: a step whose prompts all
+    # joined early is at most one version old (two ahead, without that rule they joined at 2).
     assert sum(row["prompts_joined_early"] for row in steps) > 0, [row["prompts_joined_early"] for row in steps]
+    joined = [(row["step"], row["policy_lag"]) for row in steps if row["prompts_joined_early"] == cfg.data.prompts_per_step]
+    assert all(lag <= 1 for _, lag in joined), joined
     for row in steps:
         shares = {k: v for k, v in row.items() if k.startswith("staleness_")}
         assert set(shares) <= {"staleness_0", "staleness_1", "staleness_2"} and sum(shares.values()) == pytest.approx(1)

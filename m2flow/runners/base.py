@@ -150,8 +150,9 @@ class Runner:
     def worker_args(self, component: str, take_turns: bool) -> tuple:
         raise NotImplementedError
 
-    def launch(self, key: int) -> dict[str, GroupHandle]:
-        """Starts one step's data stream (keyed ``key``): the calls of the components that make it."""
+    def launch(self, key: int, trained_by: int) -> dict[str, GroupHandle]:
+        """Starts one step's data stream (keyed ``key``): the calls of the components that make
+        it. ``trained_by``: the version of the trainer's weights that will train on it."""
         raise NotImplementedError
 
     def step(self, i: int, ahead: int) -> dict[str, Any]:
@@ -254,7 +255,7 @@ class Runner:
         step that trains on that stream). Launched at step i with ``ahead = k``, stream i + k's
         data is at most k versions old when it is trained on."""
         if not self.ahead:
-            sync, (key, calls) = self.sync_weights(), self._launch()
+            sync, (key, calls) = self.sync_weights(), self._launch(self.updates)
         else:
             key, calls, pending = self.ahead.popleft()
             sync = self.synced_report(pending)
@@ -269,13 +270,13 @@ class Runner:
                 wait(*(self.ahead[-1][1] if self.ahead else calls).values())
                 if self.synced != self.updates:
                     sync = self.sync_weights()
-            self.ahead.append((*self._launch(), pending))
+            self.ahead.append((*self._launch(self.updates + len(self.ahead) + 1), pending))
         self.updates += 1  # the trainer trains on this stream: the next sync has new weights to send
         return key, calls, sync
 
-    def _launch(self) -> tuple[int, dict[str, GroupHandle]]:
+    def _launch(self, trained_by: int) -> tuple[int, dict[str, GroupHandle]]:
         self.streams += 1
-        return self.streams, self.launch(self.streams)
+        return self.streams, self.launch(self.streams, trained_by)
 
     def wait_ahead(self) -> None:
         """Blocks until the streams launched ahead (if any) are made: what ``step(i, ahead=k)``

@@ -78,7 +78,7 @@ class EmbodiedRunner(Runner):
         workers' replica) takes new weights between env steps."""
         return {"rollout"} if plan.run_ahead and cfg.runner.in_flight_updates else set()
 
-    def launch(self, key: int) -> dict[str, GroupHandle]:
+    def launch(self, key: int, trained_by: int) -> dict[str, GroupHandle]:
         """One rollout: env and rollout step together and stream trajectories into the channel
         (taking the actor's pushes as they come, from the last sync's on, when refreshing)."""
         steps, env, rollout = self.cfg.runner.rollout_steps, self.groups["env"], self.groups["rollout"]

@@ -112,7 +112,7 @@ class ReasoningRunner(Runner):
         return ({"rollout"} if cfg.rollout.partial else set()) | (
             {"inference"} if a.old_logprobs == "recompute" and a.off_policy == "decoupled" else set())
 
-    def launch(self, key: int) -> dict[str, GroupHandle]:
+    def launch(self, key: int, trained_by: int) -> dict[str, GroupHandle]:
         """One step's stream, up to the batches channel: rollout -> reward -> inference (->
         critic). Items carry the stream's key: a reader that prefetches can then never take
         items of the next step's stream, generated ahead into the same channels."""
@@ -120,10 +120,11 @@ class ReasoningRunner(Runner):
         fresh = {c: (self.trainer.name if c in self.refreshing() else None) for c in ("rollout", "inference")}
         # a rollout that takes weights itself starts on those of the last sync at the earliest;
         # one that generates continuously is told of the stream at once, so that its prompts
-        # join the decode batch while the streams before it finish (answered at once)
+        # join the decode batch while the streams before it finish (answered at once), on
+        # weights at most one version behind those that will train on it
         min_version = self.synced or 0
         if fresh["rollout"] and self.cfg.rollout.continuous:
-            g["rollout"].offer(prompts, key, min_version).wait()
+            g["rollout"].offer(prompts, key, min_version, max(min_version, trained_by - 1)).wait()
         calls = {"rollout": g["rollout"].generate(prompts, ch["samples"], self.plan.granularity["samples"], key,
                                                   fresh["rollout"], min_version),
                  "reward": g["reward"].score(ch["samples"], ch["scored"], len(prompts), key)}

@@ -85,7 +85,7 @@ class LMRolloutWorker(WeightReceiver):
         # on devices the rollout has to itself (its KV cache stays between calls).
         self.continuous = r["continuous"] and not take_turns and getattr(self.engine, "takes_more", False)
         self.offer_lock = threading.Lock()
-        self.offers: deque[tuple[int, list[dict], int]] = deque()  # (key, prompts, min_version), key order
+        self.offers: deque[tuple[int, list[dict], int, int]] = deque()  # (key, prompts, min_version, join_version)
         self.offered_up_to = 0  # the last key offered: streams come in key order, each offered once
         self.session = None  # the engine's generator, suspended between calls
         self.session_prompts: list[tuple[int, dict]] = []  # the session's prompt index -> (key, prompt)
@@ -130,24 +130,33 @@ class LMRolloutWorker(WeightReceiver):
                 self.engine.offload()
 
     @dispatch(split="scatter", immediate=True)
-    def offer(self, prompts: list[dict], key: int, min_version: int = 0) -> None:
+    def offer(self, prompts: list[dict], key: int, min_version: int = 0, join_version: int | None = None) -> None:
         """The prompts of a stream launched behind the one in progress (``rollout.continuous``;
         the same arguments as its ``generate`` call, which comes later): they join the decode
-        batch as soon as slots are free and the rollout holds weights of at least
-        ``min_version``. Answered at once, even while ``generate`` runs."""
+        batch of an earlier stream's call as soon as slots are free and the rollout holds
+        weights of at least ``join_version`` (default ``min_version``; the runner's: one
+        version behind those that will train on the stream, so that joining early adds no
+        staleness to what a rollout that drains between streams gives where generation bounds
+        the step). Their own ``generate`` call starts them on ``min_version``'s. Answered at
+        once, even while ``generate`` runs."""
         if not self.continuous:
             return
         with self.offer_lock:
             if key > self.offered_up_to:
                 self.offered_up_to = key
-                self.offers.append((key, list(prompts), min_version))
+                self.offers.append((key, list(prompts), min_version,
+                                    min_version if join_version is None else max(min_version, join_version)))
 
     def _more(self) -> list[list[int]]:
-        """The engine's ``more`` hook: the next stream offered, once its weights are in."""
+        """The engine's ``more`` hook: the next stream offered, once its weights are in (those
+        of its ``join_version`` while an earlier stream's call runs)."""
         with self.offer_lock:
-            if not self.offers or self.version < self.offers[0][2]:
+            if not self.offers:
                 return []
-            key, prompts, _ = self.offers.popleft()
+            key, prompts, min_version, join_version = self.offers[0]
+            if self.version < (min_version if key == self.running else join_version):
+                return []
+            self.offers.popleft()
         if key != self.running:  # it starts while an earlier stream's call generates
             self.streams.setdefault(key, self._new_stream())["stats"]["joined_early"] += len(prompts)
         self.session_prompts.extend((key, p) for p in prompts)
@@ -244,7 +253,8 @@ class LMRolloutWorker(WeightReceiver):
         stream = self.streams[key]
         counts = dict(NO_COUNTS)
         while stream["stats"]["groups"] < groups:
-            if self.session is None:
+            if self.session is None:  # a new engine call numbers its prompts from 0
+                self.session_prompts, self.session_done = [], 0  # none in flight: all done or none begun
                 self.session = self.engine.generate([], self.params, between=between, more=self._more)
             try:
                 completions = next(self.session)
@@ -252,7 +262,7 @@ class LMRolloutWorker(WeightReceiver):
                 counts = {k: v + self._session_counts()[k] for k, v in counts.items()}
                 self.session, self.session_counted = None, NO_COUNTS  # the next call's counts start at 0
                 with self.offer_lock:
-                    if not any(k == key for k, _, _ in self.offers):
+                    if not any(offered[0] == key for offered in self.offers):
                         raise RuntimeError(f"stream {key}: {stream['stats']['groups']} of {groups} groups out and "
                                            "none in flight or offered") from None
                 continue
