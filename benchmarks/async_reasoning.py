@@ -228,7 +228,7 @@ def main() -> None:
             # made by the seed's first repeat, reused by the later ones; on GPUs one profile for
             # both sides (the async config's probes are the on-policy one's: it measures no
             # contention there), on CPU slots the async side's has its contention probe
-            profile = keep / (f"seed{seed}.json" if machine["gpus"] and side != "control" else f"{side}-seed{seed}.json")
+            profile = keep / (f"seed{seed}.json" if machine["gpus"] else f"{side}-seed{seed}.json")
             out_dir = tmp / f"{side}-seed{seed}-{r}"
             if (seed, r, side) in sides_done:
                 log(f"== seed {seed}, repeat {r + 1}: {side}, in {args.journal}")

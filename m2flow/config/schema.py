@@ -260,7 +260,8 @@ class RolloutConfig:
                               "generation ends with the weights it started with")
     continuous: bool = opt(True, "with rollout.partial, running ahead, on devices of its own: the rollout's decode batch "
                                  "never drains between steps; once a step's prompts have all started, the next "
-                                 "step's join as slots free up (no token older than runner.max_staleness allows)")
+                                 "step's join as slots free up, on weights at most one version behind those that train "
+                                 "on them (no token older than runner.max_staleness allows)")
 
 
 @dataclass

@@ -124,7 +124,7 @@ class ReasoningRunner(Runner):
         # weights at most one version behind those that will train on it
         min_version = self.synced or 0
         if fresh["rollout"] and self.cfg.rollout.continuous:
-            g["rollout"].offer(prompts, key, min_version, max(min_version, trained_by - 1)).wait()
+            g["rollout"].offer(prompts, key, min_version, trained_by - 1).wait()
         calls = {"rollout": g["rollout"].generate(prompts, ch["samples"], self.plan.granularity["samples"], key,
                                                   fresh["rollout"], min_version),
                  "reward": g["reward"].score(ch["samples"], ch["scored"], len(prompts), key)}

@@ -177,7 +177,7 @@ class LMRolloutWorker(WeightReceiver):
         Continuous (``rollout.continuous``, with ``weights_from``): the engine's call goes on
         across streams. Once this stream's prompts have all started, those of the streams
         ``offer``ed behind it join as slots free up (each once weights of its own
-        ``min_version`` are in); their groups go out under their own keys as they complete,
+        ``join_version`` are in); their groups go out under their own keys as they complete,
         and the call returns when this stream's last group is out, the others left in flight
         for their own calls."""
         clock = Clock()
@@ -253,14 +253,13 @@ class LMRolloutWorker(WeightReceiver):
         stream = self.streams[key]
         counts = dict(NO_COUNTS)
         while stream["stats"]["groups"] < groups:
-            if self.session is None:  # a new engine call numbers its prompts from 0
-                self.session_prompts, self.session_done = [], 0  # none in flight: all done or none begun
+            if self.session is None:  # a new engine call, numbering its prompts from 0
                 self.session = self.engine.generate([], self.params, between=between, more=self._more)
             try:
                 completions = next(self.session)
             except StopIteration:  # nothing in flight and nothing offered that may start now
                 counts = {k: v + self._session_counts()[k] for k, v in counts.items()}
-                self.session, self.session_counted = None, NO_COUNTS  # the next call's counts start at 0
+                self._end_session("the engine's call ended")  # its prompts all done: the next numbers anew
                 with self.offer_lock:
                     if not any(offered[0] == key for offered in self.offers):
                         raise RuntimeError(f"stream {key}: {stream['stats']['groups']} of {groups} groups out and "
