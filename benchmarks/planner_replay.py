@@ -29,7 +29,7 @@ def replay(result: dict, profile: dict) -> dict:
     from m2flow.config import load_config
     from m2flow.flow import Plan
     from m2flow.flow.cost import CostModel, Profile
-    from m2flow.flow.planner import layout_of, predicted, preference
+    from m2flow.flow.planner import layout_of, predicted, preference, priced
     from m2flow.runners.auto import refit_hidden_costs
     from m2flow.runners.schedule import schedule_of
 
@@ -45,14 +45,20 @@ def replay(result: dict, profile: dict) -> dict:
         now = predicted(model, s.shape(plan, fused), layout, plan.run_ahead).step_s
         rows.append({"plan": r["plan"], "measured_s": r["measured_s"], "predicted_then_s": r["predicted_s"],
                      "predicted_now_s": round(now, 4), "error_then": r["error"], "error_now": round(now / r["measured_s"] - 1, 3)})
-        order.append(preference(plan, now))
+        order.append(preference(plan, now, cfg.placement.staleness_cost))
     best = min(rows, key=lambda r: r["measured_s"])
-    pick = rows[order.index(min(order))]  # as the planner ranks them
+    pick = rows[order.index(min(order))]  # as the planner ranks them (a version ahead priced as it prices it)
+    cost = cfg.placement.staleness_cost
+    for r, o in zip(rows, result["rows"]):
+        r["priced_s"] = priced(r["measured_s"], o["plan_file"].get("run_ahead", 0), cost)
+    best_priced = min(rows, key=lambda r: r["priced_s"])
     return {"rows": rows, "switch_s": prof.switch_s, "hop_s": prof.hop_s,
             "median_abs_error_then": round(statistics.median(abs(r["error_then"]) for r in rows), 3),
             "median_abs_error_now": round(statistics.median(abs(r["error_now"]) for r in rows), 3),
             "pick_now": pick["plan"], "best_measured": best["plan"],
-            "pick_now_over_best": round(pick["measured_s"] / best["measured_s"], 3)}
+            "pick_now_over_best": round(pick["measured_s"] / best["measured_s"], 3), "staleness_cost": cost,
+            "best_measured_priced": best_priced["plan"],
+            "pick_now_over_best_priced": round(pick["priced_s"] / best_priced["priced_s"], 3)}
 
 
 def load_result(path: Path) -> dict:

@@ -218,25 +218,41 @@ def _peak_together(ranks: list[tuple[int, float]]) -> float:
 @dataclass
 class Choice:
     best: Candidate
-    ranked: list[Candidate]  # feasible, fastest first
+    ranked: list[Candidate]  # feasible, the least priced step first (``staleness_cost`` 0: fastest first)
     rejected: list[Candidate]
     planning_s: float
     notes: list[str] = dataclasses.field(default_factory=list)  # what the predictions leave out
+    staleness_cost: float = 0.0  # of a step's learning, per version a plan runs ahead
+
+    def priced_s(self, c: Candidate) -> float:
+        return priced(c.step_s, c.plan.run_ahead, self.staleness_cost)
 
     def report(self, top: int = 5) -> str:
         b = self.best
+        lags = self.staleness_cost > 0 and any(c.plan.run_ahead for c in self.ranked)
         lines = [f"planned {len(self.ranked) + len(self.rejected)} plans in {self.planning_s:.2f} s "
-                 f"({len(self.rejected)} rejected); predicted step times:"]
+                 f"({len(self.rejected)} rejected); predicted step times"
+                 + (f" (priced: x{1 + self.staleness_cost:g} a version ahead, for the learning that lagging data "
+                    f"loses):" if lags else ":")]
         for i, c in enumerate(self.ranked[:top]):
-            lines.append(f"  {'*' if i == 0 else ' '} {c.step_s:9.3f} s  {c.describe()}")
+            price = f" (priced {self.priced_s(c):.3f} s)" if lags and c.plan.run_ahead else ""
+            lines.append(f"  {'*' if i == 0 else ' '} {c.step_s:9.3f} s  {c.describe()}{price}")
         best_per_mode = {}
         for c in self.ranked:
             best_per_mode.setdefault(c.mode, c)
-        why = [f"{m} at best {c.step_s / b.step_s:.2f}x the time" for m, c in best_per_mode.items() if c is not b
-               and c.mode != b.mode]
+        ratio = self.priced_s if lags else (lambda c: c.step_s)
+        why = [f"{m} at best {ratio(c) / ratio(b):.2f}x the {'priced ' if lags else ''}time"
+               for m, c in best_per_mode.items() if c is not b and c.mode != b.mode]
         busy = b.prediction.busy_s
         bottleneck = max(busy, key=busy.get)
-        lines.append(f"why: {b.describe()} is the fastest predicted; " + "; ".join(why))
+        fastest = min(self.ranked, key=lambda c: c.step_s)
+        if fastest.step_s < b.step_s and fastest.plan.run_ahead > b.plan.run_ahead:
+            lead = (f"{b.describe()} is the least priced: the fastest predicted, {fastest.describe()} "
+                    f"({fastest.step_s:.3f} s), is {b.step_s / fastest.step_s:.2f}x as fast with data "
+                    f"{fastest.plan.run_ahead - b.plan.run_ahead} version(s) older")
+        else:
+            lead = f"{b.describe()} is the fastest predicted"
+        lines.append(f"why: {lead}; " + "; ".join(why))
         lines.append(f"  its busiest process: {bottleneck} ({busy[bottleneck] / b.step_s:.0%} of the step)")
         lines.append("predicted step (one steady-state step; # work, T train, s switch, w weight sync):")
         lines.append(b.prediction.timeline())
@@ -252,17 +268,26 @@ def predicted(model: CostModel, shape: Shape, layout: Layout, run_ahead: int = 0
                    train_scale=model.train_scales(shape.row_groups))
 
 
-def preference(plan: Plan, step_s: float) -> tuple:
-    """The order of plans: the fastest first; on a tie, the simpler plan (fewer stages, no
-    run-ahead, one message per item)."""
-    return round(step_s, 9), plan.stages, plan.run_ahead, max(plan.granularity.values(), default=1)
+def priced(step_s: float, run_ahead: int, staleness_cost: float) -> float:
+    """A step's time per on-policy step's worth of learning: each version the data lags
+    (``run_ahead``) costs ``staleness_cost`` of the learning an on-policy step makes."""
+    return step_s * (1.0 + staleness_cost) ** run_ahead
+
+
+def preference(plan: Plan, step_s: float, staleness_cost: float = 0.0) -> tuple:
+    """The order of plans: the least time per step's worth of learning first (with no
+    ``staleness_cost``, the fastest); on a tie, the simpler plan (fewer stages, no run-ahead,
+    one message per item)."""
+    return (round(priced(step_s, plan.run_ahead, staleness_cost), 9), plan.stages, plan.run_ahead,
+            max(plan.granularity.values(), default=1))
 
 
 def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: int, kind: str,
          components: tuple[str, ...], check: Callable[[Plan], None] | None = None, gpu_slots: int = 0,
-         **options) -> Choice:
-    """Simulates every candidate plan; the fastest that fits first (``gpu_slots``: devices per
-    GPU, for the memory each GPU's ranks share)."""
+         staleness_cost: float = 0.0, **options) -> Choice:
+    """Simulates every candidate plan; the fastest that fits first, each version a plan runs
+    ahead priced at ``staleness_cost`` of a step's learning (``gpu_slots``: devices per GPU,
+    for the memory each GPU's ranks share)."""
     start = time.perf_counter()
     ranked, rejected = [], []
     for c in candidates(workflow, num_devices, kind, components, **options):
@@ -286,7 +311,7 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
         reasons = sorted({c.rejected for c in rejected if c.rejected}) or [f"no plan of {workflow.name} fits "
                                                                             f"{num_devices} device(s)"]
         raise PlanError(f"no plan fits: {reasons[0]}" + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""))
-    ranked.sort(key=lambda c: preference(c.plan, c.step_s))
+    ranked.sort(key=lambda c: preference(c.plan, c.step_s, staleness_cost))
     notes = [f"{gpu_slots} devices per GPU: their ranks share its memory (counted) and its compute, which the "
              "predictions leave out (each slot is priced as a GPU of its own)"] if gpu_slots > 1 else []
     if not ranked[0].plan.offload:
@@ -295,4 +320,4 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
     if kind == "cpu" and ranked[0].mode != "collocated" and not model.contention:
         notes.append("components on CPU slots of their own compute at once and share the node's memory and "
                      "caches, which slows each; the predictions leave that out (each is priced as if it ran alone)")
-    return Choice(ranked[0], ranked, rejected, time.perf_counter() - start, notes)
+    return Choice(ranked[0], ranked, rejected, time.perf_counter() - start, notes, staleness_cost)
