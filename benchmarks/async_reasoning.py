@@ -43,7 +43,10 @@ give the arithmetic other round-off (a component on one CPU slot computes on one
 two on two), and at this size one run's curve turns that into 10-25 points; the async run
 less the control is the lag's effect with the round-off of the same devices
 (``final_accuracy_difference_vs_control_points``), and the control less the on-policy run
-the plan's (``control_less_on_policy_points``).
+the plan's (``control_less_on_policy_points``). Over the pairs with a control the summary
+estimates what a version of lag costs a step's learning (``staleness_cost``, the planner's
+``placement.staleness_cost``): the steps the async runs took to their final mean accuracy
+against the control's, by the mean curves, per version of their mean policy lag.
 
 Each side's run folder (``runner.out_dir``, in a temporary folder whose name the log gives)
 keeps its ``metrics.csv``, log and trace; its checkpoints (the preset's at step 20 and the
@@ -163,6 +166,50 @@ def _mean_sem(values: list[float]) -> dict:
             "n": len(values)}
 
 
+def staleness_cost(pairs: list[dict]) -> dict | None:
+    """What a version of lag costs a step's learning (``placement.staleness_cost``), from the
+    pairs run with a control (the async run's plan, on-policy): over their mean held-out curves,
+    the control reached the async runs' final mean accuracy at step s (the first crossing,
+    linear between evaluations) of the N steps both ran, so the async runs took N / s the steps
+    to it at a mean policy lag L a step: a cost of (N / s)^(1 / L) - 1 a version. Where the
+    control never reached it, the lag cost nothing measurable (at most 0). From three pairs on,
+    its jackknife standard error (``per_version_se``; None where leaving a pair out leaves no
+    finite estimate). None without such pairs, with curves evaluated at other steps, or with no
+    lag."""
+    runs = [p for p in pairs if isinstance(p.get("control"), dict) and isinstance(p.get("async"), dict)]
+    if not runs:
+        return None
+    steps = [pt["step"] for pt in runs[0]["control"]["curve"]]
+    if len(steps) < 2 or any([pt["step"] for pt in p[side]["curve"]] != steps for p in runs
+                             for side in ("async", "control")):
+        return None
+    lags = [lag for p in runs for lag in p["async"].get("policy_lag", [])]
+    if not lags or not statistics.fmean(lags):
+        return None
+    lag = statistics.fmean(lags)
+    control, asy = ([statistics.fmean(p[side]["curve"][i]["accuracy"] for p in runs) for i in range(len(steps))]
+                    for side in ("control", "async"))
+    target, out = asy[-1], {"pairs": len(runs), "mean_policy_lag": round(lag, 3),
+                            "async_final_mean": round(asy[-1], 4), "control_final_mean": round(control[-1], 4)}
+    if control[0] >= target:  # the async runs ended where the runs started: no finite count of steps
+        return out | {"control_step_reaching": 0, "steps_ratio": None, "per_version": None}
+    reached = next((i for i in range(1, len(steps)) if control[i] >= target), None)
+    if reached is None:
+        return out | {"control_step_reaching": None, "steps_ratio": None, "per_version_at_most": 0.0}
+    a, b = control[reached - 1], control[reached]
+    at = steps[reached - 1] + (steps[reached] - steps[reached - 1]) * (target - a) / (b - a)
+    ratio = steps[-1] / at
+    out |= {"control_step_reaching": round(at, 2), "steps_ratio": round(ratio, 3),
+            "per_version": round(ratio ** (1 / lag) - 1, 3), "per_version_se": None}
+    if len(runs) >= 3:  # the jackknife: the estimate again without each pair in turn
+        rest = [staleness_cost(runs[:i] + runs[i + 1:]) for i in range(len(runs))]
+        if all(r and r.get("per_version") is not None for r in rest):
+            values, n = [r["per_version"] for r in rest], len(rest)
+            mean = statistics.fmean(values)
+            out["per_version_se"] = round(math.sqrt((n - 1) / n * sum((v - mean) ** 2 for v in values)), 3)
+    return out
+
+
 def summary(pairs: list[dict], max_ratio: float = 0.67, min_difference: float = -3.0) -> dict:
     """Over the pairs: each criterion's spread, the pairs that met both (the time ratio at most
     ``max_ratio``, the accuracy difference at least ``min_difference`` points), and the mean
@@ -178,6 +225,7 @@ def summary(pairs: list[dict], max_ratio: float = 0.67, min_difference: float = 
     if controlled:  # the pairs run with --control
         out["vs_control_points"] = _mean_sem([p["final_accuracy_difference_vs_control_points"] for p in controlled])
         out["control_less_on_policy_points"] = _mean_sem([p["control_less_on_policy_points"] for p in controlled])
+        out["staleness_cost"] = staleness_cost(controlled)
     return out
 
 
