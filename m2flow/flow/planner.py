@@ -1,5 +1,6 @@
 """The planner: every plan a workflow can take on a cluster, each simulated on the cost
-model, the fastest first.
+model, the fastest first (a plan that runs ahead priced for the learning its lagging data
+costs: ``placement.staleness_cost``).
 
 A candidate is a named mode with one way of splitting the devices among the mode's groups,
 a granularity, a number of env stages, fused or not, and run-ahead (only where the
