@@ -44,9 +44,9 @@ two on two), and at this size one run's curve turns that into 10-25 points; the 
 less the control is the lag's effect with the round-off of the same devices
 (``final_accuracy_difference_vs_control_points``), and the control less the on-policy run
 the plan's (``control_less_on_policy_points``). Over the pairs with a control the summary
-estimates what a version of lag costs a step's learning (``staleness_cost``, the planner's
-``placement.staleness_cost``): the steps the async runs took to their final mean accuracy
-against the control's, by the mean curves, per version of their mean policy lag.
+estimates what running ahead costs a step's learning (``staleness_cost``: the entry of the
+planner's ``placement.staleness_cost`` for the async runs' run-ahead): the steps they took to
+their final mean accuracy over the control's, by the mean curves, less 1.
 
 Each side's run folder (``runner.out_dir``, in a temporary folder whose name the log gives)
 keeps its ``metrics.csv``, log and trace; its checkpoints (the preset's at step 20 and the
@@ -167,15 +167,15 @@ def _mean_sem(values: list[float]) -> dict:
 
 
 def staleness_cost(pairs: list[dict]) -> dict | None:
-    """What a version of lag costs a step's learning (``placement.staleness_cost``), from the
-    pairs run with a control (the async run's plan, on-policy): over their mean held-out curves,
-    the control reached the async runs' final mean accuracy at step s (the first crossing,
-    linear between evaluations) of the N steps both ran, so the async runs took N / s the steps
-    to it at a mean policy lag L a step: a cost of (N / s)^(1 / L) - 1 a version. Where the
-    control never reached it, the lag cost nothing measurable (at most 0). From three pairs on,
-    its jackknife standard error (``per_version_se``; None where leaving a pair out leaves no
-    finite estimate). None without such pairs, with curves evaluated at other steps, or with no
-    lag."""
+    """What running ahead costs a step's learning (an entry of ``placement.staleness_cost``),
+    from the pairs run with a control (the async run's plan, on-policy): over their mean
+    held-out curves, the control reached the async runs' final mean accuracy at step s (the
+    first crossing, linear between evaluations) of the N steps both ran, so the async runs took
+    N / s the steps to it: the entry for their run-ahead (the most versions their data lagged)
+    is N / s - 1. Where the control never reached it, running ahead cost nothing measurable (at
+    most 0). From three pairs on, its jackknife standard error (``cost_se``; None where leaving
+    a pair out leaves no finite estimate). None without such pairs, with curves evaluated at
+    other steps, or with no lag."""
     runs = [p for p in pairs if isinstance(p.get("control"), dict) and isinstance(p.get("async"), dict)]
     if not runs:
         return None
@@ -184,29 +184,29 @@ def staleness_cost(pairs: list[dict]) -> dict | None:
                              for side in ("async", "control")):
         return None
     lags = [lag for p in runs for lag in p["async"].get("policy_lag", [])]
-    if not lags or not statistics.fmean(lags):
+    if not lags or not max(lags):
         return None
-    lag = statistics.fmean(lags)
     control, asy = ([statistics.fmean(p[side]["curve"][i]["accuracy"] for p in runs) for i in range(len(steps))]
                     for side in ("control", "async"))
-    target, out = asy[-1], {"pairs": len(runs), "mean_policy_lag": round(lag, 3),
-                            "async_final_mean": round(asy[-1], 4), "control_final_mean": round(control[-1], 4)}
+    target = asy[-1]
+    out = {"pairs": len(runs), "run_ahead": max(lags), "mean_policy_lag": round(statistics.fmean(lags), 3),
+           "async_final_mean": round(asy[-1], 4), "control_final_mean": round(control[-1], 4)}
     if control[0] >= target:  # the async runs ended where the runs started: no finite count of steps
-        return out | {"control_step_reaching": 0, "steps_ratio": None, "per_version": None}
+        return out | {"control_step_reaching": 0, "steps_ratio": None, "cost": None}
     reached = next((i for i in range(1, len(steps)) if control[i] >= target), None)
     if reached is None:
-        return out | {"control_step_reaching": None, "steps_ratio": None, "per_version_at_most": 0.0}
+        return out | {"control_step_reaching": None, "steps_ratio": None, "cost_at_most": 0.0}
     a, b = control[reached - 1], control[reached]
     at = steps[reached - 1] + (steps[reached] - steps[reached - 1]) * (target - a) / (b - a)
     ratio = steps[-1] / at
-    out |= {"control_step_reaching": round(at, 2), "steps_ratio": round(ratio, 3),
-            "per_version": round(ratio ** (1 / lag) - 1, 3), "per_version_se": None}
+    out |= {"control_step_reaching": round(at, 2), "steps_ratio": round(ratio, 3), "cost": round(ratio - 1, 3),
+            "cost_se": None}
     if len(runs) >= 3:  # the jackknife: the estimate again without each pair in turn
         rest = [staleness_cost(runs[:i] + runs[i + 1:]) for i in range(len(runs))]
-        if all(r and r.get("per_version") is not None for r in rest):
-            values, n = [r["per_version"] for r in rest], len(rest)
+        if all(r and r.get("cost") is not None for r in rest):
+            values, n = [r["cost"] for r in rest], len(rest)
             mean = statistics.fmean(values)
-            out["per_version_se"] = round(math.sqrt((n - 1) / n * sum((v - mean) ** 2 for v in values)), 3)
+            out["cost_se"] = round(math.sqrt((n - 1) / n * sum((v - mean) ** 2 for v in values)), 3)
     return out
 
 

@@ -175,7 +175,7 @@ def workload(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     best = min(rows, key=lambda r: r["measured_s"])
     pick = rows[0]
     # the pick is the least priced (a version ahead costs learning: placement.staleness_cost)
-    cost = cfg.placement.staleness_cost
+    cost = list(cfg.placement.staleness_cost)
     for r in rows:
         r["priced_s"] = round(priced(r["measured_s"], r["plan_file"].get("run_ahead", 0), cost), 4)
     best_priced = min(rows, key=lambda r: r["priced_s"])

@@ -45,10 +45,10 @@ def replay(result: dict, profile: dict) -> dict:
         now = predicted(model, s.shape(plan, fused), layout, plan.run_ahead).step_s
         rows.append({"plan": r["plan"], "measured_s": r["measured_s"], "predicted_then_s": r["predicted_s"],
                      "predicted_now_s": round(now, 4), "error_then": r["error"], "error_now": round(now / r["measured_s"] - 1, 3)})
-        order.append(preference(plan, now, cfg.placement.staleness_cost))
+        order.append(preference(plan, now, tuple(cfg.placement.staleness_cost)))
     best = min(rows, key=lambda r: r["measured_s"])
     pick = rows[order.index(min(order))]  # as the planner ranks them (a version ahead priced as it prices it)
-    cost = cfg.placement.staleness_cost
+    cost = list(cfg.placement.staleness_cost)
     for r, o in zip(rows, result["rows"]):
         r["priced_s"] = priced(r["measured_s"], o["plan_file"].get("run_ahead", 0), cost)
     best_priced = min(rows, key=lambda r: r["priced_s"])

@@ -132,26 +132,25 @@ def test_staleness_cost_from_controlled_pairs_by_hand():
         curve = [{"step": 4 * i, "time_s": 10.0 * i, "accuracy": a} for i, a in enumerate(accuracies)]
         return {"curve": curve, "final_accuracy": accuracies[-1], "policy_lag": lag or []}
 
-    lag = [0, 1, 2, 2, 2, 2, 2, 2]  # a mean of 1.625 over the 8 steps
+    lag = [0, 1, 2, 2, 2, 2, 2, 2]  # two ahead
     pairs = [{"async": side([0.2, 0.25, 0.3], lag), "control": side([0.2, 0.3, 0.4])},
              {"async": side([0.2, 0.2, 0.3], lag), "control": side([0.2, 0.2, 0.4])}]
     got = bench.staleness_cost(pairs)
     # mean curves: control 0.2, 0.25, 0.4; async ends at 0.3, which the control crosses between
-    # steps 4 (0.25) and 8 (0.4): at 4 + 4 x 0.05 / 0.15 = 5.33; 8 / 5.33 = 1.5 the steps, at
-    # 1.625 versions a step: 1.5^(1 / 1.625) - 1 = 0.2834 a version
+    # steps 4 (0.25) and 8 (0.4): at 4 + 4 x 0.05 / 0.15 = 5.33; 8 / 5.33 = 1.5 the steps:
+    # two ahead costs 0.5
     assert got["control_step_reaching"] == pytest.approx(5.33, abs=0.01)
-    assert got["steps_ratio"] == 1.5 and got["mean_policy_lag"] == 1.625
-    assert got["per_version"] == pytest.approx(1.5 ** (1 / 1.625) - 1, abs=1e-3)
-    assert got["per_version_se"] is None  # two pairs: no jackknife
+    assert (got["steps_ratio"], got["cost"], got["run_ahead"], got["mean_policy_lag"]) == (1.5, 0.5, 2, 1.625)
+    assert got["cost_se"] is None  # two pairs: no jackknife
     third = {"async": side([0.2, 0.3, 0.35], lag), "control": side([0.2, 0.3, 0.4])}
     got3 = bench.staleness_cost([*pairs, third])
-    leave_out = [bench.staleness_cost(p)["per_version"] for p in ([pairs[1], third], [pairs[0], third], pairs)]
+    leave_out = [bench.staleness_cost(p)["cost"] for p in ([pairs[1], third], [pairs[0], third], pairs)]
     mean = sum(leave_out) / 3
-    assert got3["per_version_se"] == pytest.approx((2 / 3 * sum((v - mean) ** 2 for v in leave_out)) ** 0.5, abs=1e-3)
+    assert got3["cost_se"] == pytest.approx((2 / 3 * sum((v - mean) ** 2 for v in leave_out)) ** 0.5, abs=1e-3)
     ahead = [{"async": side([0.2, 0.35, 0.5], lag), "control": side([0.2, 0.3, 0.4])}]
-    assert bench.staleness_cost(ahead)["per_version_at_most"] == 0.0  # the control never got there
+    assert bench.staleness_cost(ahead)["cost_at_most"] == 0.0  # the control never got there
     stuck = [{"async": side([0.2, 0.1, 0.15], lag), "control": side([0.2, 0.3, 0.4])}]
-    assert bench.staleness_cost(stuck)["per_version"] is None  # under the start: no finite count of steps
+    assert bench.staleness_cost(stuck)["cost"] is None  # under the start: no finite count of steps
     assert bench.staleness_cost([{"async": side([0.2, 0.3, 0.4]), "control": side([0.2, 0.3, 0.4])}]) is None  # no lag
     other_steps = [pairs[0], {"async": side([0.2, 0.3], lag), "control": side([0.2, 0.3])}]
     assert bench.staleness_cost(other_steps) is None

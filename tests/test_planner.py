@@ -180,27 +180,40 @@ def test_run_ahead_only_within_the_staleness_allowed():
     assert "note:" not in on_policy.report()  # collocated: one component computes at a time
 
 
-def test_a_version_ahead_is_priced_at_the_learning_it_costs():
+def test_a_plan_ahead_is_priced_at_the_learning_it_costs():
     # The profile above: on-policy collocated 0.31 s a step, one version ahead 0.24 s (1.29x).
-    # At a cost of 0.2 a version the plan ahead is priced 0.29 s and still wins; at 0.4, 0.34 s,
-    # and the on-policy plan wins, slower but learning more a step.
+    # Where a run one ahead takes 1.2x the steps to the same learning, the plan ahead is priced
+    # 0.29 s and still wins; at 1.4x, 0.34 s, and the on-policy plan wins, slower but learning
+    # more a step.
     cfg, prof = _embodied_profile(env_s_per_env=0.0001, actor_s=0.4)
     cfg.runner.max_staleness = 2
     fastest = choose(cfg, prof).best
-    assert fastest.plan.run_ahead >= 1 and cfg.placement.staleness_cost == 0.0  # the embodied default
-    for cost, ahead in ((0.2, 1), (0.4, 0)):
+    assert fastest.plan.run_ahead >= 1 and list(cfg.placement.staleness_cost) == []  # the embodied default
+    for cost, ahead in (([0.2], 1), ([0.4], 0), ([0.0, 0.5], 1)):
         cfg.placement.staleness_cost = cost
         choice = choose(cfg, prof)
-        priced = [round(c.step_s * (1 + cost) ** c.plan.run_ahead, 9) for c in choice.ranked]
+        priced = [round(c.step_s * (1 + cost[min(c.plan.run_ahead, len(cost)) - 1]) ** (c.plan.run_ahead / len(cost))
+                        if c.plan.run_ahead else c.step_s, 9) for c in choice.ranked]
         assert priced == sorted(priced) and choice.best is choice.ranked[0]
         assert choice.best.plan.run_ahead == ahead, cost
         assert choice.best.step_s >= fastest.step_s
-    assert choice.best.mode == "collocated" and choice.best.step_s == pytest.approx(0.31, rel=0.05)
-    report = choice.report()
-    assert "x1.4 a version ahead" in report and "(priced " in report
-    assert f"why: {choice.best.describe()} is the least priced: the fastest predicted" in report
-    # the reasoning flow prices a version ahead by default (measured: its GRPO learns less a step)
-    assert load_config("reasoning/grpo_arith_smollm2").placement.staleness_cost == pytest.approx(0.15)
+        report = choice.report()
+        if ahead == 0:
+            assert choice.best.mode == "collocated" and choice.best.step_s == pytest.approx(0.31, rel=0.05)
+            assert "x1.4 at 1 ahead, x1.96 at 2 ahead" in report and "(priced " in report  # 1.4^2 past the list
+            assert f"why: {choice.best.describe()} is the least priced: the fastest predicted" in report
+    assert "x1 at 1 ahead, x1.5 at 2 ahead" in report  # the last: one ahead free, two ahead 1.5x the steps
+    # the reasoning flow prices running ahead by default (measured: its GRPO two ahead learns less a step)
+    assert list(load_config("reasoning/grpo_arith_smollm2").placement.staleness_cost) == [0.24, 0.34]
+
+
+def test_priced_by_the_steps_to_the_same_learning():
+    from m2flow.flow.planner import priced
+
+    assert priced(2.0, 0, [0.5]) == 2.0 and priced(2.0, 3, []) == 2.0  # on-policy; no price
+    assert priced(2.0, 1, [0.1, 0.44]) == pytest.approx(2.2) and priced(2.0, 2, [0.1, 0.44]) == pytest.approx(2.88)
+    assert priced(2.0, 4, [0.1, 0.44]) == pytest.approx(2.0 * 1.44 ** 2)  # past the list: 1.44 every two versions
+    assert priced(1.0, 2, [0.2]) == pytest.approx(1.44)
 
 
 def test_what_does_not_scale_decides_the_plan():

@@ -187,8 +187,10 @@ MODES = ("collocated", "disaggregated", "hybrid", "custom", "auto")
 PLAN_DOC = "a plan file (YAML: components, fuse, granularity, stages, run_ahead, offload) run as it is, instead of mode"
 # Keys that were renamed: their old name's error says the new one.
 RENAMED = {"runner.collect_ahead": "runner.max_staleness (true: 1)", "placement.staleness": "runner.max_staleness"}
-STALENESS_COST_DOC = ("mode auto: the learning a step loses per version its data lags, as a share of an on-policy "
-                      "step's; the planner picks the least step time x (1 + cost)^versions ahead (0: the fastest)")
+STALENESS_COST_DOC = ("mode auto: how many more steps than on-policy a run 1, 2, ... versions ahead takes to the "
+                      "same learning, as shares (0.34: 1.34x the steps); the planner picks the least predicted step "
+                      "time x (1 + the share at the plan's run-ahead), past the list at its last entry's rate a "
+                      "version ([]: the fastest)")
 PROFILE_DOC = "mode auto: the profile file to reuse or write (null: runs/profiles/<preset>-<config hash>.json)"
 
 
@@ -200,10 +202,9 @@ class EmbodiedPlacementConfig:
     actor_devices_per_proc: int = opt(1, "> 1: each actor rank spans that many devices (fewer ranks, fewer "
                                          "all-reduces)", within=AT_LEAST_1)
     fuse: bool = opt(True, "env and rollout on the same devices: run the rollout inside the env workers")
-    staleness_cost: float = opt(0.0, STALENESS_COST_DOC + " (0 here: on HalfCheetah, PPO with the decoupled "
-                                     "objective up to two versions ahead ended at on-policy's return at the same env "
-                                     "steps)",
-                                within=NON_NEGATIVE)
+    staleness_cost: List[float] = opt([], STALENESS_COST_DOC + " ([] here: on HalfCheetah, PPO with the decoupled "
+                                          "objective up to two versions ahead ended at on-policy's return at the "
+                                          "same env steps)", within=NON_NEGATIVE)
     components: Dict[str, Any] = opt({"env": None, "rollout": None, "actor": None},
                                      "mode custom: device ranges per component, e.g. placement.components.actor=0-1")
 
@@ -334,9 +335,10 @@ class ReasoningPlacementConfig:
     plan: Optional[str] = opt(None, PLAN_DOC)
     profile: Optional[str] = opt(None, PROFILE_DOC)
     granularity: int = opt(1, "prompt groups per streamed micro-batch", within=AT_LEAST_1)
-    staleness_cost: float = opt(0.15, STALENESS_COST_DOC + " (0.15 here: GRPO two versions ahead needed about "
-                                      "1.34x the on-policy steps to the same held-out accuracy)",
-                                within=NON_NEGATIVE)
+    staleness_cost: List[float] = opt([0.24, 0.34], STALENESS_COST_DOC + " ([0.24, 0.34] here: GRPO on SmolLM2 "
+                                                     "one and two versions ahead took 1.24x and 1.34x the steps of "
+                                                     "on-policy runs to the same held-out accuracy)",
+                                      within=NON_NEGATIVE)
     components: Dict[str, Any] = opt({"rollout": None, "reward": None, "inference": None, "actor": None,
                                       "critic": None},
                                      "mode custom: device ranges per component (critic: ppo only)")

@@ -219,24 +219,25 @@ def _peak_together(ranks: list[tuple[int, float]]) -> float:
 @dataclass
 class Choice:
     best: Candidate
-    ranked: list[Candidate]  # feasible, the least priced step first (``staleness_cost`` 0: fastest first)
+    ranked: list[Candidate]  # feasible, the least priced step first (no ``staleness_cost``: fastest first)
     rejected: list[Candidate]
     planning_s: float
     notes: list[str] = dataclasses.field(default_factory=list)  # what the predictions leave out
-    staleness_cost: float = 0.0  # of a step's learning, per version a plan runs ahead
+    staleness_cost: tuple[float, ...] = ()  # the extra steps to the same learning, at 1, 2, ... versions ahead
 
     def priced_s(self, c: Candidate) -> float:
         return priced(c.step_s, c.plan.run_ahead, self.staleness_cost)
 
     def report(self, top: int = 5) -> str:
         b = self.best
-        lags = self.staleness_cost > 0 and any(c.plan.run_ahead for c in self.ranked)
+        aheads = sorted({c.plan.run_ahead for c in self.ranked if c.plan.run_ahead})
+        lags = any(priced(1.0, a, self.staleness_cost) != 1.0 for a in aheads)
+        factors = ", ".join(f"x{priced(1.0, a, self.staleness_cost):.3g} at {a} ahead" for a in aheads)
         lines = [f"planned {len(self.ranked) + len(self.rejected)} plans in {self.planning_s:.2f} s "
                  f"({len(self.rejected)} rejected); predicted step times"
-                 + (f" (priced: x{1 + self.staleness_cost:g} a version ahead, for the learning that lagging data "
-                    f"loses):" if lags else ":")]
+                 + (f" (priced for the learning that lagging data loses, {factors}):" if lags else ":")]
         for i, c in enumerate(self.ranked[:top]):
-            price = f" (priced {self.priced_s(c):.3f} s)" if lags and c.plan.run_ahead else ""
+            price = f" (priced {self.priced_s(c):.3f} s)" if self.priced_s(c) != c.step_s else ""
             lines.append(f"  {'*' if i == 0 else ' '} {c.step_s:9.3f} s  {c.describe()}{price}")
         best_per_mode = {}
         for c in self.ranked:
@@ -269,13 +270,19 @@ def predicted(model: CostModel, shape: Shape, layout: Layout, run_ahead: int = 0
                    train_scale=model.train_scales(shape.row_groups))
 
 
-def priced(step_s: float, run_ahead: int, staleness_cost: float) -> float:
-    """A step's time per on-policy step's worth of learning: each version the data lags
-    (``run_ahead``) costs ``staleness_cost`` of the learning an on-policy step makes."""
-    return step_s * (1.0 + staleness_cost) ** run_ahead
+def priced(step_s: float, run_ahead: int, staleness_cost: Sequence[float] = ()) -> float:
+    """A step's time per on-policy step's worth of learning: a run ``run_ahead`` versions ahead
+    takes 1 + ``staleness_cost[run_ahead - 1]`` times the steps of an on-policy run to the same
+    learning; further ahead than the list goes, its last entry's rate per version goes on."""
+    n = len(staleness_cost)
+    if not run_ahead or not n:
+        return step_s
+    if run_ahead <= n:
+        return step_s * (1.0 + staleness_cost[run_ahead - 1])
+    return step_s * (1.0 + staleness_cost[-1]) ** (run_ahead / n)
 
 
-def preference(plan: Plan, step_s: float, staleness_cost: float = 0.0) -> tuple:
+def preference(plan: Plan, step_s: float, staleness_cost: Sequence[float] = ()) -> tuple:
     """The order of plans: the least time per step's worth of learning first (with no
     ``staleness_cost``, the fastest); on a tie, the simpler plan (fewer stages, no run-ahead,
     one message per item)."""
@@ -285,10 +292,10 @@ def preference(plan: Plan, step_s: float, staleness_cost: float = 0.0) -> tuple:
 
 def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: int, kind: str,
          components: tuple[str, ...], check: Callable[[Plan], None] | None = None, gpu_slots: int = 0,
-         staleness_cost: float = 0.0, **options) -> Choice:
-    """Simulates every candidate plan; the fastest that fits first, each version a plan runs
-    ahead priced at ``staleness_cost`` of a step's learning (``gpu_slots``: devices per GPU,
-    for the memory each GPU's ranks share)."""
+         staleness_cost: Sequence[float] = (), **options) -> Choice:
+    """Simulates every candidate plan; the fastest that fits first, a plan that runs ahead
+    priced by the steps it takes to the same learning (``staleness_cost``, see ``priced``;
+    ``gpu_slots``: devices per GPU, for the memory each GPU's ranks share)."""
     start = time.perf_counter()
     ranked, rejected = [], []
     for c in candidates(workflow, num_devices, kind, components, **options):
@@ -321,4 +328,4 @@ def plan(workflow: Workflow, shape_of: ShapeOf, model: CostModel, num_devices: i
     if kind == "cpu" and ranked[0].mode != "collocated" and not model.contention:
         notes.append("components on CPU slots of their own compute at once and share the node's memory and "
                      "caches, which slows each; the predictions leave that out (each is priced as if it ran alone)")
-    return Choice(ranked[0], ranked, rejected, time.perf_counter() - start, notes, staleness_cost)
+    return Choice(ranked[0], ranked, rejected, time.perf_counter() - start, notes, tuple(staleness_cost))

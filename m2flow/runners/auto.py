@@ -381,7 +381,7 @@ def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes
         s.check(p)
 
     return plan(s.workflow, s.shape, model, n, kind, s.components, check=check, gpu_slots=slots,
-                staleness=cfg.runner.max_staleness, staleness_cost=cfg.placement.staleness_cost, trainer_devices_per_proc=opts.get("trainer_devices_per_proc", 1),
+                staleness=cfg.runner.max_staleness, staleness_cost=tuple(cfg.placement.staleness_cost), trainer_devices_per_proc=opts.get("trainer_devices_per_proc", 1),
                 **s.knobs())
 
 
