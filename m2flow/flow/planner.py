@@ -242,8 +242,7 @@ class Choice:
         best_per_mode = {}
         for c in self.ranked:
             best_per_mode.setdefault(c.mode, c)
-        ratio = self.priced_s if lags else (lambda c: c.step_s)
-        why = [f"{m} at best {ratio(c) / ratio(b):.2f}x the {'priced ' if lags else ''}time"
+        why = [f"{m} at best {self.priced_s(c) / self.priced_s(b):.2f}x the {'priced ' if lags else ''}time"
                for m, c in best_per_mode.items() if c is not b and c.mode != b.mode]
         busy = b.prediction.busy_s
         bottleneck = max(busy, key=busy.get)

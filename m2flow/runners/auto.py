@@ -381,8 +381,8 @@ def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes
         s.check(p)
 
     return plan(s.workflow, s.shape, model, n, kind, s.components, check=check, gpu_slots=slots,
-                staleness=cfg.runner.max_staleness, staleness_cost=tuple(cfg.placement.staleness_cost), trainer_devices_per_proc=opts.get("trainer_devices_per_proc", 1),
-                **s.knobs())
+                staleness=cfg.runner.max_staleness, staleness_cost=tuple(cfg.placement.staleness_cost),
+                trainer_devices_per_proc=opts.get("trainer_devices_per_proc", 1), **s.knobs())
 
 
 def auto_plan(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> DictConfig:
