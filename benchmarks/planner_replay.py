@@ -39,24 +39,23 @@ def replay(result: dict, profile: dict) -> dict:
     model = CostModel(prof)
     s = schedule_of(cfg)
     rows, order = [], []
+    cost = tuple(cfg.placement.staleness_cost)  # a plan ahead priced as the planner prices it
     for r in result["rows"]:
         plan = Plan.from_dict(r["plan_file"])
         layout, fused = layout_of(plan, s.workflow)
         now = predicted(model, s.shape(plan, fused), layout, plan.run_ahead).step_s
         rows.append({"plan": r["plan"], "measured_s": r["measured_s"], "predicted_then_s": r["predicted_s"],
-                     "predicted_now_s": round(now, 4), "error_then": r["error"], "error_now": round(now / r["measured_s"] - 1, 3)})
-        order.append(preference(plan, now, tuple(cfg.placement.staleness_cost)))
+                     "predicted_now_s": round(now, 4), "error_then": r["error"], "error_now": round(now / r["measured_s"] - 1, 3),
+                     "priced_s": priced(r["measured_s"], plan.run_ahead, cost)})
+        order.append(preference(plan, now, cost))
     best = min(rows, key=lambda r: r["measured_s"])
-    pick = rows[order.index(min(order))]  # as the planner ranks them (a version ahead priced as it prices it)
-    cost = list(cfg.placement.staleness_cost)
-    for r, o in zip(rows, result["rows"]):
-        r["priced_s"] = priced(r["measured_s"], o["plan_file"].get("run_ahead", 0), cost)
+    pick = rows[order.index(min(order))]  # as the planner ranks them
     best_priced = min(rows, key=lambda r: r["priced_s"])
     return {"rows": rows, "switch_s": prof.switch_s, "hop_s": prof.hop_s,
             "median_abs_error_then": round(statistics.median(abs(r["error_then"]) for r in rows), 3),
             "median_abs_error_now": round(statistics.median(abs(r["error_now"]) for r in rows), 3),
             "pick_now": pick["plan"], "best_measured": best["plan"],
-            "pick_now_over_best": round(pick["measured_s"] / best["measured_s"], 3), "staleness_cost": cost,
+            "pick_now_over_best": round(pick["measured_s"] / best["measured_s"], 3), "staleness_cost": list(cost),
             "best_measured_priced": best_priced["plan"],
             "pick_now_over_best_priced": round(pick["priced_s"] / best_priced["priced_s"], 3)}
 

@@ -12,7 +12,7 @@ from m2flow.config import load_config
 from m2flow.flow import PlanError
 from m2flow.flow.cost import CostModel, Point, Profile, calibrate, fit, points_from_rows
 from m2flow.flow.plan import Plan
-from m2flow.flow.planner import candidates, layout_of, predicted, splits
+from m2flow.flow.planner import candidates, layout_of, predicted, priced, splits
 from m2flow.flow.simulate import Shape
 from m2flow.runners.auto import choose, plan_command
 from m2flow.runners.embodied import WORKFLOW as EMBODIED
@@ -192,9 +192,8 @@ def test_a_plan_ahead_is_priced_at_the_learning_it_costs():
     for cost, ahead in (([0.2], 1), ([0.4], 0), ([0.0, 0.5], 1)):
         cfg.placement.staleness_cost = cost
         choice = choose(cfg, prof)
-        priced = [round(c.step_s * (1 + cost[min(c.plan.run_ahead, len(cost)) - 1]) ** (c.plan.run_ahead / len(cost))
-                        if c.plan.run_ahead else c.step_s, 9) for c in choice.ranked]
-        assert priced == sorted(priced) and choice.best is choice.ranked[0]
+        prices = [round(priced(c.step_s, c.plan.run_ahead, cost), 9) for c in choice.ranked]  # by hand: below
+        assert prices == sorted(prices) and choice.best is choice.ranked[0]
         assert choice.best.plan.run_ahead == ahead, cost
         assert choice.best.step_s >= fastest.step_s
         report = choice.report()
@@ -208,8 +207,6 @@ def test_a_plan_ahead_is_priced_at_the_learning_it_costs():
 
 
 def test_priced_by_the_steps_to_the_same_learning():
-    from m2flow.flow.planner import priced
-
     assert priced(2.0, 0, [0.5]) == 2.0 and priced(2.0, 3, []) == 2.0  # on-policy; no price
     assert priced(2.0, 1, [0.1, 0.44]) == pytest.approx(2.2) and priced(2.0, 2, [0.1, 0.44]) == pytest.approx(2.88)
     assert priced(2.0, 4, [0.1, 0.44]) == pytest.approx(2.0 * 1.44 ** 2)  # past the list: 1.44 every two versions
