@@ -299,6 +299,28 @@ def test_a_pool_reuses_processes_re_pins_them_and_drops_their_state(cluster):
             ray.get_actor(name, namespace="m2flow")
 
 
+def test_where_slots_share_cores_a_process_computes_with_its_share_of_them(cluster):
+    """The fixture's 4 slots over 2 cores are half a core each: a process on two of them is
+    pinned to both cores (slot s pins core s mod 2) but computes with one thread, as a process
+    on one slot of a machine with a core per slot would; on all four, with two. Two threads
+    each beside another slot's process on the same cores would wait spinning on each other."""
+    from m2flow.runtime.group import WorkerPool
+
+    usable = sorted(os.sched_getaffinity(0))
+    assert all(d.core_share == pytest.approx(min(1.0, 2 / 4)) for d in cluster.devices)
+    pool = WorkerPool()
+    try:
+        for devices, n, threads in (("0-1", 2, 1), ("0-3", 4, 2), ("2", 1, 1)):
+            placement = Placement.from_config({"shared": {"devices": devices, "devices_per_proc": n}}, cluster)["shared"]
+            g = WorkerGroup(Echo, placement, name="shared", pool=pool)
+            info = g.whoami().wait()[0]
+            g.shutdown()
+            cores = sorted({usable[s % len(usable)] for s in info["devices"]})
+            assert info["affinity"] == cores and info["threads"] == min(threads, len(cores)), (devices, info)
+    finally:
+        pool.close()
+
+
 def test_a_pool_holds_a_group_only_where_it_would_start_no_process():
     """``WorkerPool.holds``: every rank of the group finds its process idle in the pool, of its
     class and node; a CPU worker fits any devices (it re-pins itself), a GPU worker only its

@@ -57,6 +57,9 @@ class Device:
     node_rank: int
     local_index: int  # GPU index on its node (its slots share it), or CPU slot index on its node
     cores: tuple[int, ...] = ()  # CPU slots: indices into the node's usable cores
+    # CPU slots: the share of its cores' time the slot has, under 1 where the node has more
+    # slots than cores (another slot's process computes on the same cores at the same time)
+    core_share: float = 1.0
 
     def __str__(self) -> str:
         gpu = f", GPU {self.local_index}" if self.kind == "cuda" else ""  # the slots of a GPU share it
@@ -84,7 +87,8 @@ class Cluster:
     ``address=None`` starts a private local Ray (dashboard off, loopback, temp dir under
     ``run_dir``); ``"auto"`` or ``"host:port"`` attaches to an existing cluster.
     ``cpu_slots`` sets the number of CPU slots per GPU-less node (default: one per
-    ``cores_per_slot`` cores); it may exceed the cores present, slots then share cores.
+    ``cores_per_slot`` cores); it may exceed the cores present, slots then share cores (each
+    has its ``core_share`` of their time, and its processes as many threads).
     ``gpu_slots`` makes each GPU that many devices (consecutive indices): their processes run
     on the GPU at once, sharing its memory and compute, where the components of one device
     take turns. ``node_groups`` names sets of nodes, so that a placement can say ``"sim:0-3"``.
@@ -160,9 +164,10 @@ class Cluster:
                         index += 1
             else:
                 slots = cpu_slot_count(num_cpus, self._cpu_slots, self._cores_per_slot)
+                share = min(1.0, num_cpus / (slots * self._cores_per_slot))
                 for s in range(slots):
                     cores = tuple(range(s * self._cores_per_slot, (s + 1) * self._cores_per_slot))
-                    devices.append(Device(index, "cpu", n["NodeID"], rank, s, cores))
+                    devices.append(Device(index, "cpu", n["NodeID"], rank, s, cores, share))
                     index += 1
             nodes.append(Node(rank, n["NodeID"], n["NodeManagerAddress"], num_cpus, num_gpus, tuple(devices)))
         if not nodes:

@@ -125,7 +125,10 @@ class Worker:
             _pin_process(cores)
             import torch
 
-            torch.set_num_threads(len(cores))
+            # As many threads as the devices' share of those cores: where slots share cores, a
+            # process on two half-core slots computes with one thread, not two beside another
+            # slot's process on the same cores (threads beyond the cores wait spinning).
+            torch.set_num_threads(min(len(cores), max(1, round(sum(d.core_share * len(d.cores) for d in info.devices)))))
         set_process_name(f"{info.group}:{info.rank}")
         self.comm = Communicator((info.group, info.rank))
         self._group_sizes: dict[str, int] = {}
