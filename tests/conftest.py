@@ -8,12 +8,45 @@ import ray
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-_shared = {"cluster": None, "next": None}  # the embedded Ray modules in a row share; the test after this one
+_shared = {"cluster": None, "pool": None, "next": None, "wants": {}}  # "wants": module -> fixtures its tests ask for
+
+
+def _module(item) -> str:
+    return item.nodeid.partition("::")[0]
+
+
+def pytest_collection_modifyitems(items):
+    """The test modules on the shared cluster run in a row after the others, and those whose
+    runs share worker processes (``pool``) last, a flow's modules together (embodied, both,
+    reasoning): one Ray and one set of worker processes then serve them all. A module's own
+    tests keep their order."""
+    wants = _shared["wants"]
+    for item in items:
+        uses = wants.setdefault(_module(item), set())
+        uses.update(item.fixturenames)
+        if "cluster" in vars(item.module):  # a Ray of its own: it shares neither (the pool is its own too)
+            uses -= {"cluster", "pool"}
+
+    def rank(module: str) -> tuple[int, int]:
+        uses = wants[module]
+        if "pool" in uses:
+            return 2, 0 if "embodied" in module else 2 if "reasoning" in module else 1
+        return (1 if "cluster" in uses else 0), 0
+
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(_module(item), i)
+    items[:] = sorted(items, key=lambda item: (*rank(_module(item)), first[_module(item)]))
+
+
+def _next_module_wants(fixture: str) -> bool:
+    following = _shared["next"]
+    return following is not None and fixture in _shared["wants"].get(_module(following), following.fixturenames)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    _shared["next"] = nextitem  # read by the cluster fixture's teardown, which runs in this one
+    _shared["next"] = nextitem  # read by the module fixtures' teardowns, which run in this one
     yield
 
 
@@ -22,17 +55,25 @@ def _alive(c) -> bool:
     return c is not None and ray.is_initialized() and ray.get_runtime_context().get_node_id() == c.nodes[0].node_id
 
 
+def _close_pool() -> None:
+    if _shared["pool"] is not None:
+        _shared["pool"].close()
+        _shared["pool"] = None
+
+
 @pytest.fixture(scope="module")
 def cluster(request, tmp_path_factory):
     """A private local Ray, 2 CPUs and 4 logical CPU slots, that test modules in a row share
     (starting and stopping one takes 5-10 s here): it is stopped after a module when the next
-    test does not ask for it, or when any test of the module failed, so that what a failed
-    test left running reaches no other module."""
+    module asks for it in none of its tests, or when any test of the module failed, so that
+    what a failed test left running reaches no other module. (The tests of such a module that
+    do not ask for it may run beside it: none of them starts a Ray of its own.)"""
     from m2flow.runtime.cluster import Cluster
 
     module = sys.modules[request.module.__name__]
     ray.cloudpickle.register_pickle_by_value(module)
     if not _alive(_shared["cluster"]):
+        _shared["pool"] = None  # its processes ended with their Ray
         if _shared["cluster"] is not None:
             _shared["cluster"].shutdown()  # its Ray was replaced: its shared-memory leftovers go
         if ray.is_initialized():
@@ -40,20 +81,30 @@ def cluster(request, tmp_path_factory):
         _shared["cluster"] = Cluster(num_cpus=2, cpu_slots=4, run_dir=tmp_path_factory.mktemp("run"))
     failed = request.session.testsfailed
     yield _shared["cluster"]
-    following = _shared["next"]
-    if request.session.testsfailed > failed or following is None or "cluster" not in following.fixturenames:
+    if request.session.testsfailed > failed or not _next_module_wants("cluster"):
+        _close_pool()
         _shared["cluster"].shutdown()
         _shared["cluster"] = None
 
 
 @pytest.fixture(scope="module")
-def pool(cluster):
-    """Worker processes the runs of a test module share, as planner profiling shares them: a
-    rank's process starts (imports, about 13 s a run on 2 cores) once per module and is
-    re-initialised for each later run that names it alike. Tests that kill workers or time out
-    on them start their own."""
+def pool(cluster, request):
+    """Worker processes the runs of test modules in a row share, as planner profiling shares
+    them: a rank's process starts (imports, about 13 s a run on 2 cores) once and is
+    re-initialised for each later run that names it alike (the runs of one flow do); it is
+    closed after a module when the next module does not ask for it, or when any test of the
+    module failed. A module with a cluster of its own has a pool of its own. Tests that kill
+    workers or time out on them start their own."""
     from m2flow.runtime.group import WorkerPool
 
-    p = WorkerPool()
-    yield p
-    p.close()
+    if cluster is not _shared["cluster"]:  # the module's own cluster: a pool of its own
+        own = WorkerPool()
+        yield own
+        own.close()
+        return
+    if _shared["pool"] is None:
+        _shared["pool"] = WorkerPool()
+    failed = request.session.testsfailed
+    yield _shared["pool"]
+    if request.session.testsfailed > failed or not _next_module_wants("pool"):
+        _close_pool()

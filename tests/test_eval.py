@@ -12,22 +12,22 @@ from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.reasoning import ReasoningRunner
 
 
-def _train(runner_cls, cluster, preset, overrides):
-    runner = runner_cls(load_config(preset, overrides), cluster=cluster)
+def _train(runner_cls, cluster, pool, preset, overrides):
+    runner = runner_cls(load_config(preset, overrides), cluster=cluster, pool=pool)
     try:
         return runner.train()
     finally:
         runner.close()
 
 
-def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_users(cluster, tmp_path, capsys,
+def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_users(cluster, pool, tmp_path, capsys,
                                                                                    monkeypatch):
     preset = "reasoning/grpo_arith_tiny"
     # one rollout rank, as the evaluation generates: the same batches, so the same greedy tokens;
     # bfloat16 rollouts: the evaluation rounds the trained weights as the run's rollout did
     overrides = [f"runner.out_dir={tmp_path / 'run'}", "runner.progress=false", "runner.steps=2", "rollout.dtype=bfloat16",
                  "placement.mode=custom", *(f"placement.components.{c}=0" for c in ("rollout", "reward", "inference", "actor"))]
-    history = _train(ReasoningRunner, cluster, preset, overrides)
+    history = _train(ReasoningRunner, cluster, pool, preset, overrides)
     # the dtype it generates with, seen as the engine is built (a tiny model's greedy tokens may not show it)
     real, dtypes = engines.build_engine, []
     monkeypatch.setattr(engines, "build_engine",
@@ -50,12 +50,12 @@ def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_use
     assert mine["prompts"] == 5 and 0.0 <= mine["accuracy"] <= 1.0 and "reward_digit_share" in mine
 
 
-def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, tmp_path, capsys):
+def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, pool, tmp_path, capsys):
     preset = "embodied/ppo_cartpole"
     overrides = [f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.total_env_steps=512",
                  "env.kwargs.max_episode_steps=25", "placement.mode=custom",
                  *(f"placement.components.{c}=0-1" for c in ("env", "rollout", "actor"))]
-    _train(EmbodiedRunner, cluster, preset, overrides)
+    _train(EmbodiedRunner, cluster, pool, preset, overrides)
     # the run's trace, its last update drawn, and summed up per component
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     main(["trace", str(tmp_path)])

@@ -56,11 +56,11 @@ def digests() -> tuple[str, str]:
     return found
 
 
-def test_embodied_cartpole_weights(cluster, tmp_path):
+def test_embodied_cartpole_weights(cluster, pool, tmp_path):
     embodied, _ = digests()
     cfg = load_config("embodied/ppo_cartpole", [f"runner.out_dir={tmp_path}", "runner.progress=false",
                                                  "runner.total_env_steps=1024", "env.num_envs=16"])  # 2 updates
-    runner = EmbodiedRunner(cfg, cluster)
+    runner = EmbodiedRunner(cfg, cluster, pool=pool)
     try:
         history = runner.train()
         states = runner.groups["actor"].call("state").wait()
@@ -72,7 +72,7 @@ def test_embodied_cartpole_weights(cluster, tmp_path):
     assert found.pop() == embodied
 
 
-def test_reasoning_tiny_weights(cluster, tmp_path):
+def test_reasoning_tiny_weights(cluster, pool, tmp_path):
     _, reasoning = digests()
     if transformers.__version__ != TRANSFORMERS:
         pytest.skip(f"the reasoning digests are checked with transformers {TRANSFORMERS}, this is "
@@ -82,7 +82,7 @@ def test_reasoning_tiny_weights(cluster, tmp_path):
                                                      *(f"placement.components.{c}=0" for c in ("rollout", "reward",
                                                                                                "inference", "actor"))])
     # On one slot: with several threads, a CPU reduction in the LM's backward is not bitwise repeatable.
-    runner = ReasoningRunner(cfg, cluster)
+    runner = ReasoningRunner(cfg, cluster, pool=pool)
     try:
         runner.train()
         hashes = runner.groups["actor"].weights_hash().wait()

@@ -106,13 +106,13 @@ def test_ppo_configs_and_placement():
         load_config(PRESET, overrides)
 
 
-def test_ppo_raises_the_reward_and_resumes_the_critic(cluster, tmp_path):
+def test_ppo_raises_the_reward_and_resumes_the_critic(cluster, pool, tmp_path):
     """25 steps at the preset's learning rate (the critic's value loss reported, the reward
     rising from about 0.05: seed 0's last 5 steps average 0.27), then step 25 again from the
     checkpoint of step 24: the same actor and critic weights."""
     cfg = load_config(PRESET, [f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.steps=25",
                                "runner.checkpoint_every=24"])
-    runner = ReasoningRunner(cfg, cluster=cluster)
+    runner = ReasoningRunner(cfg, cluster=cluster, pool=pool)
     try:
         history = runner.train()
         straight = [runner.groups["actor"].weights_hash().wait()[0], runner.groups["critic"].weights_hash().wait()[0]]

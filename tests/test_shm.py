@@ -19,7 +19,7 @@ def prefix():
 
 
 @pytest.fixture
-def pool(prefix):
+def segments(prefix):
     with shm.ShmPool(prefix) as p:
         yield p
 
@@ -46,39 +46,39 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 SHAPES = [(), (0,), (3, 0, 2), (7,), (2, 3, 5)]
 
 
-def test_round_trip_of_dtypes_and_shapes(pool):
+def test_round_trip_of_dtypes_and_shapes(segments):
     tensors = [sample(d, s) for d in DTYPES for s in SHAPES]
-    ref = pool.write(tensors)
+    ref = segments.write(tensors)
     assert all(off % shm.ALIGN == 0 and off >= shm.HEADER for off, _, _ in ref.tensors)
     out = shm.open_tensors(pickle.loads(pickle.dumps(ref)))
     for a, b in zip(tensors, out, strict=True):
         assert (b.dtype, b.shape) == (a.dtype, a.shape) and torch.equal(a, b)
 
 
-def test_non_contiguous_and_grad_inputs(pool):
+def test_non_contiguous_and_grad_inputs(segments):
     base = torch.randn(6, 8)
     tensors = [base.t(), base[:, ::3], torch.randn(1, 4).expand(5, 4), base[2],
                torch.randn(3, requires_grad=True), torch.randn(4, 4).to(torch.bfloat16).t()]
-    out = shm.open_tensors(pool.write(tensors))
+    out = shm.open_tensors(segments.write(tensors))
     for a, b in zip(tensors, out, strict=True):
         assert b.is_contiguous() and not b.requires_grad and torch.equal(a.detach(), b)
 
 
-def test_outputs_are_views_of_one_mapping_each_with_its_own_storage(pool):
-    out = shm.open_tensors(pool.write([torch.ones(1000), torch.zeros(10)]))
+def test_outputs_are_views_of_one_mapping_each_with_its_own_storage(segments):
+    out = shm.open_tensors(segments.write([torch.ones(1000), torch.zeros(10)]))
     # Its own storage: pickling or torch.save of one tensor must not drag the whole segment.
     assert out[0].untyped_storage().nbytes() == 4000
 
 
-def test_receiver_writes_stay_private(pool):
-    ref = pool.write([torch.arange(1000.0)], readers=2)
+def test_receiver_writes_stay_private(segments):
+    ref = segments.write([torch.arange(1000.0)], readers=2)
     (mine,) = shm.open_tensors(ref, reader=0)
     mine += 1
     (theirs,) = shm.open_tensors(ref, reader=1)
     assert torch.equal(theirs, torch.arange(1000.0))
     del mine, theirs
     # The next message on the same segment shows the sender's data, not the receiver's writes.
-    ref2 = pool.write([torch.full((1000,), 7.0)])
+    ref2 = segments.write([torch.full((1000,), 7.0)])
     assert ref2.segment == ref.segment
     (again,) = shm.open_tensors(ref2)
     assert torch.equal(again, torch.full((1000,), 7.0))
@@ -91,85 +91,85 @@ def no_gc():
     gc.enable()
 
 
-def test_segment_reused_once_released(pool, no_gc):
-    ref = pool.write([torch.randn(100, 100)])
+def test_segment_reused_once_released(segments, no_gc):
+    ref = segments.write([torch.randn(100, 100)])
     out = shm.open_tensors(ref)
     assert flags(ref) == b"\x01"
     del out
     assert flags(ref) == b"\x00"  # at once, by reference counting
     for _ in range(5):
-        ref2 = pool.write([torch.randn(100, 100)])
+        ref2 = segments.write([torch.randn(100, 100)])
         assert ref2.segment == ref.segment
         shm.open_tensors(ref2)  # dropped at once
-    assert len(pool) == 1
+    assert len(segments) == 1
 
 
-def test_no_reuse_while_a_view_is_alive(pool):
-    ref = pool.write([torch.randn(64, 64), torch.randn(5)])
+def test_no_reuse_while_a_view_is_alive(segments):
+    ref = segments.write([torch.randn(64, 64), torch.randn(5)])
     out = shm.open_tensors(ref)
     view = out[0][3:].reshape(-1)[::2]  # a view of a view
     del out
     gc.collect()
-    busy = pool.write([torch.randn(10)])
-    assert busy.segment != ref.segment and len(pool) == 2
+    busy = segments.write([torch.randn(10)])
+    assert busy.segment != ref.segment and len(segments) == 2
     shm.open_tensors(busy)
     del view
     assert flags(ref) == b"\x00"
-    assert pool.write([torch.randn(10)]).segment in {ref.segment, busy.segment}
-    assert len(pool) == 2
+    assert segments.write([torch.randn(10)]).segment in {ref.segment, busy.segment}
+    assert len(segments) == 2
 
 
-def test_broadcast_segment_waits_for_every_reader(pool):
-    ref = pool.write([torch.ones(10)], readers=3)
+def test_broadcast_segment_waits_for_every_reader(segments):
+    ref = segments.write([torch.ones(10)], readers=3)
     for reader in (0, 2):
         shm.open_tensors(ref, reader)
     assert flags(ref) == b"\x00\x01\x00"
-    assert pool.write([torch.ones(10)]).segment != ref.segment
+    assert segments.write([torch.ones(10)]).segment != ref.segment
     shm.open_tensors(ref, 1)
     assert flags(ref) == b"\x00\x00\x00"
 
 
-def test_empty_message(pool):
-    ref = pool.write([])
+def test_empty_message(segments):
+    ref = segments.write([])
     assert shm.open_tensors(ref) == []
-    assert pool.write([]).segment == ref.segment
+    assert segments.write([]).segment == ref.segment
 
 
-def test_small_message_does_not_pin_a_big_segment(pool):
-    big = pool.write([torch.zeros(3 << 20)])  # 12 MiB -> a 16 MiB segment
+def test_small_message_does_not_pin_a_big_segment(segments):
+    big = segments.write([torch.zeros(3 << 20)])  # 12 MiB -> a 16 MiB segment
     shm.open_tensors(big)
-    small = pool.write([torch.zeros(10)])
+    small = segments.write([torch.zeros(10)])
     assert small.segment != big.segment
     shm.open_tensors(small)
-    assert pool.write([torch.zeros(2 << 20)]).segment == big.segment  # 8 MiB fits the 16 MiB one
+    assert segments.write([torch.zeros(2 << 20)]).segment == big.segment  # 8 MiB fits the 16 MiB one
 
 
 def test_max_bytes_unlinks_free_segments_first(prefix):
-    with shm.ShmPool(prefix, max_bytes=3 << 20) as pool:
-        held = shm.open_tensors(pool.write([torch.zeros(10)]))  # 1 MiB, busy
-        free = pool.write([torch.zeros(10)])  # another 1 MiB
+    with shm.ShmPool(prefix, max_bytes=3 << 20) as segments:
+        held = shm.open_tensors(segments.write([torch.zeros(10)]))  # 1 MiB, busy
+        free = segments.write([torch.zeros(10)])  # another 1 MiB
         shm.open_tensors(free)
-        big = pool.write([torch.zeros(1 << 19)])  # 2 MiB + header -> 4 MiB: over budget
+        big = segments.write([torch.zeros(1 << 19)])  # 2 MiB + header -> 4 MiB: over budget
         assert free.segment not in files(prefix)
-        assert len(pool) == 2 and pool.nbytes == 5 << 20  # a busy segment is never reclaimed
+        assert len(segments) == 2 and segments.nbytes == 5 << 20  # a busy segment is never reclaimed
         del held, big
 
 
-def test_readers_validated(pool):
+def test_readers_validated(segments):
     with pytest.raises(ValueError):
-        pool.write([torch.ones(1)], readers=0)
-    ref = pool.write([torch.ones(1)], readers=2)
+        segments.write([torch.ones(1)], readers=0)
+    ref = segments.write([torch.ones(1)], readers=2)
     with pytest.raises(ValueError):
         shm.open_tensors(ref, reader=2)
 
 
-def test_concurrent_writers(pool):
+def test_concurrent_writers(segments):
     errors = []
 
     def work(seed: int):
         for i in range(20):
             t = torch.full((1000,), float(seed * 100 + i))
-            (back,) = shm.open_tensors(pool.write([t]))
+            (back,) = shm.open_tensors(segments.write([t]))
             if not torch.equal(back, t):
                 errors.append((seed, i))
 
@@ -178,7 +178,7 @@ def test_concurrent_writers(pool):
         th.start()
     for th in threads:
         th.join()
-    assert not errors and len(pool) <= 8  # each thread holds at most two messages at once
+    assert not errors and len(segments) <= 8  # each thread holds at most two messages at once
 
 
 def _expected() -> torch.Tensor:
@@ -194,9 +194,9 @@ def _child_reads(ref: shm.ShmRef) -> None:
     del t  # a process ends without running finalizers: release explicitly by dropping
 
 
-def test_cross_process(pool):
+def test_cross_process(segments):
     data = _expected()
-    ref = pool.write([data], readers=2)
+    ref = segments.write([data], readers=2)
     (mine,) = shm.open_tensors(ref, reader=0)
     child = mp.get_context("spawn").Process(target=_child_reads, args=(ref,))
     child.start()
@@ -205,38 +205,38 @@ def test_cross_process(pool):
     assert torch.equal(mine, data)
     assert flags(ref) == b"\x01\x00"  # the child released its slot
     del mine
-    assert pool.write([data]).segment == ref.segment
+    assert segments.write([data]).segment == ref.segment
 
 
 def test_close_and_cleanup_remove_files(prefix):
-    pool = shm.ShmPool(prefix)
-    free = pool.write([torch.ones(10)])
+    segments = shm.ShmPool(prefix)
+    free = segments.write([torch.ones(10)])
     shm.open_tensors(free)
-    busy = pool.write([torch.ones(10)])
-    pool.close()
+    busy = segments.write([torch.ones(10)])
+    segments.close()
     assert files(prefix) == {busy.segment}  # a receiver may still open it
     (t,) = shm.open_tensors(busy)
     assert torch.equal(t, torch.ones(10))
     with pytest.raises(RuntimeError):
-        pool.write([torch.ones(1)])
+        segments.write([torch.ones(1)])
     assert shm.cleanup(prefix) == [busy.segment]
     assert files(prefix) == set()
     assert torch.equal(t, torch.ones(10))  # an open mapping outlives the unlink
 
 
 def test_cleanup_leaves_other_prefixes(prefix):
-    with shm.ShmPool(prefix + "x") as other, shm.ShmPool(prefix) as pool:
+    with shm.ShmPool(prefix + "x") as other, shm.ShmPool(prefix) as segments:
         kept = other.write([torch.ones(1)])
-        pool.write([torch.ones(1)])
+        segments.write([torch.ones(1)])
         shm.cleanup(prefix)
         assert files(prefix + "x") == {kept.segment}
         shm.cleanup(prefix + "x")
 
 
-def test_missing_segment_is_a_clear_error(pool, prefix):
-    ref = pool.write([torch.ones(10)], readers=2)
+def test_missing_segment_is_a_clear_error(segments, prefix):
+    ref = segments.write([torch.ones(10)], readers=2)
     shm.open_tensors(ref, reader=0)  # leaves an fd on it in this process's cache
-    never_opened = pool.write([torch.ones(10)])
+    never_opened = segments.write([torch.ones(10)])
     shm.cleanup(prefix)
     for r in (ref, never_opened):
         with pytest.raises(FileNotFoundError, match=r.segment):
