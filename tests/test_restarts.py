@@ -47,10 +47,13 @@ class Killer(threading.Thread):
         return log.read_text().count("restart ") if log.exists() else 0
 
 
-def _run(runner_cls, preset, overrides, cluster, out, kills=(), keep=None):
+def _run(runner_cls, preset, overrides, cluster, out, kills=(), keep=None, pool=None):
     """The run's history, its actor's weights hash and what was killed; ``keep``: a dict that
-    gets the runner's metrics."""
-    runner = runner_cls(load_config(preset, [*overrides, f"runner.out_dir={out}", "runner.progress=false"]), cluster)
+    gets the runner's metrics. ``pool``: for an undisturbed run only (a killed process is no
+    pool's)."""
+    assert pool is None or not kills
+    runner = runner_cls(load_config(preset, [*overrides, f"runner.out_dir={out}", "runner.progress=false"]), cluster,
+                        pool)
     killer = Killer(runner, out, kills)
     try:
         killer.start()
@@ -63,11 +66,12 @@ def _run(runner_cls, preset, overrides, cluster, out, kills=(), keep=None):
         runner.close()
 
 
-def test_embodied_run_survives_an_env_worker_and_an_actor_rank_killed(cluster, tmp_path):
+def test_embodied_run_survives_an_env_worker_and_an_actor_rank_killed(cluster, pool, tmp_path):
     overrides = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
                  "placement.components.actor=0-1", "runner.total_env_steps=2048", "runner.checkpoint_every=1",
                  "env.kwargs.max_episode_steps=20"]  # 8 updates
-    straight, weights, _ = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "a")
+    straight, weights, _ = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "a",
+                                pool=pool)
     history, hit, killed = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "b",
                                 kills=[("update_000002.safetensors", "env", 0), ("update_000005.safetensors", "actor", 1)])
     assert killed == [("env", 0), ("actor", 1)]
@@ -79,7 +83,7 @@ def test_embodied_run_survives_an_env_worker_and_an_actor_rank_killed(cluster, t
     assert hit == weights  # the same samples trained on, in the same order
 
 
-def test_embodied_async_run_survives_a_rollout_worker_killed(cluster, tmp_path):
+def test_embodied_async_run_survives_a_rollout_worker_killed(cluster, pool, tmp_path):
     """Two versions ahead (runner.max_staleness=2): an env worker hosting the rollout is killed
     while the rollouts of the updates after checkpoint 4 are in flight. The run starts again
     from that checkpoint and ends as the undisturbed run: every update once, the same lags,
@@ -87,7 +91,8 @@ def test_embodied_async_run_survives_a_rollout_worker_killed(cluster, tmp_path):
     overrides = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
                  "placement.components.actor=0-1", "runner.total_env_steps=2048", "runner.checkpoint_every=4",
                  "runner.max_staleness=2", "env.kwargs.max_episode_steps=20"]  # 8 updates
-    straight, weights, _ = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "a")
+    straight, weights, _ = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "a",
+                                pool=pool)
     history, hit, killed = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "b",
                                 kills=[("update_000004.safetensors", "env", 1)])
     assert killed == [("env", 1)]
@@ -99,10 +104,11 @@ def test_embodied_async_run_survives_a_rollout_worker_killed(cluster, tmp_path):
 
 
 @pytest.mark.slow  # two reasoning runs and two restarts: about two minutes
-def test_reasoning_run_survives_the_rollout_and_an_actor_rank_killed(cluster, tmp_path):
+def test_reasoning_run_survives_the_rollout_and_an_actor_rank_killed(cluster, pool, tmp_path):
     # the default placement; bit-exact needs the full forward (see test_reasoning.py's resume test)
     overrides = ["runner.steps=5", "runner.checkpoint_every=1", "algorithm.share_prompts=false"]
-    straight, weights, _ = _run(ReasoningRunner, "reasoning/grpo_arith_tiny", overrides, cluster, tmp_path / "a")
+    straight, weights, _ = _run(ReasoningRunner, "reasoning/grpo_arith_tiny", overrides, cluster, tmp_path / "a",
+                                pool=pool)
     history, hit, killed = _run(ReasoningRunner, "reasoning/grpo_arith_tiny", overrides, cluster, tmp_path / "b",
                                 kills=[("step_000001.safetensors", "rollout", 0), ("step_000003.safetensors", "actor", 0)])
     assert killed == [("rollout", 0), ("actor", 0)]
