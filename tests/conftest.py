@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(items):
 
 def _next_module_wants(fixture: str) -> bool:
     following = _shared["next"]
-    return following is not None and fixture in _shared["wants"].get(_module(following), following.fixturenames)
+    return following is not None and fixture in _shared["wants"][_module(following)]
 
 
 @pytest.hookimpl(hookwrapper=True)
