@@ -6,7 +6,9 @@
 A config mistake is one line on stderr, ``m2flow: error: key.path: ...``, and exit status 2,
 before anything starts. A worker's failure during a run is one paragraph (component, rank,
 exception, the last frames of its code) and exit status 1; the worker's whole traceback is in
-the run's ``log.txt``. ``m2flow --debug ...`` shows the tracebacks instead.
+the run's ``log.txt``. ``m2flow --debug ...`` shows the tracebacks instead. SIGINT (Ctrl-C)
+or SIGTERM stops a run after the update in progress, with a checkpoint: one line, and exit
+status 128 + the signal's number (130, 143); the same signal again stops it at once.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from m2flow.config import ConfigError
+    from m2flow.runtime.stop import RunStopped
 
     try:
         command(args)
@@ -60,6 +63,14 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"m2flow: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RunStopped as e:  # SIGINT or SIGTERM during a run: the shell's status for a signal's end
+        print(f"m2flow: {e}", file=sys.stderr)
+        raise SystemExit(128 + e.signum) from None
+    except KeyboardInterrupt as e:  # a run's second signal, or Ctrl-C outside a run
+        if args.debug:
+            raise
+        print(f"m2flow: {str(e) or 'interrupted'}", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def command(args: argparse.Namespace) -> None:
@@ -84,8 +95,10 @@ def command(args: argparse.Namespace) -> None:
     elif args.command == "profile":
         from m2flow.config import load_config
         from m2flow.runners.auto import load_or_profile
+        from m2flow.runtime.stop import StopRequest
 
-        load_or_profile(load_config(args.preset, args.overrides))
+        with StopRequest("stopping after the probe's update in progress"):
+            load_or_profile(load_config(args.preset, args.overrides))
     elif args.command == "plan":
         from m2flow.runners.auto import plan_command
 

@@ -8,10 +8,10 @@ import json
 import pytest
 import yaml
 
-from m2flow.config import load_config
+from m2flow.config import ConfigError, load_config
 from m2flow.flow import Plan
-from m2flow.flow.cost import Profile
-from m2flow.runners import run
+from m2flow.flow.cost import Profile, ProfileError
+from m2flow.runners import auto, run
 from m2flow.runners.auto import refit_hidden_costs
 
 
@@ -199,3 +199,25 @@ def test_an_asynchronous_variant_shares_its_on_policy_configs_profile():
     assert key(*recomputed, "algorithm.off_policy=decoupled") != key(*recomputed)
     assert key("rollout.max_new_tokens=8") != on_policy and key("data.prompts_per_step=2") != on_policy
     assert key("seed=1") != on_policy  # a profile is of one seed's data
+
+
+def test_a_stored_profile_that_does_not_load_is_measured_again(tmp_path, monkeypatch):
+    """A profile file cut short (or not one at all) is named and replaced by a new
+    measurement; ``m2flow plan --profile`` names it as a config error. Writes are whole."""
+    path = tmp_path / "profile.json"
+    cfg = load_config("embodied/ppo_cartpole", ["cluster.cpu_slots=2", f"placement.profile={path}"])
+    fresh = Profile(key="k", hardware={"cpu": "x"}, points=[], profiling_s=1.5)
+    monkeypatch.setattr(auto, "profile", lambda cfg, cluster, log: dataclasses.replace(fresh))
+    for text in ('{"key": "k", "hardware": {"cp', '{"points": 3}', "[]"):
+        path.write_text(text)
+        with pytest.raises(ProfileError, match="profile.json holds no profile"):
+            Profile.load(path)
+        said = []
+        prof, where = auto.load_or_profile(cfg, None, log=said.append)
+        assert where == path and prof.profiling_s == 1.5
+        assert "holds no profile" in said[0] and said[0].endswith("profiling again"), said
+        assert Profile.load(path).key == "k"  # the new one, written whole
+        assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]  # no temporary file left
+    path.write_text("not json")
+    with pytest.raises(ConfigError, match="--profile: .*profile.json holds no profile"):
+        auto.plan_command(None, [], str(path), None, 1, 4.0, None)

@@ -2,8 +2,11 @@
 
 import ipaddress
 import os
+import socket
+import time
 
 import psutil
+import pytest
 import ray
 
 from m2flow.runtime.group import WorkerGroup
@@ -69,3 +72,19 @@ def test_gpu_slots_make_each_gpu_several_devices(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
     assert local_devices(cfg.cluster) == (6, "cuda")
+
+
+def test_an_address_where_no_cluster_answers_fails_at_once():
+    from m2flow.runtime.cluster import answers
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        answers(f"127.0.0.1:{port}")
+        answers(f"ray://127.0.0.1:{port}")
+    answers("auto")  # Ray's to resolve
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"no Ray cluster answers at 127.0.0.1:{port} "):
+        answers(f"127.0.0.1:{port}")  # closed now
+    assert time.monotonic() - t0 < 5

@@ -48,6 +48,8 @@ def _files(tmp: Path) -> dict[str, str]:
     of the wrong kind, a preset with a misspelt nested key, and one that leaves keys unset."""
     (tmp / "three.jsonl").write_text("".join(f'{{"question": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(3)))
     (tmp / "problems.csv").write_text("question,answer\n1+1,2\n")
+    (tmp / "broken.jsonl").write_text('{"question": "1+1", "answer": "2"}\n{"question": "1+2", "answer": \n')
+    (tmp / "q.jsonl").write_text("".join(f'{{"q": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(200)))
     text = (ROOT / "m2flow/presets/embodied/ppo_cartpole.yaml").read_text()
     (tmp / "typo.yaml").write_text(text + "policy:\n  hiden: [32, 32]\n")
     (tmp / "mine.yaml").write_text("flow: embodied\nname: mine\nenv:\n  id: CartPole-v1\n")  # keys left unset
@@ -114,10 +116,17 @@ MALFORMED = [
     # files
     (R, ["data.source={tmp}/missing.jsonl"], "data.source"),
     (R, ["data.source={tmp}/problems.csv"], "data.source"),
+    (R, ["data.source={tmp}/broken.jsonl"], "data.source"),  # line 2 is not JSON
+    (R, ["data.source={tmp}/q.jsonl"], "data.source"),  # no field "question"
     (R, ["model.path={tmp}/no-such-model"], "model.path"),
     (R, ["model.path=tiny-mistral"], "model.path"),
     (E, ["runner.resume={tmp}/update_000010.safetensors"], "runner.resume"),
+    (E, ["runner.resume={tmp}/three.jsonl"], "runner.resume"),  # a file, but no checkpoint
     (R, ["reward.functions.my_reward=1.0"], "reward.functions.my_reward"),
+    # envs that cannot be made
+    (E, ["env.id=NoSuchEnv-v0"], "env.id"),
+    (E, ["env.id=CartPole-v9"], "env.id"),
+    (E, ["env.kwargs.foo=1"], "env.kwargs"),
     # rules between keys (embodied GRPO, reasoning groups and PPO, data sizes, placement)
     (E, ["algorithm.name=grpo", "algorithm.norm_adv=false"], "env.group_size"),
     (RG, ["env.group_size=3"], "env.num_envs"),
@@ -139,6 +148,7 @@ MALFORMED = [
     (R, ["placement=@{tmp}/far.yaml", "cluster.cpu_slots=4"], "placement"),
     (R, ["placement=@{tmp}/wide.yaml", "cluster.cpu_slots=4"], "placement"),
     (R, ["placement=@{tmp}/nope.yaml"], "placement.plan"),
+    (E, ["cluster.address=127.0.0.1:1"], "cluster.address"),  # nothing listens there
     (E, ["env.num_envs=6", "placement=@{tmp}/four_actors.yaml"], "env.num_envs"),  # 6 envs, 4 actor ranks
 ]
 

@@ -1,14 +1,17 @@
 """Embodied PPO end to end: the same runner loop learns CartPole in every placement mode."""
 
 import math
+import os
 import shutil
+import signal
 
 import pytest
 import ray
 
-from m2flow.config import load_config
+from m2flow.config import ConfigError, load_config
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runtime import Cluster
+from m2flow.runtime.stop import RunStopped
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +121,11 @@ def test_bad_overrides_are_clear_errors():
     pytest.param(1, 4, [0, 1, 0, 1], marks=pytest.mark.slow),
     # two versions ahead, but nothing in flight at the checkpoint after update 4
     (2, 8, [0, 1, 2, 2, 0, 1, 2, 2])], ids=["on-policy", "ahead", "two-ahead"])
-def test_resume_continues_exactly(cluster, pool, tmp_path, ahead, updates, lags):
+def test_resume_continues_exactly(cluster, pool, tmp_path, monkeypatch, ahead, updates, lags):
     """A run resumed from its checkpoint at update N reaches the same weights at 2N as
     the uninterrupted run: simulators, sampling RNGs, optimizer and shuffling all restored.
-    Collecting ahead, no rollout runs past a checkpoint."""
+    Collecting ahead, no rollout runs past a checkpoint. So does one stopped by SIGTERM after
+    its second update (two ahead: the collections in flight are trained on first)."""
     common = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
               "placement.components.actor=0-1", "runner.stages=2", "runner.progress=false",
               f"runner.total_env_steps={256 * updates}", "env.kwargs.max_episode_steps=20",  # truncations too
@@ -148,6 +152,28 @@ def test_resume_continues_exactly(cluster, pool, tmp_path, ahead, updates, lags)
     assert [row["policy_lag"] for row in history] == lags
     assert resumed == straight
     assert rest[-1]["env_steps"] == history[-1]["env_steps"]
+    # a checkpoint resumed under a placement with other ranks: a config error naming both
+    half = tmp_path / "a" / "checkpoints" / f"update_{updates // 2:06d}.safetensors"
+    with pytest.raises(ConfigError, match="runner.resume: .* has 2 actor rank.*, this placement has 1"):
+        run(tmp_path / "c", f"runner.resume={half}", "placement.components.actor=0")
+    if ahead != 2:
+        return
+    asked = EmbodiedRunner.stop_early
+
+    def stop_early(self, row, log):
+        if row["update"] == 1 and not self.cfg.runner.resume:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled here, at once: the run stops at its next safe point
+        return asked(self, row, log)
+
+    monkeypatch.setattr(EmbodiedRunner, "stop_early", stop_early)
+    with pytest.raises(RunStopped, match="stopped by SIGTERM after 4 of 8 updates; the last checkpoint: .*"
+                                         "update_000004.safetensors") as stopped:
+        run(tmp_path / "d")
+    assert stopped.value.signum == signal.SIGTERM
+    # streams 2 and 3 were in flight when the signal came: trained on, then the checkpoint
+    assert [p.name for p in (tmp_path / "d" / "checkpoints").iterdir()] == ["update_000004.safetensors"]
+    resumed, rest = run(tmp_path / "d", "runner.resume=auto")
+    assert resumed == straight and [row["policy_lag"] for row in rest] == lags
 
 
 def test_action_chunks_and_normalisation_run_end_to_end(cluster, pool, tmp_path):

@@ -74,6 +74,11 @@ def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, pool, tmp_path, c
     again = tmp_path / "again.json"
     main(["eval", preset, f"checkpoint={checkpoint}", "episodes=7", f"out={again}", *overrides])
     assert json.loads(again.read_text())["mean_return"] == result["mean_return"]  # deterministic
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # an env that cannot be made: one line, before any episode
+        main(["eval", preset, f"checkpoint={checkpoint}", *overrides, "env.id=CartPole-v9"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("m2flow: error: env.id: cannot make 'CartPole-v9': ")
 
 
 def test_eval_input_mistakes_are_one_line_errors(tmp_path, capsys):

@@ -128,6 +128,12 @@ def test_plan_files_refuse_unknown_keys(tmp_path):
         Plan.load(tmp_path / "p.yaml")
     with pytest.raises(PlanError, match="no such plan file"):
         Plan.load(tmp_path / "missing.yaml")
+    (tmp_path / "cut.yaml").write_text("components: {actor: '0', rollout: [0\n")
+    with pytest.raises(PlanError, match=r"^placement.plan: .*cut.yaml is not YAML \(while parsing"):
+        Plan.load(tmp_path / "cut.yaml")
+    (tmp_path / "list.yaml").write_text("- actor\n- rollout\n")
+    with pytest.raises(PlanError, match=r"list.yaml holds a list, not a plan"):
+        Plan.load(tmp_path / "list.yaml")
 
 
 def test_a_plan_file_runs_as_written(cluster, tmp_path):

@@ -354,6 +354,20 @@ def test_plan_command_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--profile", str(path), "--devices", "10", "--nodes", "3"])
     assert "do not spread evenly" in capsys.readouterr().err
+    for flags, message in ((["--devices", "0"], "--devices: must be >= 1, got 0"),
+                           (["--nodes", "0"], "--nodes: must be >= 1, got 0"),
+                           (["--internode", "0"], "--internode: must be > 0 "),
+                           (["--out", "/proc/none/plan.yaml"], "--out: cannot write '/proc/none/plan.yaml': ")):
+        with pytest.raises(SystemExit):
+            main(["plan", "--profile", str(path), *flags])
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"m2flow: error: {message}") and "\n" not in err, err
+    bare = json.loads(path.read_text())
+    del bare["config"]
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    with pytest.raises(SystemExit):
+        main(["plan", "--profile", str(tmp_path / "bare.json")])
+    assert "bare.json holds no config of a flow: give its preset too" in capsys.readouterr().err
     assert json.loads(path.read_text())["hop_s"] == 0.0002
     assert plan_command(None, [], str(path), None, 1, 1.0, None, log=lambda *_: None).best is not None
     # a profile whose config an earlier version wrote (a key since renamed)

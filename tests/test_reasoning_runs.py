@@ -112,8 +112,8 @@ def test_bad_prompt_files_are_clear_errors(cluster, tmp_path):
     def load(source, *overrides):
         return load_config(PRESET, [f"runner.out_dir={tmp_path / 'out'}", f"data.source={source}", *COMMON, *overrides])
 
-    def error(source, *overrides):
-        with pytest.raises((ValueError, FileNotFoundError, KeyError)) as info:
+    def error(source, *overrides):  # found as the prompts are read, before any worker starts
+        with pytest.raises(ConfigError) as info:
             ReasoningRunner(load(source, *overrides), cluster=cluster)
         return str(info.value)
 
@@ -129,17 +129,17 @@ def test_bad_prompt_files_are_clear_errors(cluster, tmp_path):
                                                        f"file, got '{tmp_path / 'problems.csv'}'")
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(problem_rows()[0]) + "\n\n{'problem': 1}\n")
-    assert error(broken) == f"{broken} line 3: not JSON (Expecting property name enclosed in double quotes)"
+    assert error(broken) == f"data.source: {broken} line 3: not JSON (Expecting property name enclosed in double quotes)"
     not_parquet = tmp_path / "broken.parquet"
     not_parquet.write_text("not parquet")
-    assert error(not_parquet).startswith(f"{not_parquet}: not a Parquet file")
+    assert error(not_parquet).startswith(f"data.source: {not_parquet}: not a Parquet file")
     small = write_prompts(tmp_path / "small.jsonl")
     assert config_error(small, f"data.test_size={ROWS}") == (
         f"data.test_size: data.source={small} has {ROWS} problems, not enough to hold out {ROWS} and train on the rest")
     assert config_error(small, f"data.prompts_per_step={ROWS - TEST_SIZE + 1}") == (
         f"data.prompts_per_step: must be <= the {ROWS - TEST_SIZE} train prompts (data.source={small} less "
         f"data.test_size), got {ROWS - TEST_SIZE + 1}")
-    assert "no field 'question'" in error(small, "data.question_key=question")
+    assert error(small, "data.question_key=question").startswith(f"data.source: {small} row 0: no field 'question'")
 
 
 def test_tensorboard_scalars_equal_metrics_csv(runs):

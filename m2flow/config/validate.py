@@ -198,6 +198,9 @@ def check_model(path: str) -> None:
     if path not in BUILTIN_MODELS and not Path(path).is_dir():
         raise ConfigError("model.path", f"{path!r} is neither a built-in model ({' | '.join(BUILTIN_MODELS)}) nor "
                                         "an existing directory")
+    if path not in BUILTIN_MODELS and not (Path(path) / "config.json").is_file():
+        raise ConfigError("model.path", f"{path!r} has no config.json: expected a checkpoint directory as "
+                                        "transformers' save_pretrained writes it")
 
 
 def check_rewards(functions: Mapping[str, float]) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from m2flow.config import ConfigError
 from m2flow.data.arithmetic import arithmetic_problems
-from m2flow.data.problems import build_prompts, load_problems
+from m2flow.data.problems import Problem, build_prompts, load_problems
 
 
 def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
@@ -17,10 +18,10 @@ def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
         train = arithmetic_problems(d.train_size, levels, "train", seed=cfg.seed)
         test = arithmetic_problems(d.test_size, levels, "test", seed=cfg.seed)
     else:
-        problems = load_problems(d.source, d.question_key, d.answer_key)
+        problems = _file_problems(cfg)
         if len(problems) <= d.test_size:
-            raise ValueError(f"data.source={d.source}: {len(problems)} problems, not enough to hold out "
-                             f"data.test_size={d.test_size} and train on the rest")
+            raise ConfigError("data.test_size", f"data.source={d.source} has {len(problems)} problems, not enough "
+                                                f"to hold out {d.test_size} and train on the rest")
         cut = len(problems) - d.test_size  # the last test_size rows are held out
         train, test = problems[:cut], problems[cut:]
     return _rows(cfg, train), _rows(cfg, test)
@@ -32,12 +33,26 @@ def eval_prompts(cfg: DictConfig) -> list[dict]:
     d = cfg.data
     if d.source == "arithmetic":
         return _rows(cfg, arithmetic_problems(d.test_size, list(d.levels), "test", seed=cfg.seed))
-    return _rows(cfg, load_problems(d.source, d.question_key, d.answer_key))
+    return _rows(cfg, _file_problems(cfg))
+
+
+def _file_problems(cfg: DictConfig) -> list[Problem]:
+    """The problems of the file ``data.source``; a row that is not JSON or lacks a field is a
+    config error naming the file and the row."""
+    d = cfg.data
+    try:
+        return load_problems(d.source, d.question_key, d.answer_key)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise ConfigError("data.source", e.args[0]) from None
 
 
 def _rows(cfg: DictConfig, problems) -> list[dict]:
     from m2flow.models.lm import load_tokenizer  # transformers: imported only when prompts are made
 
-    tokenizer = load_tokenizer(cfg.model.path)
+    try:
+        tokenizer = load_tokenizer(cfg.model.path)
+    except (OSError, ValueError) as e:  # transformers' own messages name what the directory lacks
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError("model.path", f"no tokenizer loads from {cfg.model.path!r}: {first}") from None
     return [{"index": i, "token_ids": list(p.token_ids), "answer": p.problem.answer}
             for i, p in enumerate(build_prompts(problems, tokenizer, cfg.data.instruction))]

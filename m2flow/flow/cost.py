@@ -51,7 +51,13 @@ from typing import Any
 
 import numpy as np
 
+from m2flow.runtime.files import write_text
+
 PHASES = ("work", "hop", "train", "update", "sync")
+
+
+class ProfileError(ValueError):
+    """A file that holds no profile."""
 
 
 @dataclass(frozen=True)
@@ -84,15 +90,16 @@ class Profile:
     contention: dict[str, float] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = asdict(self)
-        path.write_text(json.dumps(data, indent=1))
-        return path
+        """Writes the profile whole (a crash leaves the old file or none, never a part)."""
+        return write_text(path, json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """``ProfileError`` if ``path`` holds no profile (not JSON, or not one ``save`` wrote)."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # json.JSONDecodeError is a ValueError
+            raise ProfileError(f"{path} holds no profile ({type(e).__name__}: {' '.join(str(e).split())})") from None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from m2flow.config.validate import ConfigError
+from m2flow.runtime.files import write_text
 from m2flow.runtime.placement import Placement, PlacementError, parse_range, processes, rank_devices
 
 MODES = ("collocated", "disaggregated", "hybrid")
@@ -145,7 +146,14 @@ class Plan:
         path = Path(path)
         if not path.is_file():
             raise PlanError(f"no such plan file {str(path)!r}", "placement.plan")
-        return cls.from_dict(yaml.safe_load(path.read_text()) or {})
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise PlanError(f"{path} is not YAML ({' '.join(str(e).split())})", "placement.plan") from None
+        if not isinstance(data, (dict, type(None))):
+            raise PlanError(f"{path} holds a {type(data).__name__}, not a plan (a mapping with components)",
+                            "placement.plan")
+        return cls.from_dict(data or {})
 
     # -- writing --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -154,9 +162,8 @@ class Plan:
                 **({} if self.offload else {"offload": False})}
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        return path
+        """Writes the plan as YAML, whole (``runtime.files.write_text``); folders are made."""
+        return write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     def mode(self, workflow: Workflow) -> str:
         """collocated (every component on the same devices), disaggregated (the makers on

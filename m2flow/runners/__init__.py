@@ -10,22 +10,26 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
     ``placement.mode=auto`` the plan is chosen first (``runners.auto``), on the cluster the
     run then uses."""
     from m2flow.runners.schedule import schedule_of
+    from m2flow.runtime.stop import StopRequest
 
     runner_cls = schedule_of(cfg).runner  # an unknown flow fails here, before a cluster starts
     cluster = None
-    if cfg.placement.mode == "auto":
-        from m2flow.runners.auto import auto_plan
-        from m2flow.runners.base import start_cluster
+    # SIGINT or SIGTERM from here on: the run stops after its update in progress (before the
+    # first, if it comes while the run starts), with a checkpoint
+    with StopRequest("stopping after the update in progress, with a checkpoint"):
+        if cfg.placement.mode == "auto":
+            from m2flow.runners.auto import auto_plan
+            from m2flow.runners.base import start_cluster
 
-        cluster = start_cluster(cfg.cluster)
-    try:
-        if cluster is not None:
-            cfg = auto_plan(cfg, cluster)
-        runner = runner_cls(cfg, cluster=cluster)
+            cluster = start_cluster(cfg.cluster)
         try:
-            return runner.train()
+            if cluster is not None:
+                cfg = auto_plan(cfg, cluster)
+            runner = runner_cls(cfg, cluster=cluster)
+            try:
+                return runner.train()
+            finally:
+                runner.close()
         finally:
-            runner.close()
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
+            if cluster is not None:
+                cluster.shutdown()

@@ -21,6 +21,7 @@ which then slows overlapping tasks by it.
 from __future__ import annotations
 
 import copy
+import signal
 import statistics
 import tempfile
 import time
@@ -31,7 +32,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.flow import Plan, PlanError
-from m2flow.flow.cost import (CostModel, Profile, calibrate, hardware, points_from_rows, profile_key,
+from m2flow.flow.cost import (CostModel, Profile, ProfileError, calibrate, hardware, points_from_rows, profile_key,
                              trained_rows)
 from m2flow.flow.planner import Choice, layout_of, plan, predicted
 from m2flow.flow.simulate import Layout, Shape, simulate, step_tasks
@@ -39,6 +40,7 @@ from m2flow.runners.base import gpu_slots_of, local_devices, start_cluster
 from m2flow.runners.schedule import Schedule, schedule_of
 from m2flow.runtime import Cluster
 from m2flow.runtime.group import WorkerPool
+from m2flow.runtime.stop import RunStopped
 
 # Keys whose value does not change what a step costs: a profile is reused across them.
 RUN_KEYS = ("total_env_steps", "steps", "out_dir", "resume", "progress", "checkpoint_every", "checkpoint_every_min",
@@ -179,6 +181,10 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                     pool.ready()  # none is still starting while a run is timed
                 try:
                     rows = runner.train(evaluate=False, checkpoint=False, trace=False)[warm_up:]
+                except RunStopped as e:
+                    raise RunStopped(f"stopped by {signal.Signals(e.signum).name} while profiling (probe "
+                                     f"{i + 1} of {len(runs)}, {run.name}): no profile stored, nothing to resume",
+                                     e.signum) from None
                 finally:
                     runner.close()
                 layout, fused = layout_of(run.plan, s.workflow)
@@ -346,8 +352,13 @@ def load_or_profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) 
     hardware match, else a new one (stored), measured on ``cluster`` if given."""
     path = profile_path(cfg)
     known = (len(cluster.devices), cluster.device_kind) if cluster else local_devices(cfg.cluster)
+    prof = None
     if path.is_file() and known:
-        prof = Profile.load(path)
+        try:
+            prof = Profile.load(path)
+        except ProfileError as e:
+            log(f"profile: {e}: profiling again")
+    if prof is not None:
         if prof.matches(key_of(cfg), hardware() | {"devices": known[0], "kind": known[1]}):
             roles = {r.get("role") for r in prof.runs}
             if measures_contention(schedule_of(cfg), known[1]) and "split" in roles and "overlap" not in roles:
@@ -413,14 +424,24 @@ def plan_command(preset: str | None, overrides: list[str], profile_file: str | N
     from m2flow.config.loader import apply_override, translate
     from m2flow.config.schema import ROOTS
 
+    for flag, value, least in (("--devices", devices, 1), ("--nodes", nodes, 1)):
+        if value is not None and value < least:
+            raise ConfigError(flag, f"must be >= {least}, got {value}")
+    if not internode > 0:
+        raise ConfigError("--internode", f"must be > 0 (how much slower a cross-node exchange is), got {internode}")
     if profile_file:
         path = Path(profile_file)
         if not path.is_file():
             raise ConfigError("--profile", f"no such profile file {profile_file!r} (m2flow profile writes one)")
-        prof = Profile.load(path)
+        try:
+            prof = Profile.load(path)
+        except ProfileError as e:
+            raise ConfigError("--profile", f"{e} (m2flow profile writes one)") from None
         if preset:
             cfg = load_config(preset, overrides)
         else:  # the config the profile was measured with
+            if prof.config.get("flow") not in ROOTS:
+                raise ConfigError("--profile", f"{profile_file} holds no config of a flow: give its preset too")
             root = ROOTS[prof.config["flow"]]
             try:
                 cfg = OmegaConf.merge(OmegaConf.structured(root), prof.config)
@@ -434,8 +455,9 @@ def plan_command(preset: str | None, overrides: list[str], profile_file: str | N
         prof, _ = load_or_profile(cfg, log=log)
     else:
         raise ConfigError("plan", "give a preset or --profile FILE")
-    if devices is not None and devices < 1 or nodes < 1 or (devices or prof.hardware["devices"]) % nodes:
-        raise ConfigError("--nodes", f"{devices} device(s) do not spread evenly over {nodes} node(s)")
+    if (devices or prof.hardware["devices"]) % nodes:
+        raise ConfigError("--nodes", f"{devices or prof.hardware['devices']} device(s) do not spread evenly over "
+                                     f"{nodes} node(s)")
     start = time.perf_counter()
     choice = choose(cfg, prof, devices, nodes, internode)
     log(f"{devices or prof.hardware['devices']} {prof.hardware['kind']} device(s) on {nodes} node(s), "
@@ -444,5 +466,8 @@ def plan_command(preset: str | None, overrides: list[str], profile_file: str | N
     log(choice.best.plan.table(schedule_of(cfg).workflow))
     log(f"planning time {time.perf_counter() - start:.2f} s")
     if out:
-        log(f"plan written to {choice.best.plan.save(out)}")
+        try:
+            log(f"plan written to {choice.best.plan.save(out)}")
+        except OSError as e:
+            raise ConfigError("--out", f"cannot write {out!r}: {e.strerror or e}") from None
     return choice

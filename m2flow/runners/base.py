@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from m2flow.config.validate import validate
+from m2flow.config.validate import ConfigError, validate
 from m2flow.flow import Plan, Workflow
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.metrics import RunLog
@@ -29,6 +29,7 @@ from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.cluster import cpu_slot_count
 from m2flow.runtime.group import GroupHandle, WorkerDiedError, WorkerError, WorkerPool, start_together, wait
 from m2flow.runtime.placement import ComponentPlacement
+from m2flow.runtime.stop import RunStopped, StopRequest
 from m2flow.runtime.trace import get_tracer, write_chrome_trace
 from m2flow.runtime.watchdog import Watchdog
 
@@ -47,6 +48,11 @@ class Runner:
         ``WorkerPool`` (runs of one flow under several plans in a row)."""
         self.cfg = copy.deepcopy(cfg)  # the run's own: the plan settles some of its keys
         validate(self.cfg)  # again: a config may change after it is loaded
+        if self.cfg.runner.resume not in (None, "auto"):  # a file that is no checkpoint fails before Ray starts
+            try:
+                checkpoints.check(self.cfg.runner.resume)
+            except checkpoints.CheckpointError as e:
+                raise ConfigError("runner.resume", str(e)) from None
         self.components = self.components_of(cfg)
         self.workflow = self.workflow_of(cfg)
         self._own_cluster = cluster is None
@@ -291,11 +297,14 @@ class Runner:
         (``trace.json``, ``timeline.png`` of the last update), unless told not to (a profiling
         run only times updates). A worker process that dies restarts every group
         from the last checkpoint this run wrote (or from where it started), up to
-        ``runner.max_restarts`` times; the watchdog stops a run in which nothing moves."""
+        ``runner.max_restarts`` times; the watchdog stops a run in which nothing moves. SIGINT or
+        SIGTERM stops it after the update in progress, with a checkpoint: ``RunStopped``."""
         r = self.cfg.runner
         log = RunLog(r.out_dir, self.metrics.progress_total, x=self.metrics.x, y=self.metrics.y, progress=r.progress)
         initial = {"metrics": self.metrics.state_dict(), "extra": self.extra_state()}  # to start over from
         self.last_checkpoint: Path | None = None  # the last this run wrote: where a restart starts
+        self.stop_request = StopRequest("stopping after the update in progress" + (", with a checkpoint" * checkpoint))
+        self.halted: str | None = None  # where a stop asked for ended the run, if one did
         restarts = 0
         try:
             origin = self.resume_path(log) if r.resume else None
@@ -304,10 +313,12 @@ class Runner:
                 watchdog = Watchdog(r.hang_timeout_s, r.out_dir, self.distinct_groups, self.channels,
                                     self.lock_devices) if r.hang_timeout_s else None
                 try:
-                    with watchdog or contextlib.nullcontext():
+                    with watchdog or contextlib.nullcontext(), self.stop_request:
                         history = self._loop(log, evaluate, checkpoint, watchdog, point, initial)
                     if trace:
                         self.write_trace(log)
+                    if self.halted:
+                        raise self._stopped(log)
                     return history
                 except BaseException as e:
                     if watchdog is not None and watchdog.report is not None:  # the watchdog stopped the run
@@ -315,6 +326,9 @@ class Runner:
                         raise watchdog.error() from None
                     if isinstance(e, WorkerError):
                         log.write(f"{e}\n\nthe worker's whole traceback:\n{e.traceback}")
+                        if self.stop_request.signum is not None:  # the signal reached the workers too
+                            self.halted = f"and the worker processes with it ({e.group} rank {e.rank} ended)"
+                            raise self._stopped(log) from None
                     if not isinstance(e, WorkerDiedError) or restarts >= r.max_restarts or self.pool is not None:
                         raise
                     died = e
@@ -360,12 +374,16 @@ class Runner:
             log.record({self.metrics.x: 0, "time_s": 0.0, **self.evaluate()}, "evaluated")
         start = time.perf_counter()
         for i in range(first, self.total):
+            if i == first and self.stop_request.signum is not None:  # asked while the run started
+                self.halted = f"before its first {self.metrics.x_name}"
+                break
             t0 = time.perf_counter()
             last = i + 1 == self.total
-            # A checkpoint holds no stream in flight: one due by time waits until those launched
-            # ahead are trained on, launching no more.
-            due = (checkpoint and bool(r.checkpoint_every_min)
-                   and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min)
+            # A checkpoint holds no stream in flight: one due by time, or by a stop asked for,
+            # waits until those launched ahead are trained on, launching no more.
+            halting = self.stop_request.signum is not None and len(self.ahead) <= 1
+            due = self.stop_request.signum is not None or (
+                checkpoint and bool(r.checkpoint_every_min) and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min)
             saving = checkpoint and (self._barrier(i, True, False) or (due and len(self.ahead) <= 1))
             evaluating = evaluate and self.evaluates(i, last)
             wall = time.time()
@@ -387,7 +405,9 @@ class Runner:
             log.record(row, self.metrics.summary(row))
             if watchdog is not None:
                 watchdog.beat()
-            stop = last or self.stop_early(row, log)
+            if halting and not last:
+                self.halted = f"after {i + 1} of {self.total} {self.metrics.x_name}s"
+            stop = last or halting or self.stop_early(row, log)
             if stop:  # stopped early: the streams launched ahead are made, then dropped untrained
                 self.wait_ahead()
                 self.ahead.clear()
@@ -395,9 +415,17 @@ class Runner:
                 self.checkpoint(i + 1, log)
             if stop:
                 break
-        if evaluate and self.defers_evaluation():
-            self.evaluate_deferred(log, watchdog)
+        if evaluate and self.defers_evaluation() and not self.halted:
+            self.evaluate_deferred(log, watchdog)  # a resumed run evaluates what a stopped one left
         return log.history
+
+    def _stopped(self, log: RunLog) -> RunStopped:
+        then = "no checkpoint written"
+        if self.last_checkpoint is not None:
+            then = f"the last checkpoint: {self.last_checkpoint}; continue with runner.resume=auto"
+        message = f"stopped by {self.stop_request.name} {self.halted}; {then}"
+        log.write(message)
+        return RunStopped(message, self.stop_request.signum)
 
     @property
     def saved_weights_dir(self) -> Path:
@@ -417,6 +445,10 @@ class Runner:
         start, done = time.perf_counter(), 0
         for row in log.history:
             path = self.saved_weights(row)
+            if self.stop_request.signum is not None and path.exists():
+                left = sum(self.saved_weights(r).exists() for r in log.history)
+                self.halted = f"with {left} deferred evaluation(s) left"
+                break
             if path.exists() and not any(k.startswith("eval_") for k in row):
                 log.amend(row, self.evaluate_saved(path))
                 path.unlink()
@@ -502,14 +534,16 @@ class Runner:
         ckpt = checkpoints.load(path)
         for c, group in self._stateful().items():
             if c not in ckpt["states"]:
-                raise ValueError(f"checkpoint {path} has no {c} state (a run with algorithm.name="
-                                 f"{ckpt['config']['algorithm']['name']}): resume with the same algorithm")
+                raise ConfigError("runner.resume", f"checkpoint {path} has no {c} state (a run with algorithm.name="
+                                                   f"{ckpt['config']['algorithm']['name']}): resume with the same "
+                                                   "algorithm")
             state = ckpt["states"][c]
             if (state is None) != (group is None):
-                raise ValueError(f"checkpoint {path} was written with placement.fuse={state is None}: resume the same way")
+                raise ConfigError("runner.resume", f"checkpoint {path} was written with placement.fuse={state is None}: "
+                                                   "resume the same way")
             if group is not None and len(state) != group.world_size:
-                raise ValueError(f"checkpoint {path} has {len(state)} {c} rank(s), this placement has "
-                                 f"{group.world_size}: resume with the same placement")
+                raise ConfigError("runner.resume", f"checkpoint {path} has {len(state)} {c} rank(s), this placement "
+                                                   f"has {group.world_size}: resume with the same placement")
         wait(*(g.load_state(ckpt["states"][c]) for c, g in self._stateful().items() if g is not None))
         self.synced = None  # the loaded weights go out before the first step, whatever was synced before
         self.metrics.load_state_dict(ckpt["metrics"])
@@ -564,7 +598,11 @@ def _first_line(e: BaseException | None) -> str:
 
 def start_cluster(cluster: DictConfig) -> Cluster:
     """The cluster a config's ``cluster`` section names: an embedded Ray, or an existing one."""
-    return Cluster(cluster.address, num_cpus=cluster.num_cpus, cpu_slots=cluster.cpu_slots, gpu_slots=cluster.gpu_slots)
+    try:
+        return Cluster(cluster.address, num_cpus=cluster.num_cpus, cpu_slots=cluster.cpu_slots,
+                       gpu_slots=cluster.gpu_slots)
+    except ConnectionError as e:  # an address where no cluster answers
+        raise ConfigError("cluster.address", str(e)) from None
 
 
 def gpu_slots_of(cfg: DictConfig, kind: str) -> int:

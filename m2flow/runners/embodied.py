@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import gymnasium as gym
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config.validate import ConfigError, check_grpo_layout, resolved
@@ -46,6 +47,24 @@ def env_layout(cfg: DictConfig, plan: Plan, components: tuple[str, ...]) -> Layo
     return layout
 
 
+def probe_spaces(cfg: DictConfig) -> tuple[Any, Any]:
+    """The env's observation and action spaces, from one env made here; an env that cannot be
+    made from ``env.id`` and ``env.kwargs`` is a config error."""
+    kwargs = OmegaConf.to_container(cfg.env.kwargs)
+    try:
+        probe = make_env(cfg.env.id, **kwargs)
+    except (gym.error.Error, ImportError) as e:
+        raise ConfigError("env.id", f"cannot make {cfg.env.id!r}: {e}") from None
+    except TypeError as e:  # the constructor's signature refused a keyword
+        if not kwargs:
+            raise
+        raise ConfigError("env.kwargs", f"{cfg.env.id!r} refused {kwargs}: {e}") from None
+    try:
+        return probe.observation_space, probe.action_space
+    finally:
+        probe.close()
+
+
 class EmbodiedRunner(Runner):
     workflow = WORKFLOW
     workers = {"env": EnvWorker, "rollout": RolloutWorker, "actor": ActorWorker}
@@ -58,9 +77,7 @@ class EmbodiedRunner(Runner):
 
     def prepare(self) -> None:
         cfg = self.cfg
-        probe = make_env(cfg.env.id, **OmegaConf.to_container(cfg.env.kwargs))
-        self.spaces = (probe.observation_space, probe.action_space)
-        probe.close()
+        self.spaces = probe_spaces(cfg)
         self.layout = env_layout(cfg, self.plan, self.components)
         self.plain = OmegaConf.to_container(cfg, resolve=True)
         self.steps_per_update = steps_per_update(cfg)

@@ -101,9 +101,11 @@ def _reasoning(cfg: DictConfig, ckpt: dict) -> dict[str, Any]:
 def _embodied(cfg: DictConfig, ckpt: dict, episodes: int, max_steps: int = 1_000_000) -> dict[str, Any]:
     from m2flow.envs import EnvBatch
     from m2flow.models.policies import build_policy
+    from m2flow.runners.embodied import probe_spaces
 
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
+    probe_spaces(cfg)  # an env that cannot be made is a config error
     env = cfg.env
     n = min(episodes, env.num_envs)
     batch = EnvBatch(env.id, n, cfg.seed + EVAL_SEED_OFFSET, obs_norm=env.obs_norm,

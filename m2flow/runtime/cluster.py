@@ -9,6 +9,7 @@ placement such as ``"0-3"`` means the same on one laptop and on many GPU nodes.
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,12 +19,26 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
-from m2flow.runtime import shm
+from m2flow.runtime import shm, stop
 from m2flow.runtime.comm import cleanup_pipes
 from m2flow.runtime.names import NAMESPACE, shm_prefix
 
 
 _RAY_CLUSTERS = ray_constants.ENABLE_RAY_CLUSTER  # Ray's own setting, restored at shutdown
+
+
+def answers(address: str, timeout_s: float = 5.0) -> None:
+    """``ConnectionError`` unless something accepts a TCP connection at ``address``'s
+    ``host:port`` (``ray://host:port`` too) within ``timeout_s``; ``auto`` and other forms
+    are left to Ray."""
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ConnectionError(f"no Ray cluster answers at {address} ({e.strerror or e})") from None
 
 
 @contextmanager
@@ -142,8 +157,10 @@ class Cluster:
             with _loopback_only():
                 ray.init(namespace=NAMESPACE, **kwargs)
         else:
+            answers(address)  # Ray itself would retry an address where nothing listens for minutes
             ray.init(namespace=NAMESPACE, address=address, **kwargs)
         self._started_ray = True
+        stop.reassert()  # Ray put its own SIGTERM handler in place of a stop request's
 
     def _discover_nodes(self, listed: list[dict]) -> tuple[Node, ...]:
         """``listed``: Ray's ``ray.nodes()``."""
