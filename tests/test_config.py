@@ -122,6 +122,7 @@ MALFORMED = [
     (R, ["model.path=tiny-mistral"], "model.path"),
     (E, ["runner.resume={tmp}/update_000010.safetensors"], "runner.resume"),
     (E, ["runner.resume={tmp}/three.jsonl"], "runner.resume"),  # a file, but no checkpoint
+    (E, ["runner.out_dir={tmp}/three.jsonl"], "runner.out_dir"),  # a file, not a directory
     (R, ["reward.functions.my_reward=1.0"], "reward.functions.my_reward"),
     # envs that cannot be made
     (E, ["env.id=NoSuchEnv-v0"], "env.id"),

@@ -79,6 +79,9 @@ def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, pool, tmp_path, c
         main(["eval", preset, f"checkpoint={checkpoint}", *overrides, "env.id=CartPole-v9"])
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("m2flow: error: env.id: cannot make 'CartPole-v9': ")
+    with pytest.raises(SystemExit) as e:  # nowhere to write the result: said before the episodes
+        main(["eval", preset, f"checkpoint={checkpoint}", *overrides, f"out={tmp_path / 'no' / 'e.json'}"])
+    assert e.value.code == 2 and "m2flow: error: out: cannot write the result to" in capsys.readouterr().err
 
 
 def test_eval_input_mistakes_are_one_line_errors(tmp_path, capsys):

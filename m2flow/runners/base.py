@@ -53,6 +53,16 @@ class Runner:
                 checkpoints.check(self.cfg.runner.resume)
             except checkpoints.CheckpointError as e:
                 raise ConfigError("runner.resume", str(e)) from None
+        out = Path(self.cfg.runner.out_dir)
+        try:  # so does a directory the run cannot write to
+            if out.exists() and not out.is_dir():
+                raise NotADirectoryError(f"{out} is a file")
+            out.mkdir(parents=True, exist_ok=True)
+            if not os.access(out, os.W_OK):
+                raise PermissionError(f"{out} is not writable")
+        except OSError as e:
+            raise ConfigError("runner.out_dir", f"cannot write the run's files to {str(out)!r} "
+                                                f"({e.strerror or e})") from None
         self.components = self.components_of(cfg)
         self.workflow = self.workflow_of(cfg)
         self._own_cluster = cluster is None

@@ -16,6 +16,7 @@ the success rate (envs that report success: ManiSkill, Meta-World).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config import ConfigError
 from m2flow.runners import checkpoint as checkpoints
+from m2flow.runtime.files import write_text
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes start from seeds no training env used
 
@@ -42,6 +44,9 @@ def evaluate(cfg: DictConfig, checkpoint: str | Path, episodes: int = 10, out: s
     written = ckpt["config"]
     if written["flow"] != cfg.flow:
         raise ConfigError("checkpoint", f"{checkpoint} is a {written['flow']} checkpoint; the config is a {cfg.flow} one")
+    out = Path(out) if out else checkpoint.with_name(checkpoint.name.removesuffix(checkpoints.SUFFIX) + ".eval.json")
+    if not (out.parent.is_dir() and os.access(out.parent, os.W_OK)) or out.is_dir():
+        raise ConfigError("out", f"cannot write the result to {str(out)!r}: not a file in a writable directory")
     start = time.perf_counter()
     if cfg.flow == "reasoning":
         result = _reasoning(cfg, ckpt)
@@ -51,8 +56,7 @@ def evaluate(cfg: DictConfig, checkpoint: str | Path, episodes: int = 10, out: s
         raise ValueError(f"unknown flow {cfg.flow!r} (known: embodied, reasoning)")
     result = {"checkpoint": str(checkpoint), "flow": cfg.flow, "trained_for": ckpt["done"], **result,
               "eval_s": round(time.perf_counter() - start, 2)}
-    out = Path(out) if out else checkpoint.with_name(checkpoint.name.removesuffix(checkpoints.SUFFIX) + ".eval.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_text(out, json.dumps(result, indent=2) + "\n")
     result["written_to"] = str(out)
     return result
 
