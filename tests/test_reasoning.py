@@ -5,6 +5,8 @@ the reward at the preset's learning rate."""
 import csv
 import json
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from m2flow.config import load_config
 from m2flow.config.validate import validate as check_config
 from m2flow.flow import Plan
 from m2flow.runners.reasoning import WORKFLOW, ReasoningRunner
+from m2flow.runtime.stop import RunStopped
 
 PRESET = "reasoning/grpo_arith_tiny"
 
@@ -255,7 +258,7 @@ def test_a_stopped_runs_deferred_evaluations_are_made_when_it_resumes(cluster, p
     """A run stopped after its last checkpoint but before its deferred evaluations (a time
     limit, a kill) keeps the weights it saved for them; resumed (``runner.resume=auto``), it
     trains nothing more, evaluates them and amends their rows: the figures of the run that
-    was not stopped."""
+    was not stopped. So does one that SIGTERM stops during its first deferred evaluation."""
     args = ("runner.steps=4", "runner.eval_every=2", "runner.eval_deferred=true", "algorithm.share_prompts=false")
     straight = _train(cluster, pool, tmp_path / "straight", *args)[0]
     with monkeypatch.context() as m:  # stopped before the evaluations at the end
@@ -275,6 +278,21 @@ def test_a_stopped_runs_deferred_evaluations_are_made_when_it_resumes(cluster, p
     assert not list(saved.iterdir())
     rows = list(csv.DictReader((tmp_path / "cut" / "metrics.csv").read_text().splitlines()))
     assert [int(float(r["step"])) for r in rows if r["eval_reward"]] == [0, 2, 4]
+    # SIGTERM during the first deferred evaluation: that one is finished, the other left
+    evaluate_saved = ReasoningRunner.evaluate_saved
+
+    def signalled(self, path):
+        if not self.cfg.runner.resume:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate_saved(self, path)
+
+    with monkeypatch.context() as m:
+        m.setattr(ReasoningRunner, "evaluate_saved", signalled)
+        with pytest.raises(RunStopped, match="stopped by SIGTERM with 1 deferred evaluation.s. left; the last "
+                                             "checkpoint: .*step_000004.safetensors"):
+            _train(cluster, pool, tmp_path / "signalled", *args)
+        assert [p.name for p in (tmp_path / "signalled" / "saved_weights").iterdir()] == ["step-4.safetensors"]
+        assert evals(_train(cluster, pool, tmp_path / "signalled", *args, "runner.resume=auto")[0]) == evals(straight)
 
 
 def test_resume_reaches_the_same_weights(cluster, pool, tmp_path):
