@@ -116,6 +116,26 @@ def test_bad_overrides_are_clear_errors():
 
 # Collecting ahead also runs in test_collect_ahead_learns; its resume variant is slow, and
 # so is the on-policy one: two versions ahead resumes the same state, with streams besides.
+def test_checkpoints_by_time_roll_and_those_by_count_stay(cluster, pool, tmp_path, monkeypatch):
+    """Every update due by time (a checkpoint a microsecond): each such checkpoint replaces the
+    one by time before it; those every 3 updates and the last stay."""
+    written = []
+    save = EmbodiedRunner.checkpoint
+
+    def counted(self, done, log, rolling=False):
+        written.append((done, rolling))
+        return save(self, done, log, rolling)
+
+    monkeypatch.setattr(EmbodiedRunner, "checkpoint", counted)
+    train_cartpole(cluster, pool, [
+        "placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
+        "placement.components.actor=0-1", "runner.stages=2", "runner.progress=false", "runner.total_env_steps=2048",
+        "runner.checkpoint_every=3", "runner.checkpoint_every_min=1e-8", f"runner.out_dir={tmp_path}"])
+    assert written == [(1, True), (2, True), (3, False), (4, True), (5, True), (6, False), (7, True), (8, False)]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "update_000003.safetensors", "update_000006.safetensors", "update_000008.safetensors"]
+
+
 @pytest.mark.parametrize("ahead, updates, lags", [
     pytest.param(0, 4, [0] * 4, marks=pytest.mark.slow),
     pytest.param(1, 4, [0, 1, 0, 1], marks=pytest.mark.slow),

@@ -99,7 +99,9 @@ class RunnerConfig:
                              within=NON_NEGATIVE)
     log_every: int = opt(1, "kept for older presets: every update is logged")
     checkpoint_every: int = opt(0, "updates between checkpoints; 0: only at the end", within=NON_NEGATIVE)
-    checkpoint_every_min: float = opt(0.0, "minutes between checkpoints (also); 0: by updates only", within=NON_NEGATIVE)
+    checkpoint_every_min: float = opt(30.0, "minutes between checkpoints taken by time (also), each replacing the one "
+                                            "before it (a restart or a stop then loses at most that much); 0: none",
+                                      within=NON_NEGATIVE)
     max_restarts: int = opt(3, "times a run starts its groups again (from its last checkpoint) after a worker process "
                             "died", within=NON_NEGATIVE)
     hang_timeout_s: float = opt(1800.0, "seconds without progress (no update ending, no channel item moving, no device "

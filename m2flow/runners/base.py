@@ -313,6 +313,7 @@ class Runner:
         log = RunLog(r.out_dir, self.metrics.progress_total, x=self.metrics.x, y=self.metrics.y, progress=r.progress)
         initial = {"metrics": self.metrics.state_dict(), "extra": self.extra_state()}  # to start over from
         self.last_checkpoint: Path | None = None  # the last this run wrote: where a restart starts
+        self.last_rolling: Path | None = None  # the last, if taken by time: the next one replaces it
         self.stop_request = StopRequest("stopping after the update in progress" + (", with a checkpoint" * checkpoint))
         self.halted: str | None = None  # where a stop asked for ended the run, if one did
         restarts = 0
@@ -421,8 +422,8 @@ class Runner:
             if stop:  # stopped early: the streams launched ahead are made, then dropped untrained
                 self.wait_ahead()
                 self.ahead.clear()
-            if (stop and checkpoint) or saving:
-                self.checkpoint(i + 1, log)
+            if (stop and checkpoint) or saving:  # one due by time alone is rolling
+                self.checkpoint(i + 1, log, rolling=not stop and not self._barrier(i, True, False))
             if stop:
                 break
         if evaluate and self.defers_evaluation() and not self.halted:
@@ -513,10 +514,11 @@ class Runner:
         return f"updates {first}-{self.total - 1}"
 
     # -- checkpoints ------------------------------------------------------------------------
-    def checkpoint(self, done: int, log: RunLog) -> Path:
+    def checkpoint(self, done: int, log: RunLog, rolling: bool = False) -> Path:
         """Every stateful component's state (all ranks), the metrics' running values and the
         flow's own (data order), so that a resumed run continues exactly as an uninterrupted one.
-        One safetensors file, written atomically (``m2flow.runners.checkpoint``)."""
+        One safetensors file, written atomically (``m2flow.runners.checkpoint``). A ``rolling``
+        one (taken by time) is deleted once a newer checkpoint of this run is written."""
         owned = {c: g for c, g in self._stateful().items() if g is not None}
         states = dict(zip(owned, wait(*(g.state() for g in owned.values()))))
         path = checkpoints.directory(self.cfg.runner.out_dir) / f"{self.metrics.x_name}_{done:06d}{checkpoints.SUFFIX}"
@@ -525,7 +527,9 @@ class Runner:
                                 "states": {c: states.get(c) for c in self._stateful()},
                                 "config": OmegaConf.to_container(self.cfg, resolve=True)})
         self.checkpointed_at = time.perf_counter()
-        self.last_checkpoint = path
+        if self.last_rolling not in (None, path):
+            self.last_rolling.unlink(missing_ok=True)
+        self.last_checkpoint, self.last_rolling = path, (path if rolling else None)
         return path
 
     def resume_path(self, log: RunLog) -> str | None:
