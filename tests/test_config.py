@@ -124,6 +124,8 @@ MALFORMED = [
     (E, ["runner.resume={tmp}/three.jsonl"], "runner.resume"),  # a file, but no checkpoint
     (E, ["runner.out_dir={tmp}/three.jsonl"], "runner.out_dir"),  # a file, not a directory
     (R, ["reward.functions.my_reward=1.0"], "reward.functions.my_reward"),
+    (R, ["reward.functions={{nomod.rewards:score: 1.0}}"], "reward.functions.nomod.rewards:score"),
+    (R, ["rollout.backend=vllm"], "rollout.backend"),  # vLLM is not installed here
     # envs that cannot be made
     (E, ["env.id=NoSuchEnv-v0"], "env.id"),
     (E, ["env.id=CartPole-v9"], "env.id"),

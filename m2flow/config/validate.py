@@ -9,7 +9,10 @@ they work on a ``DictConfig`` and on ``OmegaConf.to_container``'s dict alike.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import os
+import sys
 import typing
 from pathlib import Path
 from typing import Any, Mapping
@@ -212,6 +215,39 @@ def check_rewards(functions: Mapping[str, float]) -> None:
         if name not in BUILTIN_REWARDS and not (sep and module and fn):
             raise ConfigError(f"reward.functions.{name}", f"expected a built-in reward ({' | '.join(BUILTIN_REWARDS)})"
                                                           " or package.module:function")
+
+
+def check_importable(cfg: DictConfig | Mapping) -> None:
+    """For a run on an embedded Ray, whose workers import what this process can (and from its
+    working directory, as Ray adds it to theirs): the modules of ``reward.functions`` and the
+    vLLM backend, each a config error here if it is not there, before any worker starts. On an
+    existing cluster the workers' environment is the cluster's: nothing is checked."""
+    d = resolved(cfg)
+    if d["cluster"]["address"] is not None:
+        return
+    for name in d["reward"]["functions"]:
+        module, sep, _ = name.partition(":")
+        if sep and not _importable(module):
+            raise ConfigError(f"reward.functions.{name}", f"no module {module!r} can be imported here (nor from "
+                                                          f"the working directory)")
+    if d["rollout"]["backend"] == "vllm" and not _importable("vllm"):
+        raise ConfigError("rollout.backend", "vllm: vLLM is not installed here (pip install vllm; it needs a CUDA GPU)")
+
+
+def _importable(module: str) -> bool:
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False
+    except ValueError:  # in sys.modules without a spec: it is there
+        return True
+    finally:
+        if added:
+            sys.path.remove(cwd)
 
 
 def check_data(data: Mapping) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from m2flow.config.validate import check_importable
 from m2flow.data import PromptLoader
 from m2flow.data.prompts import load_prompts
 from m2flow.flow import Plan, Workflow
@@ -82,6 +83,7 @@ class ReasoningRunner(Runner):
         return tuple(ch for ch in WORKFLOW.channels if ch != "logprobs" or "critic" in self.components)
 
     def prepare(self) -> None:
+        check_importable(self.cfg)
         self.train_prompts, self.test_prompts = load_prompts(self.cfg)
         d = self.cfg.data
         self.loader = PromptLoader(self.train_prompts, d.prompts_per_step, seed=self.cfg.seed)
