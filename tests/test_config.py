@@ -49,6 +49,9 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "three.jsonl").write_text("".join(f'{{"question": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(3)))
     (tmp / "problems.csv").write_text("question,answer\n1+1,2\n")
     (tmp / "broken.jsonl").write_text('{"question": "1+1", "answer": "2"}\n{"question": "1+2", "answer": \n')
+    (tmp / "no-config").mkdir()  # a folder, but no model in it
+    (tmp / "no-tokenizer").mkdir()
+    (tmp / "no-tokenizer" / "config.json").write_text("{}")
     (tmp / "q.jsonl").write_text("".join(f'{{"q": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(200)))
     text = (ROOT / "m2flow/presets/embodied/ppo_cartpole.yaml").read_text()
     (tmp / "typo.yaml").write_text(text + "policy:\n  hiden: [32, 32]\n")
@@ -120,6 +123,8 @@ MALFORMED = [
     (R, ["data.source={tmp}/q.jsonl"], "data.source"),  # no field "question"
     (R, ["model.path={tmp}/no-such-model"], "model.path"),
     (R, ["model.path=tiny-mistral"], "model.path"),
+    (R, ["model.path={tmp}/no-config"], "model.path"),
+    (R, ["model.path={tmp}/no-tokenizer"], "model.path"),
     (E, ["runner.resume={tmp}/update_000010.safetensors"], "runner.resume"),
     (E, ["runner.resume={tmp}/three.jsonl"], "runner.resume"),  # a file, but no checkpoint
     (E, ["runner.out_dir={tmp}/three.jsonl"], "runner.out_dir"),  # a file, not a directory

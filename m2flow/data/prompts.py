@@ -52,7 +52,7 @@ def _rows(cfg: DictConfig, problems) -> list[dict]:
     try:
         tokenizer = load_tokenizer(cfg.model.path)
     except (OSError, ValueError) as e:  # transformers' own messages name what the directory lacks
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ConfigError("model.path", f"no tokenizer loads from {cfg.model.path!r}: {first}") from None
+        said = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError("model.path", f"no tokenizer loads from {cfg.model.path!r}: {said}") from None
     return [{"index": i, "token_ids": list(p.token_ids), "answer": p.problem.answer}
             for i, p in enumerate(build_prompts(problems, tokenizer, cfg.data.instruction))]
