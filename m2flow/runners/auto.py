@@ -21,7 +21,6 @@ which then slows overlapping tasks by it.
 from __future__ import annotations
 
 import copy
-import signal
 import statistics
 import tempfile
 import time
@@ -182,7 +181,7 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                 try:
                     rows = runner.train(evaluate=False, checkpoint=False, trace=False)[warm_up:]
                 except RunStopped as e:
-                    raise RunStopped(f"stopped by {signal.Signals(e.signum).name} while profiling (probe "
+                    raise RunStopped(f"stopped by {e.name} while profiling (probe "
                                      f"{i + 1} of {len(runs)}, {run.name}): no profile stored, nothing to resume",
                                      e.signum) from None
                 finally:
@@ -358,15 +357,14 @@ def load_or_profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) 
             prof = Profile.load(path)
         except ProfileError as e:
             log(f"profile: {e}: profiling again")
-    if prof is not None:
-        if prof.matches(key_of(cfg), hardware() | {"devices": known[0], "kind": known[1]}):
-            roles = {r.get("role") for r in prof.runs}
-            if measures_contention(schedule_of(cfg), known[1]) and "split" in roles and "overlap" not in roles:
-                log(f"profile: {path} has no measure of contention, which this config's plans (ahead by up to "
-                    f"{cfg.runner.max_staleness}) need: profiling again")
-            else:
-                log(f"profile: reusing {path} (measured in {prof.profiling_s:.1f} s)")
-                return prof, path
+    if prof is not None and prof.matches(key_of(cfg), hardware() | {"devices": known[0], "kind": known[1]}):
+        roles = {r.get("role") for r in prof.runs}
+        if measures_contention(schedule_of(cfg), known[1]) and "split" in roles and "overlap" not in roles:
+            log(f"profile: {path} has no measure of contention, which this config's plans (ahead by up to "
+                f"{cfg.runner.max_staleness}) need: profiling again")
+        else:
+            log(f"profile: reusing {path} (measured in {prof.profiling_s:.1f} s)")
+            return prof, path
     prof = profile(cfg, cluster, log=log)
     prof.config = OmegaConf.to_container(cfg, resolve=True)
     prof.save(path)

@@ -392,10 +392,12 @@ class Runner:
             last = i + 1 == self.total
             # A checkpoint holds no stream in flight: one due by time, or by a stop asked for,
             # waits until those launched ahead are trained on, launching no more.
-            halting = self.stop_request.signum is not None and len(self.ahead) <= 1
-            due = self.stop_request.signum is not None or (
-                checkpoint and bool(r.checkpoint_every_min) and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min)
-            saving = checkpoint and (self._barrier(i, True, False) or (due and len(self.ahead) <= 1))
+            asked, drained = self.stop_request.signum is not None, len(self.ahead) <= 1
+            halting = asked and drained
+            due = asked or (checkpoint and bool(r.checkpoint_every_min)
+                            and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min)
+            scheduled = self._barrier(i, True, False)  # by update count, or the last
+            saving = checkpoint and (scheduled or (due and drained))
             evaluating = evaluate and self.evaluates(i, last)
             wall = time.time()
             report = self.step(i, ahead=0 if due else self._lookahead(i, checkpoint, evaluate))
@@ -423,7 +425,7 @@ class Runner:
                 self.wait_ahead()
                 self.ahead.clear()
             if (stop and checkpoint) or saving:  # one due by time alone is rolling
-                self.checkpoint(i + 1, log, rolling=not stop and not self._barrier(i, True, False))
+                self.checkpoint(i + 1, log, rolling=not (stop or scheduled))
             if stop:
                 break
         if evaluate and self.defers_evaluation() and not self.halted:

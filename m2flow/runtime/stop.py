@@ -30,6 +30,10 @@ class RunStopped(Exception):
         super().__init__(message)
         self.signum = signum
 
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
 
 class StopRequest:
     def __init__(self, what: str = "stopping at the next safe point"):
