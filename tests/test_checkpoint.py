@@ -90,7 +90,7 @@ def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
             f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{")  # half a header
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("m2flow.runtime.files.save_file", crash)  # the writer of checkpoints and saved weights
+    monkeypatch.setattr("safetensors.torch.save_file", crash)  # the writer of checkpoints and saved weights
     with pytest.raises(KeyboardInterrupt):
         checkpoints.save(tmp_path / "step_000002.safetensors", {"done": 2})
     assert not (tmp_path / "step_000002.safetensors").exists()

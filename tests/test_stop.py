@@ -4,6 +4,7 @@ checkpoint, one line and the shell's status for the signal; a second signal stop
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,6 +67,12 @@ def test_sigterm_stops_a_run_after_its_update_with_a_checkpoint_of_all_it_logged
     while _rows(out) < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()
+    # meanwhile a second run into the same directory fails at once, naming the first
+    second = subprocess.run(_train(out).args, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and second.stderr.strip() == (
+        f"m2flow: error: runner.out_dir: another run (pid {proc.pid} on {socket.gethostname()} since "
+        f"{second.stderr.split(' since ')[1][:19]}) writes its files there; give this one another "
+        "runner.out_dir, or stop that one"), second.stderr
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err

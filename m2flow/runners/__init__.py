@@ -9,6 +9,7 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
     """Runs the flow a config names and returns its per-update metrics. With
     ``placement.mode=auto`` the plan is chosen first (``runners.auto``), on the cluster the
     run then uses."""
+    from m2flow.runners.base import claim_out_dir, start_cluster
     from m2flow.runners.schedule import schedule_of
     from m2flow.runtime.stop import StopRequest
 
@@ -16,10 +17,9 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
     cluster = None
     # SIGINT or SIGTERM from here on: the run stops after its update in progress (before the
     # first, if it comes while the run starts), with a checkpoint
-    with StopRequest("stopping after the update in progress, with a checkpoint"):
+    with StopRequest("stopping after the update in progress, with a checkpoint"), claim_out_dir(cfg):
         if cfg.placement.mode == "auto":
             from m2flow.runners.auto import auto_plan
-            from m2flow.runners.base import start_cluster
 
             cluster = start_cluster(cfg.cluster)
         try:

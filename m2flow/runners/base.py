@@ -27,6 +27,7 @@ from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.metrics import RunLog
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.cluster import cpu_slot_count
+from m2flow.runtime.files import DirectoryBusy, DirectoryLock
 from m2flow.runtime.group import GroupHandle, WorkerDiedError, WorkerError, WorkerPool, start_together, wait
 from m2flow.runtime.placement import ComponentPlacement
 from m2flow.runtime.stop import RunStopped, StopRequest
@@ -53,16 +54,14 @@ class Runner:
                 checkpoints.check(self.cfg.runner.resume)
             except checkpoints.CheckpointError as e:
                 raise ConfigError("runner.resume", str(e)) from None
-        out = Path(self.cfg.runner.out_dir)
-        try:  # so does a directory the run cannot write to
-            if out.exists() and not out.is_dir():
-                raise NotADirectoryError(f"{out} is a file")
-            out.mkdir(parents=True, exist_ok=True)
-            if not os.access(out, os.W_OK):
-                raise PermissionError(f"{out} is not writable")
-        except OSError as e:
-            raise ConfigError("runner.out_dir", f"cannot write the run's files to {str(out)!r} "
-                                                f"({e.strerror or e})") from None
+        self.out_lock = claim_out_dir(self.cfg)  # so does a directory it cannot write, or another run's
+        try:
+            self._setup(cfg, cluster, pool)
+        except BaseException:
+            self.out_lock.release()
+            raise
+
+    def _setup(self, cfg: DictConfig, cluster: Cluster | None, pool: WorkerPool | None) -> None:
         self.components = self.components_of(cfg)
         self.workflow = self.workflow_of(cfg)
         self._own_cluster = cluster is None
@@ -585,6 +584,27 @@ class Runner:
             g.shutdown()
         if self._own_cluster:
             self.cluster.shutdown()
+        self.out_lock.release()
+
+
+def claim_out_dir(cfg: DictConfig) -> DirectoryLock:
+    """``runner.out_dir``, made if need be and held by this process (``DirectoryLock``, acquired):
+    ``ConfigError`` where the run cannot write, or where another run writes already (two runs in
+    one directory would interleave their metrics and checkpoints)."""
+    out = Path(cfg.runner.out_dir)
+    try:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"{out} is a file")
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(f"{out} is not writable")
+        return DirectoryLock(out).acquire()
+    except DirectoryBusy as e:
+        raise ConfigError("runner.out_dir", f"another run ({e}) writes its files there; "
+                                            "give this one another runner.out_dir, or stop that one") from None
+    except OSError as e:
+        raise ConfigError("runner.out_dir", f"cannot write the run's files to {str(out)!r} "
+                                            f"({e.strerror or e})") from None
 
 
 def plan_of(cfg: DictConfig, workflow: Workflow, num_devices: int, kind: str, components: tuple[str, ...],

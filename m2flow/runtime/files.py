@@ -1,17 +1,24 @@
-"""Files written whole: a reader finds a file complete or absent, also after a crash."""
+"""Files written whole: a reader finds a file complete or absent, also after a crash; and a
+directory only one process writes into at a time."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import torch
 
 
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
     """Writes ``tensors`` (safetensors) to ``path`` atomically (``write_whole``)."""
+    from safetensors.torch import save_file  # here: the rest of this module needs no torch
+
     return write_whole(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
@@ -39,3 +46,62 @@ def write_whole(path: str | Path, write: Callable[[Path], object]) -> Path:
     finally:
         os.close(fd)
     return path
+
+
+class DirectoryBusy(RuntimeError):
+    """Another process holds the directory (``DirectoryLock``); the message names it."""
+
+
+class DirectoryLock:
+    """One process at a time writes into ``folder``: an exclusive ``flock`` on its
+    ``.m2flow.lock`` file, taken without waiting (``DirectoryBusy`` names the holder by the pid,
+    host and time the file records). The kernel lets go of it when the process ends, however it
+    ends, so a crashed run leaves no stale lock. Holds nested in one process share the first's
+    lock (a run that profiles, then trains in one directory). Where the file system answers
+    ``flock`` with an error (some network and FUSE ones), nothing is locked."""
+
+    NAME = ".m2flow.lock"
+    _held: ClassVar[dict[str, list]] = {}  # real path -> [its open lock file, holds]
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.key = os.path.realpath(self.folder)
+        self.holding = False
+
+    def acquire(self) -> DirectoryLock:
+        held = self._held.get(self.key)
+        if held is None:
+            f = open(Path(self.key) / self.NAME, "a+")
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "a process"
+                f.close()
+                raise DirectoryBusy(holder) from None
+            except OSError:  # no flock on this file system
+                pass
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.flush()
+            held = self._held[self.key] = [f, 0]
+        held[1] += 1
+        self.holding = True
+        return self
+
+    def release(self) -> None:
+        """Lets go of this hold (again: nothing); the last in the process closes the file."""
+        if not self.holding:
+            return
+        self.holding = False
+        held = self._held[self.key]
+        held[1] -= 1
+        if held[1] == 0:
+            del self._held[self.key]
+            held[0].close()  # which lets go of the flock
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
