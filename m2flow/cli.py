@@ -77,16 +77,18 @@ def command(args: argparse.Namespace) -> None:
     if args.command == "train":
         from m2flow.config import load_config
         from m2flow.runners import run
+        from m2flow.runners.base import RunFailed
         from m2flow.runtime.group import WorkerError
         from m2flow.runtime.watchdog import RunHung
 
         cfg = load_config(args.preset, args.overrides)
         try:
             run(cfg)
-        except (WorkerError, RunHung) as e:  # one paragraph here; the whole traceback is in the run's log
+        except (WorkerError, RunHung, RunFailed) as e:  # one paragraph here; the whole traceback is in the run's log
             if args.debug:
                 raise
-            print(f"m2flow: {e}\n(the worker's whole traceback: {cfg.runner.out_dir}/log.txt)", file=sys.stderr)
+            whose = "the worker's " if isinstance(e, WorkerError) else ""
+            print(f"m2flow: {e}\n({whose}whole traceback: {cfg.runner.out_dir}/log.txt)", file=sys.stderr)
             raise SystemExit(1) from None
     elif args.command == "config":
         from m2flow.config import load_config, to_yaml

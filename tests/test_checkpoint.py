@@ -1,7 +1,9 @@
 """Checkpoint files: safetensors plus JSON, nothing pickled; atomic writes; the latest complete one."""
 
+import errno
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from safetensors import safe_open
 
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.checkpoint import CheckpointError
+from m2flow.runtime.files import write_whole
 
 
 def _state():
@@ -97,6 +100,31 @@ def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     (tmp_path / ".step_000003.safetensors.4242.tmp").write_bytes(b"half")  # what a killed process leaves
     assert checkpoints.latest(tmp_path) == good
     assert sorted(p.name for p in tmp_path.iterdir()) == [".step_000003.safetensors.4242.tmp", "step_000001.safetensors"]
+
+
+def test_a_full_disk_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
+    """safetensors reports a failed write in its own error type; a text write names no file:
+    either way the caller gets an OSError with the errno and the file it was writing, and no
+    temporary file is left."""
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    path = tmp_path / "step_000001.safetensors"
+    with pytest.raises(OSError) as e:
+        checkpoints.save(path, {"done": 1})
+    assert (e.value.errno, e.value.strerror, e.value.filename) == (errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def text_full(tmp):
+        tmp.write_text("half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a file's flush raises it
+
+    with pytest.raises(OSError) as e:
+        write_whole(tmp_path / "plan.yaml", text_full)
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "plan.yaml"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_latest_passes_over_a_truncated_checkpoint(tmp_path):

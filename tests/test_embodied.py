@@ -1,5 +1,6 @@
 """Embodied PPO end to end: the same runner loop learns CartPole in every placement mode."""
 
+import errno
 import math
 import os
 import shutil
@@ -9,6 +10,8 @@ import pytest
 import ray
 
 from m2flow.config import ConfigError, load_config
+from m2flow.runners import checkpoint as checkpoints
+from m2flow.runners.base import RunFailed
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runtime import Cluster
 from m2flow.runtime.stop import RunStopped
@@ -134,6 +137,31 @@ def test_checkpoints_by_time_roll_and_those_by_count_stay(cluster, pool, tmp_pat
     assert written == [(1, True), (2, True), (3, False), (4, True), (5, True), (6, False), (7, True), (8, False)]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "update_000003.safetensors", "update_000006.safetensors", "update_000008.safetensors"]
+
+
+def test_a_full_disk_stops_the_run_with_one_paragraph_naming_the_last_checkpoint(cluster, pool, tmp_path,
+                                                                                  monkeypatch):
+    """The third checkpoint finds the disk full: the run ends with ``RunFailed``, which says how
+    far it got and names the second checkpoint (left in place); the traceback is in log.txt."""
+    save = checkpoints.save
+
+    def full_at_3(path, state):
+        if state["done"] == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return save(path, state)
+
+    monkeypatch.setattr(checkpoints, "save", full_at_3)
+    with pytest.raises(RunFailed) as e:
+        train_cartpole(cluster, pool, [
+            "placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
+            "placement.components.actor=0-1", "runner.stages=2", "runner.progress=false",
+            "runner.total_env_steps=2048", "runner.checkpoint_every=1", f"runner.out_dir={tmp_path}"])
+    kept = tmp_path / "checkpoints" / "update_000002.safetensors"
+    assert str(e.value) == (f"the run failed after 3 of 8 updates: No space left on device: "
+                            f"'{tmp_path / 'checkpoints' / 'update_000003.safetensors'}'; the last checkpoint: "
+                            f"{kept}; continue with runner.resume=auto once that is fixed")
+    assert checkpoints.load(kept)["done"] == 2
+    assert "in full_at_3" in (tmp_path / "log.txt").read_text()  # the traceback
 
 
 @pytest.mark.parametrize("ahead, updates, lags", [

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import os
+import sys
 import time
+import traceback
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -35,6 +38,13 @@ from m2flow.runtime.trace import get_tracer, write_chrome_trace
 from m2flow.runtime.watchdog import Watchdog
 
 NO_SYNC = {"weight_sync_s": 0.0}
+# A file the run writes or reads failed for a reason outside the run: a restart would fail again
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM}
+
+
+class RunFailed(RuntimeError):
+    """The run could not go on for a reason outside it (a file it could not write); the message
+    says how far it got and where it can continue from."""
 
 
 class Runner:
@@ -315,7 +325,7 @@ class Runner:
         self.last_rolling: Path | None = None  # the last, if taken by time: the next one replaces it
         self.stop_request = StopRequest("stopping after the update in progress" + (", with a checkpoint" * checkpoint))
         self.halted: str | None = None  # where a stop asked for ended the run, if one did
-        restarts = 0
+        restarts, self.done = 0, 0
         try:
             origin = self.resume_path(log) if r.resume else None
             point = origin
@@ -334,6 +344,8 @@ class Runner:
                     if watchdog is not None and watchdog.report is not None:  # the watchdog stopped the run
                         log.write(f"{watchdog.error()}\n(then: {type(e).__name__}: {e})")
                         raise watchdog.error() from None
+                    if isinstance(e, OSError) and e.errno in DISK_ERRORS:  # no restart makes room on a disk
+                        raise self._failed(log, e) from e
                     if isinstance(e, WorkerError):
                         log.write(f"{e}\n\nthe worker's whole traceback:\n{e.traceback}")
                         if self.stop_request.signum is not None:  # the signal reached the workers too
@@ -358,7 +370,12 @@ class Runner:
                             raise
                         died = e
         finally:
-            log.close()
+            failing = sys.exc_info()[1]
+            try:
+                log.close()
+            except OSError:  # the disk that failed the run fails its last writes too: the run's error stands
+                if failing is None:
+                    raise
 
     def _restart(self) -> None:
         """New processes for every group (the living ones' state is the checkpoint's now) and
@@ -378,6 +395,7 @@ class Runner:
         r = self.cfg.runner
         first = self.resume(path, log) if path else self._from_start(log, initial)
         self.updates = first  # the trainer's weights are version ``first``: a sync sends that version
+        self.done = first  # updates logged
         self.checkpointed_at = time.perf_counter()
         log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}\n{self.describe(first)}")
         if evaluate and first == 0 and self.evaluates(-1, False):
@@ -415,6 +433,7 @@ class Runner:
                 row |= self.evaluate()
                 row["eval_s"] = time.perf_counter() - t1  # in the next rows' time_s
             log.record(row, self.metrics.summary(row))
+            self.done = i + 1
             if watchdog is not None:
                 watchdog.beat()
             if halting and not last:
@@ -431,13 +450,26 @@ class Runner:
             self.evaluate_deferred(log, watchdog)  # a resumed run evaluates what a stopped one left
         return log.history
 
+    def _then(self) -> str:
+        """Where the run can be continued from."""
+        if self.last_checkpoint is None:
+            return "no checkpoint written"
+        return f"the last checkpoint: {self.last_checkpoint}; continue with runner.resume=auto"
+
     def _stopped(self, log: RunLog) -> RunStopped:
-        then = "no checkpoint written"
-        if self.last_checkpoint is not None:
-            then = f"the last checkpoint: {self.last_checkpoint}; continue with runner.resume=auto"
-        message = f"stopped by {self.stop_request.name} {self.halted}; {then}"
+        message = f"stopped by {self.stop_request.name} {self.halted}; {self._then()}"
         log.write(message)
         return RunStopped(message, self.stop_request.signum)
+
+    def _failed(self, log: RunLog, e: OSError) -> RunFailed:
+        """A file the run could not write or read (a full disk, a quota, permissions): one
+        paragraph, the traceback in the log (if it can still be written)."""
+        where = f": {str(e.filename)!r}" if e.filename is not None else ""
+        message = (f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: {e.strerror}{where}; "
+                   f"{self._then()} once that is fixed")
+        with contextlib.suppress(OSError):
+            log.write(f"{message}\n\n{''.join(traceback.format_exception(e))}")
+        return RunFailed(message)
 
     @property
     def saved_weights_dir(self) -> Path:

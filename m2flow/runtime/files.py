@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -16,10 +17,21 @@ if TYPE_CHECKING:
 
 
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
-    """Writes ``tensors`` (safetensors) to ``path`` atomically (``write_whole``)."""
+    """Writes ``tensors`` (safetensors) to ``path`` atomically (``write_whole``). An I/O error
+    (a full disk) is an ``OSError`` with its errno, as Python's own writes raise it."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file  # here: the rest of this module needs no torch
 
-    return write_whole(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    def write(tmp: Path) -> None:
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except SafetensorError as e:  # "... I/O error: No space left on device (os error 28)"
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code[1]), os.strerror(int(code[1]))) from e
+
+    return write_whole(path, write)
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -29,7 +41,8 @@ def write_text(path: str | Path, text: str) -> Path:
 
 def write_whole(path: str | Path, write: Callable[[Path], object]) -> Path:
     """``write(tmp)`` writes a temporary file beside ``path``; it is flushed to disk, renamed
-    over ``path``, then the directory flushed (the rename itself durable)."""
+    over ``path``, then the directory flushed (the rename itself durable). An ``OSError`` that
+    names no file (a full disk, as a write reports it) is raised naming ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -38,6 +51,10 @@ def write_whole(path: str | Path, write: Callable[[Path], object]) -> Path:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
     finally:
         tmp.unlink(missing_ok=True)
     fd = os.open(path.parent, os.O_RDONLY)
