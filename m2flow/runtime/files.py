@@ -10,7 +10,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import IO, TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -86,26 +86,35 @@ class DirectoryLock:
         self.holding = False
 
     def acquire(self) -> DirectoryLock:
+        if self.holding:
+            return self
         held = self._held.get(self.key)
         if held is None:
             f = open(Path(self.key) / self.NAME, "a+")
             try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "a process"
+                self._lock(f)
+            except BaseException:
                 f.close()
-                raise DirectoryBusy(holder) from None
-            except OSError:  # no flock on this file system
-                pass
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            f.flush()
+                raise
             held = self._held[self.key] = [f, 0]
         held[1] += 1
         self.holding = True
         return self
+
+    @staticmethod
+    def _lock(f: IO[str]) -> None:
+        """The flock on ``f``, and this process named in it; ``DirectoryBusy`` if another holds it."""
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise DirectoryBusy(f.read().strip() or "a process") from None
+        except OSError:  # no flock on this file system
+            pass
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
 
     def release(self) -> None:
         """Lets go of this hold (again: nothing); the last in the process closes the file."""
