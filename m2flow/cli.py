@@ -77,7 +77,7 @@ def command(args: argparse.Namespace) -> None:
     if args.command == "train":
         from m2flow.config import load_config
         from m2flow.runners import run
-        from m2flow.runners.base import RunFailed
+        from m2flow.runners.status import RunFailed
         from m2flow.runtime.group import WorkerError
         from m2flow.runtime.watchdog import RunHung
 

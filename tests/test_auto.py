@@ -11,7 +11,7 @@ import yaml
 from m2flow.config import ConfigError, load_config
 from m2flow.flow import Plan
 from m2flow.flow.cost import Profile, ProfileError
-from m2flow.runners import auto, run
+from m2flow.runners import auto, run, status
 from m2flow.runners.auto import refit_hidden_costs
 
 
@@ -35,6 +35,7 @@ def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     rows = run(cfg)
     out = lines_of(capsys)
     assert rows and (tmp_path / "a" / "metrics.csv").is_file()
+    assert status.read(tmp_path / "a")["state"] == "finished"
     prof = json.loads(profile.read_text())
     probes = [r["probe"] for r in prof["runs"]]
     # the other size on one device (embodied) or on both (reasoning: its actor at two sizes on as many)

@@ -11,7 +11,8 @@ import ray
 
 from m2flow.config import ConfigError, load_config
 from m2flow.runners import checkpoint as checkpoints
-from m2flow.runners.base import RunFailed
+from m2flow.runners import status
+from m2flow.runners.status import RunFailed
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runtime import Cluster
 from m2flow.runtime.stop import RunStopped
@@ -137,6 +138,10 @@ def test_checkpoints_by_time_roll_and_those_by_count_stay(cluster, pool, tmp_pat
     assert written == [(1, True), (2, True), (3, False), (4, True), (5, True), (6, False), (7, True), (8, False)]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "update_000003.safetensors", "update_000006.safetensors", "update_000008.safetensors"]
+    ended = status.read(tmp_path)
+    assert (ended["state"], ended["done"], ended["total"], ended["unit"], ended["restarts"], ended["pid"]) == (
+        "finished", 8, 8, "update", 0, os.getpid())
+    assert ended["last_checkpoint"] == str(tmp_path / "checkpoints" / "update_000008.safetensors")
 
 
 def test_a_full_disk_stops_the_run_with_one_paragraph_naming_the_last_checkpoint(cluster, pool, tmp_path,
@@ -162,6 +167,9 @@ def test_a_full_disk_stops_the_run_with_one_paragraph_naming_the_last_checkpoint
                             f"{kept}; continue with runner.resume=auto once that is fixed")
     assert checkpoints.load(kept)["done"] == 2
     assert "in full_at_3" in (tmp_path / "log.txt").read_text()  # the traceback
+    ended = status.read(tmp_path)
+    assert (ended["state"], ended["message"], ended["done"], ended["total"], ended["last_checkpoint"]) == (
+        "failed", str(e.value), 3, 8, str(kept))
 
 
 @pytest.mark.parametrize("ahead, updates, lags", [
@@ -204,6 +212,8 @@ def test_resume_continues_exactly(cluster, pool, tmp_path, monkeypatch, ahead, u
     half = tmp_path / "a" / "checkpoints" / f"update_{updates // 2:06d}.safetensors"
     with pytest.raises(ConfigError, match="runner.resume: .* has 2 actor rank.*, this placement has 1"):
         run(tmp_path / "c", f"runner.resume={half}", "placement.components.actor=0")
+    ended = status.read(tmp_path / "c")
+    assert (ended["state"], ended["done"]) == ("failed", 0) and ended["message"].startswith("ConfigError: runner.resume: ")
     if ahead != 2:
         return
     asked = EmbodiedRunner.stop_early

@@ -13,6 +13,7 @@ import torch
 
 from m2flow.config import load_config
 from m2flow.runners import checkpoint as checkpoints
+from m2flow.runners import status
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runtime import Cluster
 from m2flow.runtime.watchdog import RunHung
@@ -131,6 +132,8 @@ def test_a_run_whose_simulator_hangs_stops_with_a_report(cluster, tmp_path):
     assert "== stacks" in text and "in step\n" in text and "in interact\n" in text
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 2  # the header and the first update
     assert f"report: {report}" in (tmp_path / "log.txt").read_text()
+    ended = status.read(tmp_path)
+    assert (ended["state"], ended["done"]) == ("hung", 1) and ended["message"].endswith(f"report: {report}")
 
 
 @pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["fused", "separate"])

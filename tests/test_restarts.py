@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from m2flow.config import load_config
+from m2flow.runners import status
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.reasoning import ReasoningRunner
 
@@ -78,6 +79,8 @@ def test_embodied_run_survives_an_env_worker_and_an_actor_rank_killed(cluster, p
     log = (tmp_path / "b" / "log.txt").read_text()
     assert log.count("restart ") == 2 and "restart 1 of at most 3: env-" in log and " rank 0 died in " in log
     assert "restart 2 of at most 3: actor-" in log
+    ended = status.read(tmp_path / "b")
+    assert (ended["state"], ended["done"], ended["restarts"]) == ("finished", 8, 2)
     assert [row["update"] for row in history] == list(range(8))  # each update once, in order
     assert [row["env_steps"] for row in history] == [row["env_steps"] for row in straight]
     assert hit == weights  # the same samples trained on, in the same order

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from m2flow.runners import checkpoint as checkpoints
+from m2flow.runners import status
 from m2flow.runtime import stop
 from m2flow.runtime.stop import StopRequest
 
@@ -82,3 +83,6 @@ def test_sigterm_stops_a_run_after_its_update_with_a_checkpoint_of_all_it_logged
     assert saved is not None and saved.name in last
     done = checkpoints.load(saved)["done"]
     assert last.startswith(f"m2flow: stopped by SIGTERM after {done} of ") and done == _rows(out) >= 3
+    ended = status.read(out)
+    assert (ended["state"], ended["signal"], ended["message"], ended["done"], ended["last_checkpoint"], ended["pid"]) \
+        == ("stopped", "SIGTERM", last.removeprefix("m2flow: "), done, str(saved), proc.pid)

@@ -20,11 +20,18 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
     with StopRequest("stopping after the update in progress, with a checkpoint"), claim_out_dir(cfg):
         if cfg.placement.mode == "auto":
             from m2flow.runners.auto import auto_plan
+            from m2flow.runners.status import RunStatus
 
-            cluster = start_cluster(cfg.cluster)
-        try:
-            if cluster is not None:
+            status = RunStatus(cfg.runner.out_dir)  # starting: profiling
+            try:
+                cluster = start_cluster(cfg.cluster)
                 cfg = auto_plan(cfg, cluster)
+            except BaseException as e:
+                status.failed(e)
+                if cluster is not None:
+                    cluster.shutdown()
+                raise
+        try:
             runner = runner_cls(cfg, cluster=cluster)
             try:
                 return runner.train()

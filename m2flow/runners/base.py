@@ -28,6 +28,7 @@ from m2flow.config.validate import ConfigError, validate
 from m2flow.flow import Plan, Workflow
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.metrics import RunLog
+from m2flow.runners.status import RunFailed, RunStatus
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.cluster import cpu_slot_count
 from m2flow.runtime.files import DirectoryBusy, DirectoryLock
@@ -40,11 +41,6 @@ from m2flow.runtime.watchdog import Watchdog
 NO_SYNC = {"weight_sync_s": 0.0}
 # A file the run writes or reads failed for a reason outside the run: a restart would fail again
 DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM}
-
-
-class RunFailed(RuntimeError):
-    """The run could not go on for a reason outside it (a file it could not write); the message
-    says how far it got and where it can continue from."""
 
 
 class Runner:
@@ -65,9 +61,11 @@ class Runner:
             except checkpoints.CheckpointError as e:
                 raise ConfigError("runner.resume", str(e)) from None
         self.out_lock = claim_out_dir(self.cfg)  # so does a directory it cannot write, or another run's
+        self.status = RunStatus(self.cfg.runner.out_dir)
         try:
             self._setup(cfg, cluster, pool)
-        except BaseException:
+        except BaseException as e:
+            self.status.failed(e)
             self.out_lock.release()
             raise
 
@@ -317,58 +315,21 @@ class Runner:
         run only times updates). A worker process that dies restarts every group
         from the last checkpoint this run wrote (or from where it started), up to
         ``runner.max_restarts`` times; the watchdog stops a run in which nothing moves. SIGINT or
-        SIGTERM stops it after the update in progress, with a checkpoint: ``RunStopped``."""
+        SIGTERM stops it after the update in progress, with a checkpoint: ``RunStopped``. Where
+        the run is and how it ended: ``status.json`` (``runners/status.py``)."""
         r = self.cfg.runner
         log = RunLog(r.out_dir, self.metrics.progress_total, x=self.metrics.x, y=self.metrics.y, progress=r.progress)
-        initial = {"metrics": self.metrics.state_dict(), "extra": self.extra_state()}  # to start over from
         self.last_checkpoint: Path | None = None  # the last this run wrote: where a restart starts
         self.last_rolling: Path | None = None  # the last, if taken by time: the next one replaces it
         self.stop_request = StopRequest("stopping after the update in progress" + (", with a checkpoint" * checkpoint))
         self.halted: str | None = None  # where a stop asked for ended the run, if one did
-        restarts, self.done = 0, 0
+        self.restarts, self.done = 0, 0
+        self.status.set("running", unit=self.metrics.x_name, total=self.total, **self._position())
         try:
-            origin = self.resume_path(log) if r.resume else None
-            point = origin
-            while True:
-                watchdog = Watchdog(r.hang_timeout_s, r.out_dir, self.distinct_groups, self.channels,
-                                    self.lock_devices) if r.hang_timeout_s else None
-                try:
-                    with watchdog or contextlib.nullcontext(), self.stop_request:
-                        history = self._loop(log, evaluate, checkpoint, watchdog, point, initial)
-                    if trace:
-                        self.write_trace(log)
-                    if self.halted:
-                        raise self._stopped(log)
-                    return history
-                except BaseException as e:
-                    if watchdog is not None and watchdog.report is not None:  # the watchdog stopped the run
-                        log.write(f"{watchdog.error()}\n(then: {type(e).__name__}: {e})")
-                        raise watchdog.error() from None
-                    if isinstance(e, OSError) and e.errno in DISK_ERRORS:  # no restart makes room on a disk
-                        raise self._failed(log, e) from e
-                    if isinstance(e, WorkerError):
-                        log.write(f"{e}\n\nthe worker's whole traceback:\n{e.traceback}")
-                        if self.stop_request.signum is not None:  # the signal reached the workers too
-                            self.halted = f"and the worker processes with it ({e.group} rank {e.rank} ended)"
-                            raise self._stopped(log) from None
-                    if not isinstance(e, WorkerDiedError) or restarts >= r.max_restarts or self.pool is not None:
-                        raise
-                    died = e
-                # A worker process died: every group starts again from the last checkpoint (a
-                # process that dies while they start counts as a restart too).
-                point = str(self.last_checkpoint) if self.last_checkpoint else origin
-                while True:
-                    restarts += 1
-                    log.note(f"restart {restarts} of at most {r.max_restarts}: {died.group} rank {died.rank} died in "
-                             f"{died.method}() ({_first_line(died.cause)}); all groups start again from "
-                             f"{point or 'the beginning'}")
-                    try:
-                        self._restart()
-                        break
-                    except WorkerDiedError as e:
-                        if restarts >= r.max_restarts:
-                            raise
-                        died = e
+            history = self._train(log, evaluate, checkpoint, trace)
+        except BaseException as e:
+            self.status.failed(e, **self._position())
+            raise
         finally:
             failing = sys.exc_info()[1]
             try:
@@ -376,6 +337,59 @@ class Runner:
             except OSError:  # the disk that failed the run fails its last writes too: the run's error stands
                 if failing is None:
                     raise
+        self.status.set("finished", **self._position())
+        return history
+
+    def _position(self) -> dict[str, Any]:
+        """Where the run is, for ``status.json``."""
+        return {"done": self.done, "last_checkpoint": self.last_checkpoint, "restarts": self.restarts}
+
+    def _train(self, log: RunLog, evaluate: bool, checkpoint: bool, trace: bool) -> list[dict[str, float]]:
+        """The loop, again from a checkpoint after each restart."""
+        r = self.cfg.runner
+        initial = {"metrics": self.metrics.state_dict(), "extra": self.extra_state()}  # to start over from
+        origin = self.resume_path(log) if r.resume else None
+        point = origin
+        while True:
+            watchdog = Watchdog(r.hang_timeout_s, r.out_dir, self.distinct_groups, self.channels,
+                                self.lock_devices) if r.hang_timeout_s else None
+            try:
+                with watchdog or contextlib.nullcontext(), self.stop_request:
+                    history = self._loop(log, evaluate, checkpoint, watchdog, point, initial)
+                if trace:
+                    self.write_trace(log)
+                if self.halted:
+                    raise self._stopped(log)
+                return history
+            except BaseException as e:
+                if watchdog is not None and watchdog.report is not None:  # the watchdog stopped the run
+                    log.write(f"{watchdog.error()}\n(then: {type(e).__name__}: {e})")
+                    raise watchdog.error() from None
+                if isinstance(e, OSError) and e.errno in DISK_ERRORS:  # no restart makes room on a disk
+                    raise self._failed(log, e) from e
+                if isinstance(e, WorkerError):
+                    log.write(f"{e}\n\nthe worker's whole traceback:\n{e.traceback}")
+                    if self.stop_request.signum is not None:  # the signal reached the workers too
+                        self.halted = f"and the worker processes with it ({e.group} rank {e.rank} ended)"
+                        raise self._stopped(log) from None
+                if not isinstance(e, WorkerDiedError) or self.restarts >= r.max_restarts or self.pool is not None:
+                    raise
+                died = e
+            # A worker process died: every group starts again from the last checkpoint (a
+            # process that dies while they start counts as a restart too).
+            point = str(self.last_checkpoint) if self.last_checkpoint else origin
+            while True:
+                self.restarts += 1
+                log.note(f"restart {self.restarts} of at most {r.max_restarts}: {died.group} rank {died.rank} "
+                         f"died in {died.method}() ({_first_line(died.cause)}); all groups start again from "
+                         f"{point or 'the beginning'}")
+                try:
+                    self._restart()
+                    break
+                except WorkerDiedError as e:
+                    if self.restarts >= r.max_restarts:
+                        raise
+                    died = e
 
     def _restart(self) -> None:
         """New processes for every group (the living ones' state is the checkpoint's now) and
@@ -396,6 +410,7 @@ class Runner:
         first = self.resume(path, log) if path else self._from_start(log, initial)
         self.updates = first  # the trainer's weights are version ``first``: a sync sends that version
         self.done = first  # updates logged
+        self.status.set(**self._position())
         self.checkpointed_at = time.perf_counter()
         log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}\n{self.describe(first)}")
         if evaluate and first == 0 and self.evaluates(-1, False):
@@ -444,6 +459,7 @@ class Runner:
                 self.ahead.clear()
             if (stop and checkpoint) or saving:  # one due by time alone is rolling
                 self.checkpoint(i + 1, log, rolling=not (stop or scheduled))
+            self.status.set(**self._position())
             if stop:
                 break
         if evaluate and self.defers_evaluation() and not self.halted:

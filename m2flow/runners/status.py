@@ -1,0 +1,91 @@
+"""``status.json`` in a run's directory: where the run is and how it ended, for whatever watches
+it from outside (a script that launched it, a cluster scheduler, a person over ssh) without
+reading its log.
+
+``state`` is ``starting`` while its workers start (and ``placement=auto`` profiles), ``running``
+while it trains, then one of ``finished``, ``stopped`` (a
+signal asked it to; ``signal`` names it), ``hung`` (the watchdog stopped it) or ``failed``
+(``message`` says why). ``updated`` is when the file was last written: a running run rewrites it
+after an update at most every ``every_s`` seconds, and at once on every change of state, so a
+``running`` file that has not changed for much longer than an update takes belongs to a driver
+that no longer runs (killed with SIGKILL, its machine gone). Each write replaces the file whole
+(a temporary file renamed over it): a reader never sees half of one. Unlike checkpoints it is
+not flushed to disk each time; a crash of the machine may leave an older one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from m2flow.runtime.stop import RunStopped
+from m2flow.runtime.watchdog import RunHung
+
+FILE = "status.json"
+
+
+class RunFailed(RuntimeError):
+    """The run could not go on for a reason outside it (a file it could not write); the message
+    says how far it got and where it can continue from."""
+
+
+def read(out_dir: str | Path) -> dict[str, Any]:
+    """The status a run in ``out_dir`` wrote last."""
+    return json.loads((Path(out_dir) / FILE).read_text())
+
+
+class RunStatus:
+    def __init__(self, out_dir: str | Path, every_s: float = 5.0):
+        """A run that starts (its workers, profiling): written at once."""
+        self.path = Path(out_dir) / FILE
+        self.every_s = every_s
+        now = time.time()
+        self.fields: dict[str, Any] = {"state": "starting", "pid": os.getpid(), "host": socket.gethostname(),
+                                       "started": _stamp(now), "updated": _stamp(now)}
+        self.written = 0.0
+        self.write()
+
+    def set(self, state: str | None = None, **fields: Any) -> None:
+        """``fields`` (``done``, ``total``, ``last_checkpoint``, ...), written if ``every_s`` has
+        passed since the last write; a new ``state`` is written at once."""
+        changed = state is not None and state != self.fields["state"]
+        self.fields |= _plain(fields) | ({"state": state} if state else {})
+        if changed or time.monotonic() - self.written >= self.every_s:
+            self.write()
+
+    def failed(self, e: BaseException, **fields: Any) -> None:
+        """How ``e`` ended the run (``ending``); a write that fails then is let go: ``e`` stands."""
+        state, more = ending(e)
+        with contextlib.suppress(OSError):
+            self.set(state, **more, **fields)
+
+    def write(self) -> None:
+        self.fields["updated"] = _stamp(time.time())
+        tmp = self.path.with_name(f".{FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.fields, indent=1) + "\n")
+        os.replace(tmp, self.path)
+        self.written = time.monotonic()
+
+
+def ending(e: BaseException) -> tuple[str, dict[str, Any]]:
+    """The state and fields of a run that ``e`` ended."""
+    if isinstance(e, RunStopped):
+        return "stopped", {"signal": e.name, "message": str(e)}
+    if isinstance(e, KeyboardInterrupt):  # a second signal: at once
+        return "stopped", {"message": str(e) or "interrupted"}
+    if isinstance(e, (RunHung, RunFailed)):
+        return "hung" if isinstance(e, RunHung) else "failed", {"message": str(e)}
+    return "failed", {"message": f"{type(e).__name__}: {e}"}
+
+
+def _plain(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in fields.items()}
+
+
+def _stamp(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))

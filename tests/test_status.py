@@ -1,0 +1,58 @@
+"""``status.json``: rewritten after updates at most every few seconds, at once when its state
+changes (the run starts training, ends)."""
+
+import json
+import os
+import time
+
+import pytest
+
+from m2flow.runners.status import FILE, RunFailed, RunStatus, ending, read
+from m2flow.runtime.stop import RunStopped
+
+
+def test_updates_are_written_at_most_every_so_often_and_a_new_state_at_once(tmp_path):
+    s = RunStatus(tmp_path, every_s=3600)
+    first = read(tmp_path)
+    assert (first["state"], first["pid"]) == ("starting", os.getpid())
+    s.set("running", unit="step", total=10, done=0)
+    assert (read(tmp_path)["state"], read(tmp_path)["total"]) == ("running", 10)
+    s.set(done=1, last_checkpoint=tmp_path / "c1", restarts=0)
+    assert read(tmp_path)["done"] == 0  # within every_s: not written
+    s.every_s = 0
+    s.set(done=2, last_checkpoint=tmp_path / "c2", restarts=1)
+    assert (read(tmp_path)["done"], read(tmp_path)["last_checkpoint"], read(tmp_path)["restarts"]) == (
+        2, str(tmp_path / "c2"), 1)
+    s.every_s = 3600
+    time.sleep(1.1)  # the stamps have whole seconds
+    s.failed(RunFailed("the run failed after 3 of 10 steps: ..."), done=3)
+    last = read(tmp_path)
+    assert (last["state"], last["message"], last["done"]) == ("failed", "the run failed after 3 of 10 steps: ...", 3)
+    assert last["updated"] > first["updated"] and last["started"] == first["started"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [FILE]  # no temporary file left
+    json.loads((tmp_path / FILE).read_text())
+
+
+def test_how_each_end_is_named():
+    assert ending(RunStopped("stopped by SIGTERM after 4 of 9 steps; ...", 15)) == (
+        "stopped", {"signal": "SIGTERM", "message": "stopped by SIGTERM after 4 of 9 steps; ..."})
+    assert ending(KeyboardInterrupt("SIGINT again: stopped at once")) == (
+        "stopped", {"message": "SIGINT again: stopped at once"})
+    assert ending(ValueError("bad")) == ("failed", {"message": "ValueError: bad"})
+
+
+def test_a_run_that_fails_while_it_profiles_says_so_and_lets_its_directory_go(tmp_path, monkeypatch):
+    from m2flow.config import ConfigError, load_config
+    from m2flow.runners import base, run
+    from m2flow.runtime.files import DirectoryLock
+
+    def no_cluster(cluster):
+        raise ConfigError("cluster.address", "nothing answers at 10.0.0.9:6379")
+
+    monkeypatch.setattr(base, "start_cluster", no_cluster)
+    cfg = load_config("embodied/ppo_cartpole", ["placement.mode=auto", f"runner.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError):
+        run(cfg)
+    ended = read(tmp_path)
+    assert (ended["state"], ended["message"]) == ("failed", "ConfigError: cluster.address: nothing answers at 10.0.0.9:6379")
+    DirectoryLock(tmp_path).acquire().release()  # free again
