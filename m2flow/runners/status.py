@@ -3,14 +3,14 @@ it from outside (a script that launched it, a cluster scheduler, a person over s
 reading its log.
 
 ``state`` is ``starting`` while its workers start (and ``placement=auto`` profiles), ``running``
-while it trains, then one of ``finished``, ``stopped`` (a
-signal asked it to; ``signal`` names it), ``hung`` (the watchdog stopped it) or ``failed``
-(``message`` says why). ``updated`` is when the file was last written: a running run rewrites it
-after an update at most every ``every_s`` seconds, and at once on every change of state, so a
-``running`` file that has not changed for much longer than an update takes belongs to a driver
-that no longer runs (killed with SIGKILL, its machine gone). Each write replaces the file whole
-(a temporary file renamed over it): a reader never sees half of one. Unlike checkpoints it is
-not flushed to disk each time; a crash of the machine may leave an older one.
+while it trains, then one of ``finished``, ``stopped`` (a signal asked it to; ``signal`` names
+it), ``hung`` (the watchdog stopped it) or ``failed`` (``message`` says why). ``updated`` is
+when the file was last written: a running run rewrites it after an update at most every
+``every_s`` seconds, and at once on every change of state, so a ``running`` file that has not
+changed for much longer than an update takes belongs to a driver that no longer runs (killed
+with SIGKILL, its machine gone). Each write replaces the file whole (a temporary file renamed
+over it): a reader never sees half of one. Unlike checkpoints it is not flushed to disk each
+time; a crash of the machine may leave an older one.
 """
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ def ending(e: BaseException) -> tuple[str, dict[str, Any]]:
         return "stopped", {"signal": e.name, "message": str(e)}
     if isinstance(e, KeyboardInterrupt):  # a second signal: at once
         return "stopped", {"message": str(e) or "interrupted"}
-    if isinstance(e, (RunHung, RunFailed)):
-        return "hung" if isinstance(e, RunHung) else "failed", {"message": str(e)}
+    if isinstance(e, RunHung):
+        return "hung", {"message": str(e)}
+    if isinstance(e, RunFailed):  # its message says it all
+        return "failed", {"message": str(e)}
     return "failed", {"message": f"{type(e).__name__}: {e}"}
 
 
