@@ -1,7 +1,7 @@
 """Command line: ``m2flow train PRESET [key=value ...]``, ``m2flow config PRESET [key=value ...]``,
 ``m2flow profile PRESET [key=value ...]``, ``m2flow plan (PRESET | --profile FILE) [--devices N]
 [--nodes M]``, ``m2flow eval PRESET checkpoint=FILE [episodes=N] [out=FILE] [key=value ...]``,
-``m2flow trace RUN_DIR``, ``m2flow presets``, ``m2flow demo``.
+``m2flow trace RUN_DIR``, ``m2flow status RUN_DIR``, ``m2flow presets``, ``m2flow demo``.
 
 A config mistake is one line on stderr, ``m2flow: error: key.path: ...``, and exit status 2,
 before anything starts. A worker's failure during a run is one paragraph (component, rank,
@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     tr = sub.add_parser("trace", help="what each component of a finished run did: seconds computing, waiting "
                                       "and syncing weights (from its trace.json)")
     tr.add_argument("run_dir", help="the run's runner.out_dir (or a trace.json file)")
+    st = sub.add_parser("status", help="where a run is, or how it ended (its status.json; exit status 1 if it "
+                                       "stopped, hung, failed or ended without a word)")
+    st.add_argument("run_dir", help="the run's runner.out_dir")
     sub.add_parser("presets", help="list the presets")
     demo = sub.add_parser("demo", help="place a few workers on an embedded Ray and stream data between them")
     demo.add_argument("--out", default="runs/demo", help="where the trace is written")
@@ -136,6 +139,18 @@ def command(args: argparse.Namespace) -> None:
         except FileNotFoundError as e:
             raise ConfigError("run_dir", str(e)) from None
         print(summary(events))
+    elif args.command == "status":
+        from m2flow.config import ConfigError
+        from m2flow.runners.status import describe
+
+        try:
+            text, well = describe(args.run_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            raise ConfigError("run_dir", f"no status.json in {args.run_dir!r}: not a run's directory, or a "
+                                         "run older than status files") from None
+        print(text)
+        if not well:
+            raise SystemExit(1)
     elif args.command == "presets":
         from m2flow.config import presets
 

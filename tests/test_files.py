@@ -34,6 +34,7 @@ def test_one_process_holds_a_directory_and_its_end_lets_go(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         seen = _try(tmp_path)
         assert seen.startswith(f"busy: pid {holder.pid} on ") and " since " in seen, seen
+        assert f"busy: {DirectoryLock.holder(tmp_path)}" == seen  # asked without taking it
         with pytest.raises(DirectoryBusy, match=f"^pid {holder.pid} on "):  # this process, too
             DirectoryLock(tmp_path).acquire()
     finally:
@@ -47,6 +48,8 @@ def test_holds_nested_in_one_process_share_the_lock_until_the_last_lets_go(tmp_p
     with DirectoryLock(tmp_path / ".." / tmp_path.name) as inner:  # the same directory by another path
         assert inner.holding
     assert _try(tmp_path).startswith(f"busy: pid {os.getpid()} on ")  # the outer hold remains
+    assert DirectoryLock.holder(tmp_path) == f"pid {os.getpid()} (this process)"
     outer.release()
     outer.release()  # again: nothing
+    assert DirectoryLock.holder(tmp_path) is None
     assert not outer.holding and _try(tmp_path) == "taken"

@@ -124,6 +124,15 @@ def test_actor_modules_do_not_import_torch(name):
     assert done.returncode == 0, done.stderr
 
 
+def test_m2flow_status_imports_neither_torch_nor_ray(tmp_path):
+    """A script may poll ``m2flow status`` often: it answers in a fraction of a second."""
+    (tmp_path / "status.json").write_text('{"state": "finished", "pid": 1, "host": "h", "started": "s", '
+                                          '"updated": "u", "unit": "step", "done": 2, "total": 2}')
+    done = _run("import sys; from m2flow.cli import main; main(['status', sys.argv[1]]); "
+                "heavy = {'torch', 'ray'} & set(sys.modules); assert not heavy, heavy", str(tmp_path))
+    assert done.returncode == 0 and done.stdout.startswith(f"{tmp_path}: finished, 2 of 2 steps"), done
+
+
 # -- the module graph -------------------------------------------------------------------
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (

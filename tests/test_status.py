@@ -56,3 +56,51 @@ def test_a_run_that_fails_while_it_profiles_says_so_and_lets_its_directory_go(tm
     ended = read(tmp_path)
     assert (ended["state"], ended["message"]) == ("failed", "ConfigError: cluster.address: nothing answers at 10.0.0.9:6379")
     DirectoryLock(tmp_path).acquire().release()  # free again
+
+
+def test_m2flow_status_tells_a_running_run_from_one_that_ended_without_a_word(tmp_path, capsys):
+    import signal
+    import subprocess
+    import sys
+
+    from m2flow.cli import main
+
+    s = RunStatus(tmp_path)
+    s.set("running", unit="update", total=40, done=12, last_checkpoint=tmp_path / "update_000010.safetensors")
+    s.write()
+    hold = ("import sys, time\nfrom m2flow.runtime.files import DirectoryLock\nDirectoryLock(sys.argv[1]).acquire()\n"
+            "print('held', flush=True)\ntime.sleep(600)")
+    driver = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "held"
+        main(["status", str(tmp_path)])  # exit status 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"{tmp_path}: running, 12 of 40 updates (pid {os.getpid()} on ") and out.rstrip().endswith(
+            f"the last checkpoint: {tmp_path / 'update_000010.safetensors'}")
+    finally:
+        driver.send_signal(signal.SIGKILL)  # the driver killed: its status still says running
+        driver.wait()
+    with pytest.raises(SystemExit) as e:
+        main(["status", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and out.startswith(f"{tmp_path}: ended without a word after 12 of 40 updates (its "
+                                                "status says running, but no process holds the directory")
+    assert out.rstrip().endswith("update_000010.safetensors; continue with runner.resume=auto")
+    s.failed(RunFailed("the run failed after 13 of 40 updates: No space left on device"), done=13)
+    with pytest.raises(SystemExit) as e:
+        main(["status", str(tmp_path)])
+    assert e.value.code == 1 and capsys.readouterr().out.rstrip().endswith(
+        "): the run failed after 13 of 40 updates: No space left on device")
+    with pytest.raises(SystemExit) as e:
+        main(["status", str(tmp_path / "none")])
+    assert e.value.code == 2 and "m2flow: error: run_dir: no status.json in " in capsys.readouterr().err
+
+
+def test_a_run_of_another_machine_is_taken_at_its_word(tmp_path, capsys):
+    from m2flow.cli import main
+
+    s = RunStatus(tmp_path)
+    s.fields["host"] = "node-that-is-not-this-one"
+    s.set("running", unit="step", total=30, done=7)
+    main(["status", str(tmp_path)])  # exit status 0: no lock seen, but it may not reach here
+    assert "running, 7 of 30 steps, as its status says (" in capsys.readouterr().out

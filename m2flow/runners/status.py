@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from m2flow.runtime.files import DirectoryLock
 from m2flow.runtime.stop import RunStopped
-from m2flow.runtime.watchdog import RunHung
 
 FILE = "status.json"
 
@@ -74,6 +74,8 @@ class RunStatus:
 
 def ending(e: BaseException) -> tuple[str, dict[str, Any]]:
     """The state and fields of a run that ``e`` ended."""
+    from m2flow.runtime.watchdog import RunHung  # here: ``m2flow status`` needs no Ray or torch
+
     if isinstance(e, RunStopped):
         return "stopped", {"signal": e.name, "message": str(e)}
     if isinstance(e, KeyboardInterrupt):  # a second signal: at once
@@ -83,6 +85,29 @@ def ending(e: BaseException) -> tuple[str, dict[str, Any]]:
     if isinstance(e, RunFailed):  # its message says it all
         return "failed", {"message": str(e)}
     return "failed", {"message": f"{type(e).__name__}: {e}"}
+
+
+def describe(out_dir: str | Path) -> tuple[str, bool]:
+    """``m2flow status``: one paragraph on the run in ``out_dir``, and whether it is well (starting,
+    running or finished). A run of this machine whose file says it runs but whose directory no
+    process holds any more (``runtime.files.DirectoryLock``) ended without a word (SIGKILL); one
+    of another machine is taken at its word (its lock may not reach this one)."""
+    s = read(out_dir)
+    unit, done, total = s.get("unit", "update"), s.get("done", 0), s.get("total")
+    where = f"{done} of {total} {unit}s" if total is not None else "before its first update"
+    then = f"; the last checkpoint: {s['last_checkpoint']}" if s.get("last_checkpoint") else "; no checkpoint written"
+    who = f"pid {s['pid']} on {s['host']}, since {s['started']}; written {s['updated']}"
+    if s["state"] in ("starting", "running"):
+        if DirectoryLock.holder(out_dir) is not None:
+            return f"{out_dir}: {s['state']}, {where} ({who}){then}", True
+        if s["host"] != socket.gethostname():  # a lock another machine holds may not be seen from here
+            return (f"{out_dir}: {s['state']}, {where}, as its status says ({who}); whether its driver on "
+                    f"{s['host']} still runs cannot be told from this machine{then}"), True
+        return (f"{out_dir}: ended without a word after {where} (its status says {s['state']}, but no process "
+                f"holds the directory: {who}){then}; continue with runner.resume=auto"), False
+    if s["state"] == "finished":
+        return f"{out_dir}: finished, {where} ({who}){then}", True
+    return f"{out_dir}: {s['state']}, {where} ({who}): {s.get('message', '')}", False
 
 
 def _plain(fields: dict[str, Any]) -> dict[str, Any]:

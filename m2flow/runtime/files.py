@@ -116,6 +116,25 @@ class DirectoryLock:
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         f.flush()
 
+    @classmethod
+    def holder(cls, folder: str | Path) -> str | None:
+        """Who holds ``folder`` (the lock file's words), or None where no process does; the lock
+        file is left as it is."""
+        key = os.path.realpath(folder)
+        path = Path(key) / cls.NAME
+        if key in cls._held:
+            return f"pid {os.getpid()} (this process)"
+        if not path.exists():
+            return None
+        with open(path) as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return f.read().strip() or "a process"
+            except OSError:  # no flock on this file system: nothing to tell by
+                return None
+        return None  # taken and let go at once (closing the file)
+
     def release(self) -> None:
         """Lets go of this hold (again: nothing); the last in the process closes the file."""
         if not self.holding:
