@@ -3,6 +3,7 @@ changes (the run starts training, ends)."""
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -77,6 +78,7 @@ def test_m2flow_status_tells_a_running_run_from_one_that_ended_without_a_word(tm
         out = capsys.readouterr().out
         assert out.startswith(f"{tmp_path}: running, 12 of 40 updates (pid {os.getpid()} on ") and out.rstrip().endswith(
             f"the last checkpoint: {tmp_path / 'update_000010.safetensors'}")
+        assert re.search(r"written [-+:T\d]+, \d s ago\)", out), out
     finally:
         driver.send_signal(signal.SIGKILL)  # the driver killed: its status still says running
         driver.wait()

@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def describe(out_dir: str | Path) -> tuple[str, bool]:
     unit, done, total = s.get("unit", "update"), s.get("done", 0), s.get("total")
     where = f"{done} of {total} {unit}s" if total is not None else "before its first update"
     then = f"; the last checkpoint: {s['last_checkpoint']}" if s.get("last_checkpoint") else "; no checkpoint written"
-    who = f"pid {s['pid']} on {s['host']}, since {s['started']}; written {s['updated']}"
+    who = f"pid {s['pid']} on {s['host']}, since {s['started']}; written {s['updated']}, {_ago(s['updated'])}"
     if s["state"] in ("starting", "running"):
         if DirectoryLock.holder(out_dir) is not None:
             return f"{out_dir}: {s['state']}, {where} ({who}){then}", True
@@ -108,6 +109,15 @@ def describe(out_dir: str | Path) -> tuple[str, bool]:
     if s["state"] == "finished":
         return f"{out_dir}: finished, {where} ({who}){then}", True
     return f"{out_dir}: {s['state']}, {where} ({who}): {s.get('message', '')}", False
+
+
+def _ago(stamp: str) -> str:
+    """How long ago ``stamp`` (``_stamp``'s) was: a run that no longer moves shows here."""
+    try:
+        seconds = time.time() - datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except ValueError:
+        return "at an unknown time"
+    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
 
 
 def _plain(fields: dict[str, Any]) -> dict[str, Any]:
