@@ -148,6 +148,9 @@ def command(args: argparse.Namespace) -> None:
         except (FileNotFoundError, NotADirectoryError):
             raise ConfigError("run_dir", f"no status.json in {args.run_dir!r}: not a run's directory, or a "
                                          "run older than status files") from None
+        except ValueError as e:  # not JSON, or not a status's fields
+            raise ConfigError("run_dir", f"{args.run_dir}/status.json is no run status ({type(e).__name__}: "
+                                         f"{e})") from None
         print(text)
         if not well:
             raise SystemExit(1)

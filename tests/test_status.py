@@ -96,6 +96,11 @@ def test_m2flow_status_tells_a_running_run_from_one_that_ended_without_a_word(tm
     with pytest.raises(SystemExit) as e:
         main(["status", str(tmp_path / "none")])
     assert e.value.code == 2 and "m2flow: error: run_dir: no status.json in " in capsys.readouterr().err
+    for text in ("{", "[1, 2]", '{"state": "running"}'):
+        (tmp_path / FILE).write_text(text)
+        with pytest.raises(SystemExit) as e:
+            main(["status", str(tmp_path)])
+        assert e.value.code == 2 and "/status.json is no run status (" in capsys.readouterr().err
 
 
 def test_a_run_of_another_machine_is_taken_at_its_word(tmp_path, capsys):

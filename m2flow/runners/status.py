@@ -36,8 +36,11 @@ class RunFailed(RuntimeError):
 
 
 def read(out_dir: str | Path) -> dict[str, Any]:
-    """The status a run in ``out_dir`` wrote last."""
-    return json.loads((Path(out_dir) / FILE).read_text())
+    """The status a run in ``out_dir`` wrote last; ``ValueError`` if the file holds none."""
+    status = json.loads((Path(out_dir) / FILE).read_text())
+    if not isinstance(status, dict) or not {"state", "pid", "host", "started", "updated"} <= status.keys():
+        raise ValueError("not the fields of a run's status")
+    return status
 
 
 class RunStatus:
