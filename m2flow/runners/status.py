@@ -8,9 +8,8 @@ it), ``hung`` (the watchdog stopped it) or ``failed`` (``message`` says why). ``
 when the file was last written: a running run rewrites it after an update at most every
 ``every_s`` seconds, and at once on every change of state, so a ``running`` file that has not
 changed for much longer than an update takes belongs to a driver that no longer runs (killed
-with SIGKILL, its machine gone). Each write replaces the file whole (a temporary file renamed
-over it): a reader never sees half of one. Unlike checkpoints it is not flushed to disk each
-time; a crash of the machine may leave an older one.
+with SIGKILL, its machine gone). Each write replaces the file whole, as checkpoints are written
+(``runtime.files.write_text``): a reader never sees half of one.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from m2flow.runtime.files import DirectoryLock
+from m2flow.runtime.files import DirectoryLock, write_text
 from m2flow.runtime.stop import RunStopped
 
 FILE = "status.json"
@@ -70,9 +69,7 @@ class RunStatus:
 
     def write(self) -> None:
         self.fields["updated"] = _stamp(time.time())
-        tmp = self.path.with_name(f".{FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.fields, indent=1) + "\n")
-        os.replace(tmp, self.path)
+        write_text(self.path, json.dumps(self.fields, indent=1) + "\n")
         self.written = time.monotonic()
 
 
