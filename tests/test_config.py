@@ -130,6 +130,7 @@ MALFORMED = [
     (E, ["runner.out_dir={tmp}/three.jsonl"], "runner.out_dir"),  # a file, not a directory
     (R, ["reward.functions.my_reward=1.0"], "reward.functions.my_reward"),
     (R, ["reward.functions={{nomod.rewards:score: 1.0}}"], "reward.functions.nomod.rewards:score"),
+    (R, ["reward.functions={{m2flow.rewards.toy:no_such: 1.0}}"], "reward.functions.m2flow.rewards.toy:no_such"),
     (R, ["rollout.backend=vllm"], "rollout.backend"),  # vLLM is not installed here
     # envs that cannot be made
     (E, ["env.id=NoSuchEnv-v0"], "env.id"),

@@ -69,6 +69,16 @@ def test_load_jsonl_gsm8k_style(tmp_path):
     assert load_problems(other, "problem", "solution", id_key="uid") == [Problem("1+1", "It is \\boxed{2}.", "a")]
     with pytest.raises(KeyError, match="question"):
         load_problems(other)
+    empty = tmp_path / "empty.jsonl"  # a null or blank field would train against the text "None" or nothing
+    for row, field in (({"question": "q", "answer": None}, "answer"), ({"question": " ", "answer": "1"}, "question")):
+        empty.write_text(json.dumps({"question": "q0", "answer": "0"}) + "\n" + json.dumps(row) + "\n")
+        with pytest.raises(ValueError, match=f"empty.jsonl row 1: field '{field}' is empty"):
+            load_problems(empty)
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("".join(json.dumps({"question": f"q{i}", "answer": "1", "uid": u}) + "\n"
+                             for i, u in enumerate("aba")))
+    with pytest.raises(ValueError, match="twice.jsonl rows 0 and 2: the same id 'a' in field 'uid'"):
+        load_problems(twice, id_key="uid")
 
 
 def test_load_parquet(tmp_path):

@@ -1,10 +1,14 @@
 import inspect
+import json
 import os
 import pydoc
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,6 +238,24 @@ def test_killed_worker_surfaces_fast(cluster):
         handle.wait()
     assert err.value.rank == 1 and "died" in str(err.value)
     g.kill()
+
+
+def test_a_worker_killed_by_rays_memory_monitor_is_a_death_told_in_a_line(tmp_path):
+    # Ray tells it as OutOfMemoryError, with a page of object-store statistics: a death, so
+    # the runner restarts from its last checkpoint, and a line in the message (the page goes
+    # to the traceback, which a run writes to its log).
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("oom_worker.py")), str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ended = json.loads(out.stdout.strip().splitlines()[-1])
+    assert ended["died"] and ended["rank"] == 0 and ended["method"] == "eat", ended
+    assert ended["seconds"] < 50, ended  # killed while it ate, not after its minute of holding it
+    message = ended["message"]
+    assert message.startswith("eater rank 0 failed in eat(): the worker process died: Ray's memory monitor killed it, "
+                              "the node running low on memory ("), message
+    assert "\n" not in message and "exceeded threshold" in message and len(message) < 600, message
+    assert "the largest process then: ray::Eater._m2flow_call_eat (pid " in message, message
+    assert "Object store memory usage" in ended["traceback"]
 
 
 def test_a_death_behind_another_ranks_error_is_raised_as_the_cause(cluster):

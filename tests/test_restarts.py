@@ -4,6 +4,7 @@ the same weights as an undisturbed run: the same samples, none trained twice, no
 
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -14,6 +15,7 @@ import ray
 
 from m2flow.config import load_config
 from m2flow.runners import status
+from m2flow.runners.status import RunFailed
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.reasoning import ReasoningRunner
 
@@ -84,6 +86,23 @@ def test_embodied_run_survives_an_env_worker_and_an_actor_rank_killed(cluster, p
     assert [row["update"] for row in history] == list(range(8))  # each update once, in order
     assert [row["env_steps"] for row in history] == [row["env_steps"] for row in straight]
     assert hit == weights  # the same samples trained on, in the same order
+
+
+def test_a_death_past_max_restarts_ends_the_run_in_a_paragraph(cluster, tmp_path):
+    overrides = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
+                 "placement.components.actor=0-1", "runner.total_env_steps=2048", "runner.checkpoint_every=1",
+                 "runner.max_restarts=1", "env.kwargs.max_episode_steps=20"]  # 8 updates
+    with pytest.raises(RunFailed) as failed:
+        _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path,
+             kills=[("update_000002.safetensors", "env", 0), ("update_000004.safetensors", "actor", 1)])
+    message = str(failed.value)
+    assert re.fullmatch(r"the run failed after [4-7] of 8 updates: worker processes died 2 times, more than "
+                        r"runner.max_restarts=1 allows; the last: actor-\w+ rank 1 failed in \w+\(\): the worker "
+                        r"process died: [^\n]+; the last checkpoint: \S+/update_00000[4-7].safetensors; continue "
+                        r"with runner.resume=auto", message), message
+    ended = status.read(tmp_path)
+    assert (ended["state"], ended["restarts"], ended["message"]) == ("failed", 1, message)
+    assert message in (tmp_path / "log.txt").read_text()
 
 
 def test_embodied_async_run_survives_a_rollout_worker_killed(cluster, pool, tmp_path):

@@ -122,6 +122,22 @@ def test_raising_custom_reward_is_a_clear_error():
         np.testing.assert_array_equal(scorer.score(["fine"], ["1"]).total, [1])  # the worker lives on
 
 
+def nan_reward(completion: str, answer: str) -> float:
+    return float("nan") if completion == "nan" else 1.0
+
+
+@pytest.mark.parametrize("where", ["worker", "in_process"])
+def test_non_finite_reward_is_a_clear_error(where, monkeypatch):
+    if where == "in_process":
+        monkeypatch.setattr(nan_reward, "in_process", True, raising=False)
+    with RewardScorer(f"{HERE}:nan_reward") as scorer:
+        assert scorer.local == ([f"{HERE}:nan_reward"] if where == "in_process" else [])
+        with pytest.raises(RewardError, match=r"nan_reward gave nan on item 2 \(completion 'nan'\): a reward must be a "
+                                              r"finite number"):
+            scorer.score(["ok", "ok", "nan"], ["1", "1", "1"])
+        np.testing.assert_array_equal(scorer.score(["ok"], ["1"]).total, [1])
+
+
 def test_hanging_custom_reward_times_out():
     with RewardScorer(f"{HERE}:hanging_reward", timeout_s=1.0, timeout_score=-1.0) as scorer:
         scores = scorer.score(["ok", "hang", "ok"], ["1", "1", "1"])  # without the timeout: hangs

@@ -8,6 +8,7 @@ they work on a ``DictConfig`` and on ``OmegaConf.to_container``'s dict alike.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import json
@@ -226,12 +227,52 @@ def check_importable(cfg: DictConfig | Mapping) -> None:
     if d["cluster"]["address"] is not None:
         return
     for name in d["reward"]["functions"]:
-        module, sep, _ = name.partition(":")
+        module, sep, function = name.partition(":")
         if sep and not _importable(module):
             raise ConfigError(f"reward.functions.{name}", f"no module {module!r} can be imported here (nor from "
                                                           f"the working directory)")
+        if sep and (source := _source(module)) is not None and not _may_define(source, function):
+            raise ConfigError(f"reward.functions.{name}", f"{source} defines no {function!r}")
     if d["rollout"]["backend"] == "vllm" and not _importable("vllm"):
         raise ConfigError("rollout.backend", "vllm: vLLM is not installed here (pip install vllm; it needs a CUDA GPU)")
+
+
+def _source(module: str) -> Path | None:
+    """The .py file ``module`` would be imported from (None: none, or not plain source)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    finally:
+        if added:
+            sys.path.remove(cwd)
+    origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and origin.endswith(".py") else None
+
+
+def _may_define(source: Path, name: str) -> bool:
+    """Whether the module's top level may bind ``name``, read without running it (importing a
+    user's module here would run its side effects in the driver): False only where no def,
+    class, assignment or import there binds it and none could (no ``*`` import or ``__getattr__``)."""
+    try:
+        tree = ast.parse(source.read_text(), str(source))
+    except (OSError, SyntaxError, ValueError):
+        return True  # the worker's import reports it with its own traceback
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.Global):
+            bound.update(node.names)
+    return bool(bound & {name, "*", "__getattr__"}) or "globals()" in source.read_text()
 
 
 def _importable(module: str) -> bool:

@@ -70,11 +70,18 @@ def load_problems(
         missing = [k for k in (question_key, answer_key) if k not in row]
         if missing:
             raise KeyError(f"{path} row {i}: no field {missing[0]!r} (fields: {sorted(row)})")
+        empty = [k for k in (question_key, answer_key) if row[k] is None or not str(row[k]).strip()]
+        if empty:
+            raise ValueError(f"{path} row {i}: field {empty[0]!r} is empty ({row[empty[0]]!r})")
         answer = str(row[answer_key])
         if "####" in answer:
             answer = answer.rsplit("####", 1)[1].strip()
         pid = str(row[id_key]) if id_key else f"{path.stem}-{i}"
         problems.append(Problem(str(row[question_key]), answer, id=pid))
+    seen: dict[str, int] = {}
+    for i, p in enumerate(problems):  # a sample's id names its problem: two problems may not share one
+        if seen.setdefault(p.id, i) != i:
+            raise ValueError(f"{path} rows {seen[p.id]} and {i}: the same id {p.id!r} in field {id_key!r}")
     return problems
 
 

@@ -181,6 +181,11 @@ class RewardScorer(AbstractContextManager):
                                remote, timed_out)
             parts.update({s: remote[:, k] for k, s in enumerate(self.remote)})
         parts = {s: parts[s] for s in self.weights}
+        for spec, values in parts.items():  # a nan would make its whole group's update a skipped step
+            if not np.isfinite(values).all():
+                i = int(np.flatnonzero(~np.isfinite(values))[0])
+                raise RewardError(f"reward {spec} gave {values[i]} on item {i} "
+                                  f"(completion {str(completions[i])[:200]!r}): a reward must be a finite number")
         total = sum((w * parts[s] for s, w in self.weights.items()), np.zeros(n, np.float32))
         return Scores(total.astype(np.float32), parts, timed_out)
 

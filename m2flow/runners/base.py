@@ -32,7 +32,8 @@ from m2flow.runners.status import RunFailed, RunStatus
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.cluster import cpu_slot_count
 from m2flow.runtime.files import DirectoryBusy, DirectoryLock
-from m2flow.runtime.group import GroupHandle, WorkerDiedError, WorkerError, WorkerPool, start_together, wait
+from m2flow.runtime.group import (GroupHandle, WorkerDiedError, WorkerError, WorkerPool, death_reason, start_together,
+                                  wait)
 from m2flow.runtime.placement import ComponentPlacement
 from m2flow.runtime.stop import RunStopped, StopRequest
 from m2flow.runtime.trace import get_tracer, write_chrome_trace
@@ -372,8 +373,10 @@ class Runner:
                     if self.stop_request.signum is not None:  # the signal reached the workers too
                         self.halted = f"and the worker processes with it ({e.group} rank {e.rank} ended)"
                         raise self._stopped(log) from None
-                if not isinstance(e, WorkerDiedError) or self.restarts >= r.max_restarts or self.pool is not None:
+                if not isinstance(e, WorkerDiedError) or self.pool is not None:
                     raise
+                if self.restarts >= r.max_restarts:
+                    raise self._out_of_restarts(log, e) from e
                 died = e
             # A worker process died: every group starts again from the last checkpoint (a
             # process that dies while they start counts as a restart too).
@@ -388,7 +391,7 @@ class Runner:
                     break
                 except WorkerDiedError as e:
                     if self.restarts >= r.max_restarts:
-                        raise
+                        raise self._out_of_restarts(log, e) from e
                     died = e
 
     def _restart(self) -> None:
@@ -485,6 +488,15 @@ class Runner:
                    f"{self._then()} once that is fixed")
         with contextlib.suppress(OSError):
             log.write(f"{message}\n\n{''.join(traceback.format_exception(e))}")
+        return RunFailed(message)
+
+    def _out_of_restarts(self, log: RunLog, e: WorkerDiedError) -> RunFailed:
+        """A death after the last restart ``runner.max_restarts`` allows: one paragraph."""
+        allowed = self.cfg.runner.max_restarts
+        deaths = "a worker process died" if allowed == 0 else f"worker processes died {self.restarts + 1} times"
+        message = (f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: {deaths}, more than "
+                   f"runner.max_restarts={allowed} allows; the last: {str(e).splitlines()[0]}; {self._then()}")
+        log.write(message)
         return RunFailed(message)
 
     @property
@@ -677,7 +689,10 @@ def plan_of(cfg: DictConfig, workflow: Workflow, num_devices: int, kind: str, co
 
 
 def _first_line(e: BaseException | None) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" if e is not None else "no cause given"
+    if e is None:
+        return "no cause given"
+    reason = death_reason(e)
+    return f"{type(e).__name__}: {reason.splitlines()[0] if reason else ''}"
 
 
 def start_cluster(cluster: DictConfig) -> Cluster:

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import ray
 import torch
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError, OutOfMemoryError, RayActorError,
+                            RayTaskError)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from m2flow.runtime.names import NAMESPACE
@@ -46,7 +47,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # How long an error waits for a death among the calls waited on with it (Ray notices a killed
 # process within about a second; the peers that talked to it fail at once).
 DEATH_GRACE_S = 5.0
-_DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
+# Ray's memory monitor kills a worker when the node runs low on memory: a death, told as OutOfMemoryError.
+_DIED = (ActorDiedError, ActorUnavailableError, RayActorError, OutOfMemoryError)
 
 
 class WorkerError(RuntimeError):
@@ -122,10 +124,27 @@ class GroupHandle:
         return [outputs[r] for r in self.ranks]
 
     def _died(self, rank: int, e: BaseException) -> None:
-        raise WorkerDiedError(self.group.name, rank, self.method, f"the worker process died: {e}", e) from None
+        raise WorkerDiedError(self.group.name, rank, self.method, f"the worker process died: {death_reason(e)}", e,
+                              str(e)) from None
 
     def _timeout(self, timeout: float | None, ranks: list[int]) -> None:
         raise TimeoutError(f"{self.group.name}.{self.method}() not finished after {timeout}s on rank(s) {sorted(ranks)}")
+
+
+def death_reason(e: BaseException) -> str:
+    """Ray's error for a worker's death, in a line where it runs to a page (the memory
+    monitor's report: object store statistics, the processes it considered)."""
+    text = _ANSI.sub("", str(e)).strip()
+    if isinstance(e, OutOfMemoryError):
+        used = re.search(r"was (\S+ used / \S+ limit)", text)
+        reason = re.search(r"OOM kill reason: (.+)", text)
+        # The monitor kills the newest calls first, not the largest process: name that one too.
+        top = re.search(r"Top \d+ memory users:.*\n(\d+)\s+([\d.]+)\s+(\S+)", text)
+        largest = f"; the largest process then: {top[3]} (pid {top[1]}, {top[2]} GB)" if top else ""
+        return ("Ray's memory monitor killed it, the node running low on memory ("
+                + "; ".join(m.group(1).strip() for m in (used, reason) if m) + f"{largest}): give the run more "
+                "memory, or its components less (fewer envs or rows per process)")
+    return text
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
