@@ -216,6 +216,17 @@ def test_resume_continues_exactly(cluster, pool, tmp_path, monkeypatch, ahead, u
     assert (ended["state"], ended["done"]) == ("failed", 0) and ended["message"].startswith("ConfigError: runner.resume: ")
     if ahead != 2:
         return
+    # a checkpoint as far in as the run is long: nothing left to train, and it is the run's last
+    # checkpoint; one further in than the run is long: a config error naming the key
+    shorter = f"runner.total_env_steps={256 * updates // 2}"
+    _, rows = run(tmp_path / "e", f"runner.resume={half}", shorter)
+    assert len(rows) == 0 and "nothing left to train" in (tmp_path / "e" / "log.txt").read_text()
+    ended = status.read(tmp_path / "e")
+    assert (ended["state"], ended["done"], ended["last_checkpoint"]) == ("finished", updates // 2, str(half))
+    assert not (tmp_path / "e" / "trace.json").exists()  # no update ran: nothing to trace
+    with pytest.raises(ConfigError, match=rf"runner.total_env_steps: checkpoint .*update_{updates:06d}.safetensors is "
+                                          rf"{updates} updates in, past the {updates // 2} of this run"):
+        run(tmp_path / "f", f"runner.resume={tmp_path / 'a' / 'checkpoints' / last.name}", shorter)
     asked = EmbodiedRunner.stop_early
 
     def stop_early(self, row, log):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from m2flow.runners.status import FILE, RunFailed, RunStatus, ending, read
+from m2flow.runners.status import FILE, RunFailed, RunStatus, continue_from, ending, read
 from m2flow.runtime.stop import RunStopped
 
 
@@ -67,7 +67,8 @@ def test_m2flow_status_tells_a_running_run_from_one_that_ended_without_a_word(tm
     from m2flow.cli import main
 
     s = RunStatus(tmp_path)
-    s.set("running", unit="update", total=40, done=12, last_checkpoint=tmp_path / "update_000010.safetensors")
+    s.set("running", unit="update", total=40, done=12,
+          last_checkpoint=tmp_path / "checkpoints" / "update_000010.safetensors")
     s.write()
     hold = ("import sys, time\nfrom m2flow.runtime.files import DirectoryLock\nDirectoryLock(sys.argv[1]).acquire()\n"
             "print('held', flush=True)\ntime.sleep(600)")
@@ -77,7 +78,7 @@ def test_m2flow_status_tells_a_running_run_from_one_that_ended_without_a_word(tm
         main(["status", str(tmp_path)])  # exit status 0
         out = capsys.readouterr().out
         assert out.startswith(f"{tmp_path}: running, 12 of 40 updates (pid {os.getpid()} on ") and out.rstrip().endswith(
-            f"the last checkpoint: {tmp_path / 'update_000010.safetensors'}")
+            f"the last checkpoint: {tmp_path / 'checkpoints' / 'update_000010.safetensors'}")
         assert re.search(r"written [-+:T\d]+, \d s ago\)", out), out
     finally:
         driver.send_signal(signal.SIGKILL)  # the driver killed: its status still says running
@@ -101,6 +102,13 @@ def test_m2flow_status_tells_a_running_run_from_one_that_ended_without_a_word(tm
         with pytest.raises(SystemExit) as e:
             main(["status", str(tmp_path)])
         assert e.value.code == 2 and "/status.json is no run status (" in capsys.readouterr().err
+
+
+def test_where_a_run_continues_from():
+    assert continue_from(None, "runs/a") == "no checkpoint written"
+    own, other = "runs/a/checkpoints/update_000004.safetensors", "runs/b/checkpoints/update_000004.safetensors"
+    assert continue_from(own, "runs/a") == f"the last checkpoint: {own}; continue with runner.resume=auto"
+    assert continue_from(other, "runs/a") == f"the last checkpoint: {other}; continue with runner.resume={other}"
 
 
 def test_a_run_of_another_machine_is_taken_at_its_word(tmp_path, capsys):

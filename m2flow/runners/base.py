@@ -28,7 +28,7 @@ from m2flow.config.validate import ConfigError, validate
 from m2flow.flow import Plan, Workflow
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.metrics import RunLog
-from m2flow.runners.status import RunFailed, RunStatus
+from m2flow.runners.status import RunFailed, RunStatus, continue_from
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.cluster import cpu_slot_count
 from m2flow.runtime.files import DirectoryBusy, DirectoryLock
@@ -49,6 +49,7 @@ class Runner:
     workers: ClassVar[dict[str, type]]  # component -> worker class
     stateful: ClassVar[tuple[str, ...]] = ()  # components whose state a checkpoint holds
     prefetch: ClassVar[dict[str, int]] = {}  # channel -> items a reader takes ahead (default: the channel's)
+    length_key: ClassVar[str]  # the config key that sets how long the run is
 
     def __init__(self, cfg: DictConfig, cluster: Cluster | None = None, pool: WorkerPool | None = None):
         """``cluster``: run on this one (else start or attach as the config says, and shut it
@@ -321,6 +322,7 @@ class Runner:
         r = self.cfg.runner
         log = RunLog(r.out_dir, self.metrics.progress_total, x=self.metrics.x, y=self.metrics.y, progress=r.progress)
         self.last_checkpoint: Path | None = None  # the last this run wrote: where a restart starts
+        self.resumed_from: Path | None = None  # the checkpoint it started from, if one
         self.last_rolling: Path | None = None  # the last, if taken by time: the next one replaces it
         self.stop_request = StopRequest("stopping after the update in progress" + (", with a checkpoint" * checkpoint))
         self.halted: str | None = None  # where a stop asked for ended the run, if one did
@@ -343,13 +345,15 @@ class Runner:
 
     def _position(self) -> dict[str, Any]:
         """Where the run is, for ``status.json``."""
-        return {"done": self.done, "last_checkpoint": self.last_checkpoint, "restarts": self.restarts}
+        return {"done": self.done, "last_checkpoint": self.last_checkpoint or self.resumed_from,
+                "restarts": self.restarts}
 
     def _train(self, log: RunLog, evaluate: bool, checkpoint: bool, trace: bool) -> list[dict[str, float]]:
         """The loop, again from a checkpoint after each restart."""
         r = self.cfg.runner
         initial = {"metrics": self.metrics.state_dict(), "extra": self.extra_state()}  # to start over from
         origin = self.resume_path(log) if r.resume else None
+        self.resumed_from = Path(origin) if origin else None
         point = origin
         while True:
             watchdog = Watchdog(r.hang_timeout_s, r.out_dir, self.distinct_groups, self.channels,
@@ -415,7 +419,8 @@ class Runner:
         self.done = first  # updates logged
         self.status.set(**self._position())
         self.checkpointed_at = time.perf_counter()
-        log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}\n{self.describe(first)}")
+        log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}"
+                 + (f"\n{self.describe(first)}" if first < self.total else ""))
         if evaluate and first == 0 and self.evaluates(-1, False):
             log.record({self.metrics.x: 0, "time_s": 0.0, **self.evaluate()}, "evaluated")
         start = time.perf_counter()
@@ -471,9 +476,7 @@ class Runner:
 
     def _then(self) -> str:
         """Where the run can be continued from."""
-        if self.last_checkpoint is None:
-            return "no checkpoint written"
-        return f"the last checkpoint: {self.last_checkpoint}; continue with runner.resume=auto"
+        return continue_from(self._position()["last_checkpoint"], self.cfg.runner.out_dir)
 
     def _stopped(self, log: RunLog) -> RunStopped:
         message = f"stopped by {self.stop_request.name} {self.halted}; {self._then()}"
@@ -552,14 +555,15 @@ class Runner:
         from m2flow.runners import timeline
 
         out = Path(self.cfg.runner.out_dir)
+        if not getattr(self, "last_update", None):  # no update ran: the trace there stays the last run's
+            return
         try:
             events = [e for g in self.distinct_groups for e in g.trace_events()] + get_tracer().drain()
         except Exception as e:  # noqa: BLE001 -- a trace is worth having, not worth failing a finished run
             log.write(f"no trace written: {type(e).__name__}: {e}")
             return
         write_chrome_trace(out / "trace.json", events)
-        if getattr(self, "last_update", None):
-            timeline.render(events, out / "timeline.png", self.last_update, title=f"the last update of {self.cfg.name}")
+        timeline.render(events, out / "timeline.png", self.last_update, title=f"the last update of {self.cfg.name}")
         log.note(f"trace: {out / 'trace.json'} (open in ui.perfetto.dev; m2flow trace {out} sums it up), "
                  f"{out / 'timeline.png'}")
 
@@ -607,6 +611,12 @@ class Runner:
     def resume(self, path: str, log: RunLog) -> int:
         """Loads a checkpoint written by ``checkpoint``; returns the first update to run."""
         ckpt = checkpoints.load(path)
+        x = self.metrics.x_name
+        if ckpt["done"] > self.total:
+            raise ConfigError(self.length_key, f"checkpoint {path} is {ckpt['done']} {x}s in, past the {self.total} "
+                                               f"of this run: raise {self.length_key} to continue it")
+        if ckpt["done"] == self.total:
+            log.note(f"checkpoint {path} is {self.total} of {self.total} {x}s in: nothing left to train")
         for c, group in self._stateful().items():
             if c not in ckpt["states"]:
                 raise ConfigError("runner.resume", f"checkpoint {path} has no {c} state (a run with algorithm.name="

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from m2flow.runners.status import CHECKPOINTS
 from m2flow.runtime.files import save_tensors
 
 SUFFIX = ".safetensors"
@@ -73,7 +74,7 @@ def load(path: str | Path) -> dict[str, Any]:
 
 def directory(out_dir: str | Path) -> Path:
     """Where a run (``runner.out_dir``) keeps its checkpoints."""
-    return Path(out_dir) / "checkpoints"
+    return Path(out_dir) / CHECKPOINTS
 
 
 def latest(folder: str | Path, log=print) -> Path | None:

@@ -69,6 +69,7 @@ class EmbodiedRunner(Runner):
     workflow = WORKFLOW
     workers = {"env": EnvWorker, "rollout": RolloutWorker, "actor": ActorWorker}
     stateful = ("env", "rollout", "actor")
+    length_key = "runner.total_env_steps"
 
     @staticmethod
     def plan_options(cfg: DictConfig) -> dict[str, Any]:

@@ -60,6 +60,7 @@ class ReasoningRunner(Runner):
     workers = {"rollout": LMRolloutWorker, "reward": RewardWorker, "inference": InferenceWorker,
                "actor": LMActorWorker, "critic": LMCriticWorker}
     stateful = ("rollout", "actor", "critic")
+    length_key = "runner.steps"
     prefetch = {"batches": 1}  # actor ranks take batches one at a time: a rank that is free takes the next
 
     @classmethod

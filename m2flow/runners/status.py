@@ -27,6 +27,7 @@ from m2flow.runtime.files import DirectoryLock, write_text
 from m2flow.runtime.stop import RunStopped
 
 FILE = "status.json"
+CHECKPOINTS = "checkpoints"  # the folder of a run's directory its checkpoints go to
 
 
 class RunFailed(RuntimeError):
@@ -88,6 +89,15 @@ def ending(e: BaseException) -> tuple[str, dict[str, Any]]:
     return "failed", {"message": f"{type(e).__name__}: {e}"}
 
 
+def continue_from(checkpoint: str | Path | None, out_dir: str | Path) -> str:
+    """Where a run that ended can be continued from: its last checkpoint, and the
+    ``runner.resume`` that finds it (``auto`` for one in the run's own checkpoint directory)."""
+    if not checkpoint:
+        return "no checkpoint written"
+    own = Path(checkpoint).resolve().parent == (Path(out_dir) / CHECKPOINTS).resolve()
+    return f"the last checkpoint: {checkpoint}; continue with runner.resume={'auto' if own else checkpoint}"
+
+
 def describe(out_dir: str | Path) -> tuple[str, bool]:
     """``m2flow status``: one paragraph on the run in ``out_dir``, and whether it is well (starting,
     running or finished). A run of this machine whose file says it runs but whose directory no
@@ -105,7 +115,7 @@ def describe(out_dir: str | Path) -> tuple[str, bool]:
             return (f"{out_dir}: {s['state']}, {where}, as its status says ({who}); whether its driver on "
                     f"{s['host']} still runs cannot be told from this machine{then}"), True
         return (f"{out_dir}: ended without a word after {where} (its status says {s['state']}, but no process "
-                f"holds the directory: {who}){then}; continue with runner.resume=auto"), False
+                f"holds the directory: {who}); {continue_from(s.get('last_checkpoint'), out_dir)}"), False
     if s["state"] == "finished":
         return f"{out_dir}: finished, {where} ({who}){then}", True
     return f"{out_dir}: {s['state']}, {where} ({who}): {s.get('message', '')}", False
