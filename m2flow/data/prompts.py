@@ -47,12 +47,20 @@ def _file_problems(cfg: DictConfig) -> list[Problem]:
 
 
 def _rows(cfg: DictConfig, problems) -> list[dict]:
-    from m2flow.models.lm import load_tokenizer  # transformers: imported only when prompts are made
+    """The problems as prompts; one the model has no room to answer (its positions all taken by
+    the prompt) is a config error here, not the rollout's whenever its batch comes."""
+    from m2flow.models.lm import load_tokenizer, max_positions  # transformers: only when prompts are made
 
     try:
         tokenizer = load_tokenizer(cfg.model.path)
     except (OSError, ValueError) as e:  # transformers' own messages name what the directory lacks
         said = " ".join(str(e).split()) or type(e).__name__
         raise ConfigError("model.path", f"no tokenizer loads from {cfg.model.path!r}: {said}") from None
-    return [{"index": i, "token_ids": list(p.token_ids), "answer": p.problem.answer}
-            for i, p in enumerate(build_prompts(problems, tokenizer, cfg.data.instruction))]
+    prompts = build_prompts(problems, tokenizer, cfg.data.instruction)
+    room = max_positions(cfg.model.path)
+    for p in prompts:
+        if room is not None and len(p.token_ids) >= room:
+            key = "data.source" if cfg.data.source != "arithmetic" else "data.instruction"
+            raise ConfigError(key, f"problem {p.problem.id!r}: its prompt has {len(p.token_ids)} tokens (chat-formatted): "
+                                   f"no room to generate within the {room} positions of {cfg.model.path}")
+    return [{"index": i, "token_ids": list(p.token_ids), "answer": p.problem.answer} for i, p in enumerate(prompts)]

@@ -14,6 +14,7 @@ The tokenizer and its chat template always come from the same source as the weig
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -154,6 +155,19 @@ def load_lm(spec: str | Path, dtype: torch.dtype = torch.float32, cache_dir: str
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model.eval(), tokenizer
+
+
+def max_positions(spec: str | Path, cache_dir: str | Path | None = None) -> int | None:
+    """The positions (prompt and completion together) of ``load_lm(spec)``'s model, read from
+    its config without loading its weights; None where the config does not say."""
+    spec = str(spec)
+    if spec in TINY_CONFIGS:
+        return TINY_CONFIGS[spec][1]["max_position_embeddings"]
+    path = materialize_smollm2(cache_dir) if spec == SMOLLM2 else Path(spec)
+    try:
+        return int(json.loads((path / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def load_tokenizer(spec: str | Path, cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:

@@ -16,6 +16,7 @@ values and GAE advantages. A step's data flow, each arrow a channel:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from m2flow.data.prompts import load_prompts
 from m2flow.flow import Plan, Workflow
 from m2flow.runners.base import Runner
 from m2flow.runners.metrics import ReasoningMetrics
-from m2flow.runtime.group import GroupHandle, wait
+from m2flow.runtime.group import GroupHandle, WorkerError, wait
 from m2flow.workers.inference import InferenceWorker, holds_a_model
 from m2flow.workers.lm_actor import LMActorWorker
 from m2flow.workers.lm_critic import LMCriticWorker
@@ -36,6 +37,7 @@ from m2flow.workers.lm_rollout import LMRolloutWorker
 from m2flow.workers.reward import RewardWorker
 
 COMPONENTS = ("rollout", "reward", "inference", "actor", "critic")
+CLOSE_TIMEOUT_S = 10.0  # for the reward worker to end its scorer process
 WORKFLOW = Workflow(
     "reasoning", components=COMPONENTS, makers=("rollout",), trainer="actor",
     channels=("samples", "scored", "logprobs", "batches"),
@@ -186,5 +188,11 @@ class ReasoningRunner(Runner):
         self.loader.load_state_dict(state["loader"])
 
     def close(self) -> None:
-        wait(self.groups["reward"].close())
+        # The reward worker's scorer process ends with its close(); that call waits behind the
+        # worker's current one, which may be reading a channel that a failed run will never
+        # fill: the channels go first (such a read then fails), and the wait is bounded.
+        for channel in self.channels.values():
+            channel.destroy()
+        with contextlib.suppress(TimeoutError, WorkerError):
+            self.groups["reward"].close().wait(timeout=CLOSE_TIMEOUT_S)
         super().close()
