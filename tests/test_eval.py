@@ -82,6 +82,17 @@ def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, pool, tmp_path, c
     with pytest.raises(SystemExit) as e:  # nowhere to write the result: said before the episodes
         main(["eval", preset, f"checkpoint={checkpoint}", *overrides, f"out={tmp_path / 'no' / 'e.json'}"])
     assert e.value.code == 2 and "m2flow: error: out: cannot write the result to" in capsys.readouterr().err
+    for where in ("/proc/e.json", tmp_path):  # a directory that takes no files (even from root); a directory
+        with pytest.raises(SystemExit) as e:
+            main(["eval", preset, f"checkpoint={checkpoint}", *overrides, f"out={where}"])
+        assert e.value.code == 2 and f"m2flow: error: out: cannot write the result to '{where}': " in (
+            capsys.readouterr().err)
+    assert list(tmp_path.glob(".*.probe")) == []
+    with pytest.raises(SystemExit) as e:  # another flow's config
+        main(["eval", "reasoning/grpo_arith_tiny", f"checkpoint={checkpoint}"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == (
+        f"m2flow: error: checkpoint: {checkpoint} is a checkpoint of the embodied flow; the config is of the reasoning "
+        "flow")
 
 
 def test_eval_input_mistakes_are_one_line_errors(tmp_path, capsys):

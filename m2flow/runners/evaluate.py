@@ -15,9 +15,10 @@ the success rate (envs that report success: ManiSkill, Meta-World).
 
 from __future__ import annotations
 
+import errno
 import json
-import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,16 @@ def evaluate(cfg: DictConfig, checkpoint: str | Path, episodes: int = 10, out: s
         raise ConfigError("checkpoint", str(e)) from None
     written = ckpt["config"]
     if written["flow"] != cfg.flow:
-        raise ConfigError("checkpoint", f"{checkpoint} is a {written['flow']} checkpoint; the config is a {cfg.flow} one")
+        raise ConfigError("checkpoint", f"{checkpoint} is a checkpoint of the {written['flow']} flow; the config is "
+                                        f"of the {cfg.flow} flow")
     out = Path(out) if out else checkpoint.with_name(checkpoint.name.removesuffix(checkpoints.SUFFIX) + ".eval.json")
-    if not (out.parent.is_dir() and os.access(out.parent, os.W_OK)) or out.is_dir():
-        raise ConfigError("out", f"cannot write the result to {str(out)!r}: not a file in a writable directory")
+    try:  # a file written and removed where the result will go: the result is not lost after the evaluation
+        if out.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "a directory")
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".probe"):
+            pass
+    except OSError as e:
+        raise ConfigError("out", f"cannot write the result to {str(out)!r}: {e.strerror}") from None
     start = time.perf_counter()
     if cfg.flow == "reasoning":
         result = _reasoning(cfg, ckpt)
