@@ -4,7 +4,7 @@ The other components' calls were waiting on channels the failed one would have f
 close that queued behind one of them waited forever (a reasoning run whose rollout failed
 while the reward worker waited for its first group, until the channels went first).
 
-The first case of each flow runs by default; the rest with ``-m slow`` (about 15 s each)."""
+The case that hung runs by default; the other 20 with ``-m slow`` (about 15 s each)."""
 
 import functools
 import threading
@@ -46,19 +46,15 @@ def failing(cls: type, method: str) -> type:
     return type(f"Failing{cls.__name__}", (cls,), {method: fail})
 
 
-def cases(flow: str, placements: dict, calls: dict) -> list:
-    first = True
-    out = []
-    for placement in placements:
-        for component in calls:
-            marks = () if first else (pytest.mark.slow,)
-            out.append(pytest.param(flow, placement, component, marks=marks, id=f"{flow}-{placement}-{component}"))
-            first = False
-    return out
+def cases(flow: str, placements: dict, calls: dict, by_default: str = "") -> list:
+    """Every (placement, component) of ``flow``; all but ``by_default`` ("placement-component") slow."""
+    return [pytest.param(flow, placement, component, id=f"{flow}-{placement}-{component}",
+                         marks=() if f"{placement}-{component}" == by_default else (pytest.mark.slow,))
+            for placement in placements for component in calls]
 
 
 @pytest.mark.parametrize("flow, placement, component",
-                         cases("reasoning", REASONING_PLACEMENTS, REASONING_CALLS)
+                         cases("reasoning", REASONING_PLACEMENTS, REASONING_CALLS, by_default="collocated-rollout")
                          + cases("embodied", EMBODIED_PLACEMENTS, EMBODIED_CALLS))
 def test_a_component_that_raises_fails_the_run_which_then_closes(cluster, tmp_path, flow, placement, component):
     if flow == "reasoning":

@@ -61,6 +61,7 @@ def _rows(cfg: DictConfig, problems) -> list[dict]:
     for p in prompts:
         if room is not None and len(p.token_ids) >= room:
             key = "data.source" if cfg.data.source != "arithmetic" else "data.instruction"
-            raise ConfigError(key, f"problem {p.problem.id!r}: its prompt has {len(p.token_ids)} tokens (chat-formatted): "
-                                   f"no room to generate within the {room} positions of {cfg.model.path}")
+            raise ConfigError(key, f"problem {p.problem.id!r}: its prompt has {len(p.token_ids)} tokens "
+                                   f"(chat-formatted): no room to generate within the {room} positions of "
+                                   f"{cfg.model.path}")
     return [{"index": i, "token_ids": list(p.token_ids), "answer": p.problem.answer} for i, p in enumerate(prompts)]
