@@ -4,9 +4,10 @@ gymnasium's ``module:EnvId`` form).
 
 Stall-v0: ``step`` sleeps for good after ``stall_after`` steps, as a simulator that deadlocks
 would: the runner's watchdog must notice and report it.
-Faulty-v0: counts up; ``step`` raises at the steps in ``raise_at`` and returns a NaN
-observation at those in ``nan_at`` (counted over the instance's life): the env batch must
-reset it and count the fault.
+Faulty-v0: counts up; ``step`` raises at the steps in ``raise_at``, returns a NaN
+observation at those in ``nan_at`` and ends its episode at those in ``end_at``, and ``reset``
+raises at the resets in ``reset_raise_at`` (all counted over the instance's life): the env
+batch must make it again and count the fault.
 Slow-v0: a coin-flip task whose ``step`` takes ``step_s`` seconds: a simulator slower than
 the learner, so that the actor's updates end while a rollout runs.
 """
@@ -39,11 +40,15 @@ class Faulty(gym.Env):
     observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
     action_space = gym.spaces.Discrete(2)
 
-    def __init__(self, raise_at=(), nan_at=()):
-        self.raise_at, self.nan_at, self.steps = set(raise_at), set(nan_at), 0
+    def __init__(self, raise_at=(), nan_at=(), end_at=(), reset_raise_at=()):
+        self.raise_at, self.nan_at, self.end_at = set(raise_at), set(nan_at), set(end_at)
+        self.reset_raise_at, self.steps, self.resets = set(reset_raise_at), 0, 0
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
+        self.resets += 1
+        if self.resets in self.reset_raise_at:
+            raise RuntimeError(f"simulator would not reset (reset {self.resets})")
         return np.array([self.steps], np.float32), {}
 
     def step(self, action):
@@ -51,7 +56,7 @@ class Faulty(gym.Env):
         if self.steps in self.raise_at:
             raise RuntimeError(f"simulator exploded at step {self.steps}")
         obs = np.array([np.nan if self.steps in self.nan_at else self.steps], np.float32)
-        return obs, 1.0, False, False, {}
+        return obs, 1.0, self.steps in self.end_at, False, {}
 
 
 class Slow(gym.Env):

@@ -377,3 +377,23 @@ def test_an_env_that_raises_or_gives_nan_is_made_again_and_counted(monkeypatch):
         assert batch.envs[0] is not first
         assert all(np.isfinite(r.obs).all() and np.isfinite(r.rewards).all() for r in results)
         assert results[3].obs[:, 0].tolist() == [1.0, 1.0]  # the new env's first step
+
+
+def test_an_env_that_will_not_reset_at_an_episodes_end_is_made_again(monkeypatch):
+    """Its episode had ended: it keeps its end and return; the env is made again, counted as a
+    fault, and starts the next episode. A new env that will not reset either is the run's error."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    zeros = np.zeros(2, dtype=np.int64)
+    batch = EnvBatch("fault_envs:Faulty-v0", 2, seed=0, env_kwargs={"end_at": [2, 4], "reset_raise_at": [3]})
+    batch.reset()  # each env's reset 1; 2 at the end of step 2; 3, at the end of step 4, raises
+    first = batch.envs[0]
+    results = [batch.step(zeros) for _ in range(5)]
+    assert batch.faults == 2 and batch.envs[0] is not first
+    assert results[3].terminated.tolist() == [True, True] and results[3].rewards.tolist() == [1.0, 1.0]
+    assert [ret for _, ret in results[3].episode_returns] == [2.0, 2.0]  # steps 3 and 4
+    assert results[3].obs[:, 0].tolist() == [0.0, 0.0]  # the new env's first observation
+    assert results[4].obs[:, 0].tolist() == [1.0, 1.0]
+    stuck = EnvBatch("fault_envs:Faulty-v0", 1, seed=0, env_kwargs={"end_at": [1], "reset_raise_at": [2, 3]})
+    stuck.reset()  # a new env's resets: 1 in _fault, 2 for the episode; the old one's reset 2 raised
+    with pytest.raises(RuntimeError, match=r"would not reset \(reset 2\)"):
+        stuck.step(zeros[:1])

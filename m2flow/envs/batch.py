@@ -288,7 +288,8 @@ class EnvBatch:
     def _fault(self, i: int) -> tuple[np.ndarray, float, bool, bool, dict]:
         """Env ``i`` raised, or gave a non-finite reward or observation: the step counts as a
         truncation at the last good observation with reward 0, and the env is made again and
-        seeded from the batch's seed and the fault count (so a rerun is the same run)."""
+        seeded from the batch's seed and the fault count (so a rerun is the same run). Also
+        where its reset at an episode's end raised (that episode had ended already)."""
         self.faults += 1
         try:
             self.envs[i].close()
@@ -339,7 +340,11 @@ class EnvBatch:
                 truncated[k] = trunc
                 final_raw[i] = obs
                 if self.auto_reset:
-                    obs = self._reset_env(i)
+                    try:
+                        obs = self._reset_env(i)
+                    except Exception:  # noqa: BLE001 -- a simulator that will not reset is made again;
+                        self._fault(i)  # one that will not reset when new raises from here: the run's error
+                        obs = self._reset_env(i)
                 else:
                     self._done[i] = True
             obs_buf[i] = obs
