@@ -179,3 +179,38 @@ def test_reward_worker_starts_its_scorer_when_built():
     finally:
         worker.close()
     assert worker.scorer._proc is None
+
+
+def test_a_steps_completions_whose_scoring_timed_out_are_counted():
+    """``reward_timeouts``: a reward function that hangs scores the timeout score, and the step
+    says how often (else a reward that hangs on every completion looks like one that scores 0)."""
+    from types import SimpleNamespace
+
+    from m2flow.workers.reward import END, RewardWorker
+
+    class Channel:
+        def __init__(self, batches=()):
+            self.batches, self.put_items = list(batches), []
+
+        def get(self, key):
+            return self.batches.pop(0)
+
+        def put(self, item, key, weight=None):
+            self.put_items.append(item)
+
+        def flush(self):
+            pass
+
+    cfg = {"reward": {"functions": {f"{HERE}:hanging_reward": 1.0}, "timeout_s": 1.0, "overlong_buffer": 0,
+                      "overlong_factor": 1.0},
+           "rollout": {"max_new_tokens": 16}, "algorithm": {"dynamic_sampling": False}}
+    worker = RewardWorker(cfg)
+    try:
+        batch = SimpleNamespace(extras={"groups": 2, "group_size": 2, "text": ["ok", "hang", "ok", "ok"],
+                                        "answer": ["1"] * 4})
+        out = Channel()
+        report = worker.score(Channel([batch]), out, num_groups=2)
+    finally:
+        worker.close()
+    assert report["reward_timeouts"] == 1 and report["reward"] == 0.75
+    assert out.put_items[0].extras["reward"].tolist() == [1.0, 0.0, 1.0, 1.0] and out.put_items[-1] is END

@@ -30,7 +30,7 @@ class RewardWorker(Worker):
     def score(self, samples_in: Channel, scored_out: Channel, num_groups: int, key: int = 0) -> dict:
         """Scores the step's ``num_groups`` groups (channel key ``key``), then sends the end marker."""
         clock = Clock()
-        seen = kept = 0
+        seen = kept = timed_out = 0
         rewards_all, parts_all = [], {}
         while seen < num_groups:
             with clock.idle():
@@ -38,6 +38,7 @@ class RewardWorker(Worker):
             with clock.busy():
                 seen += batch.extras["groups"]
                 scores = self.scorer.score(batch.extras["text"], batch.extras["answer"])
+                timed_out += int(scores.timed_out.sum())
                 rewards = torch.from_numpy(scores.total)
                 rewards_all.append(scores.total)
                 for name, part in scores.parts.items():
@@ -63,7 +64,8 @@ class RewardWorker(Worker):
         scored_out.flush()
         rewards = np.concatenate(rewards_all)
         return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()), "groups_kept": kept,
-                "groups": seen, **{f"reward_{_short(k)}": float(np.concatenate(v).mean()) for k, v in parts_all.items()},
+                "groups": seen, "reward_timeouts": timed_out,
+                **{f"reward_{_short(k)}": float(np.concatenate(v).mean()) for k, v in parts_all.items()},
                 **clock.report()}
 
     def score_texts(self, texts: list[str], answers: list[str]) -> dict:
