@@ -214,6 +214,9 @@ def test_resume_continues_exactly(cluster, pool, tmp_path, monkeypatch, ahead, u
         run(tmp_path / "c", f"runner.resume={half}", "placement.components.actor=0")
     ended = status.read(tmp_path / "c")
     assert (ended["state"], ended["done"]) == ("failed", 0) and ended["message"].startswith("ConfigError: runner.resume: ")
+    with pytest.raises(ConfigError, match=r"runner.resume: .* was written with policy.hidden=\[64, 64\], this run has "
+                                          r"policy.hidden=\[32, 32\]: resume with the same policy.hidden"):
+        run(tmp_path / "c", f"runner.resume={half}", "policy.hidden=[32,32]")
     if ahead != 2:
         return
     # a checkpoint as far in as the run is long: nothing left to train, and it is the run's last

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from m2flow.config import load_config
-from m2flow.config.validate import validate as check_config
+from m2flow.config.validate import ConfigError, validate as check_config
 from m2flow.flow import Plan
 from m2flow.runners.reasoning import WORKFLOW, ReasoningRunner
 from m2flow.runtime.stop import RunStopped
@@ -309,6 +309,16 @@ def test_resume_reaches_the_same_weights(cluster, pool, tmp_path):
     assert resumed[0] == straight[0]
     history = (tmp_path / "split" / "metrics.csv").read_text().splitlines()
     assert [float(row.split(",")[0]) for row in history[1:]] == [0, 1, 2, 3, 4]
+    # another model, or another data set, under the checkpoint: one line naming what differs
+    with pytest.raises(ConfigError, match=r"runner.resume: checkpoint .*step_000002.safetensors was written with "
+                                          r"model.path=tiny-llama, this run has model.path=tiny-qwen2: resume with "
+                                          r"the same model.path"):
+        _train(cluster, pool, tmp_path / "other", "runner.steps=4", f"runner.resume={checkpoint}",
+               "model.path=tiny-qwen2", *exact)
+    with pytest.raises(ConfigError, match=r"runner.resume: the checkpoint's prompts are not this run's \(state is for "
+                                          r"512 items, this loader has 500\)"):
+        _train(cluster, pool, tmp_path / "fewer", "runner.steps=4", f"runner.resume={checkpoint}",
+               "data.train_size=500", *exact)
 
 
 def test_a_plan_that_keeps_memory_in_place_moves_nothing_between_turns(cluster, pool, tmp_path):

@@ -50,6 +50,7 @@ class Runner:
     stateful: ClassVar[tuple[str, ...]] = ()  # components whose state a checkpoint holds
     prefetch: ClassVar[dict[str, int]] = {}  # channel -> items a reader takes ahead (default: the channel's)
     length_key: ClassVar[str]  # the config key that sets how long the run is
+    resume_keys: ClassVar[tuple[str, ...]] = ()  # config keys a resumed run must share with its checkpoint
 
     def __init__(self, cfg: DictConfig, cluster: Cluster | None = None, pool: WorkerPool | None = None):
         """``cluster``: run on this one (else start or attach as the config says, and shut it
@@ -611,6 +612,14 @@ class Runner:
     def resume(self, path: str, log: RunLog) -> int:
         """Loads a checkpoint written by ``checkpoint``; returns the first update to run."""
         ckpt = checkpoints.load(path)
+        written = OmegaConf.create(ckpt["config"])
+        for key in self.resume_keys:  # what its states' shapes (or meaning) depend on
+            then, now = OmegaConf.select(written, key), OmegaConf.select(self.cfg, key)
+            if OmegaConf.is_config(then):
+                then, now = OmegaConf.to_container(then), OmegaConf.to_container(now)
+            if then != now:
+                raise ConfigError("runner.resume", f"checkpoint {path} was written with {key}={then}, this run has "
+                                                   f"{key}={now}: resume with the same {key}")
         x = self.metrics.x_name
         if ckpt["done"] > self.total:
             raise ConfigError(self.length_key, f"checkpoint {path} is {ckpt['done']} {x}s in, past the {self.total} "

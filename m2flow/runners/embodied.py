@@ -70,6 +70,8 @@ class EmbodiedRunner(Runner):
     workers = {"env": EnvWorker, "rollout": RolloutWorker, "actor": ActorWorker}
     stateful = ("env", "rollout", "actor")
     length_key = "runner.total_env_steps"
+    resume_keys = ("env.id", "env.num_envs", "env.group_size", "env.obs_norm", "env.reward_scale", "policy.hidden",
+                   "policy.activation", "policy.chunk")
 
     @staticmethod
     def plan_options(cfg: DictConfig) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from m2flow.config.validate import check_importable
+from m2flow.config.validate import ConfigError, check_importable
 from m2flow.data import PromptLoader
 from m2flow.data.prompts import load_prompts
 from m2flow.flow import Plan, Workflow
@@ -63,6 +63,7 @@ class ReasoningRunner(Runner):
                "actor": LMActorWorker, "critic": LMCriticWorker}
     stateful = ("rollout", "actor", "critic")
     length_key = "runner.steps"
+    resume_keys = ("model.path",)
     prefetch = {"batches": 1}  # actor ranks take batches one at a time: a rank that is free takes the next
 
     @classmethod
@@ -185,7 +186,11 @@ class ReasoningRunner(Runner):
         return {"loader": self.loader.state_dict()}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state["loader"])
+        try:
+            self.loader.load_state_dict(state["loader"])
+        except ValueError as e:  # another data set's position
+            raise ConfigError("runner.resume", f"the checkpoint's prompts are not this run's ({e}): resume with the "
+                                               "same data.source and sizes") from None
 
     def close(self) -> None:
         # The reward worker's scorer process ends with its close(); that call waits behind the
