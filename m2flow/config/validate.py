@@ -239,17 +239,10 @@ def check_importable(cfg: DictConfig | Mapping) -> None:
 
 def _source(module: str) -> Path | None:
     """The .py file ``module`` would be imported from (None: none, or not plain source)."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.append(cwd)
     try:
-        spec = importlib.util.find_spec(module)
+        spec = _find_spec(module)
     except (ImportError, ValueError):
         return None
-    finally:
-        if added:
-            sys.path.remove(cwd)
     origin = spec.origin if spec is not None else None
     return Path(origin) if origin and origin.endswith(".py") else None
 
@@ -259,7 +252,8 @@ def _may_define(source: Path, name: str) -> bool:
     user's module here would run its side effects in the driver): False only where no def,
     class, assignment or import there binds it and none could (no ``*`` import or ``__getattr__``)."""
     try:
-        tree = ast.parse(source.read_text(), str(source))
+        text = source.read_text()
+        tree = ast.parse(text, str(source))
     except (OSError, SyntaxError, ValueError):
         return True  # the worker's import reports it with its own traceback
     bound: set[str] = set()
@@ -272,23 +266,30 @@ def _may_define(source: Path, name: str) -> bool:
             bound.add(node.id)
         elif isinstance(node, ast.Global):
             bound.update(node.names)
-    return bool(bound & {name, "*", "__getattr__"}) or "globals()" in source.read_text()
+    return bool(bound & {name, "*", "__getattr__"}) or "globals()" in text
 
 
-def _importable(module: str) -> bool:
+def _find_spec(module: str) -> importlib.machinery.ModuleSpec | None:
+    """``importlib.util.find_spec`` as the workers of an embedded Ray would find it: with the
+    working directory on the path, as Ray adds it to theirs."""
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
         sys.path.append(cwd)
     try:
-        return importlib.util.find_spec(module) is not None
+        return importlib.util.find_spec(module)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return _find_spec(module) is not None
     except ImportError:  # a parent package is missing
         return False
     except ValueError:  # in sys.modules without a spec: it is there
         return True
-    finally:
-        if added:
-            sys.path.remove(cwd)
 
 
 def check_data(data: Mapping) -> None:

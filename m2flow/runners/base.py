@@ -657,13 +657,22 @@ class Runner:
         return list({id(g): g for g in self.groups.values()}.values())
 
     def close(self) -> None:
+        # The channels go first: a call still reading one (a failed run's, from a component
+        # that will not write again) then fails, and what is asked of the workers next is not
+        # queued behind it.
         for channel in self.channels.values():
             channel.destroy()
+        self.close_components()
         for g in self.distinct_groups:
             g.shutdown()
         if self._own_cluster:
             self.cluster.shutdown()
         self.out_lock.release()
+
+
+    def close_components(self) -> None:
+        """What a flow's components end themselves, after the channels and before their
+        processes go (``close``); none by default."""
 
 
 def claim_out_dir(cfg: DictConfig) -> DirectoryLock:

@@ -192,12 +192,8 @@ class ReasoningRunner(Runner):
             raise ConfigError("runner.resume", f"the checkpoint's prompts are not this run's ({e}): resume with the "
                                                "same data.source and sizes") from None
 
-    def close(self) -> None:
-        # The reward worker's scorer process ends with its close(); that call waits behind the
-        # worker's current one, which may be reading a channel that a failed run will never
-        # fill: the channels go first (such a read then fails), and the wait is bounded.
-        for channel in self.channels.values():
-            channel.destroy()
+    def close_components(self) -> None:
+        # The reward worker's scorer process ends with its close(); the call waits behind the
+        # worker's current one (which the channels' end has ended), for a bounded time.
         with contextlib.suppress(TimeoutError, WorkerError):
             self.groups["reward"].close().wait(timeout=CLOSE_TIMEOUT_S)
-        super().close()
