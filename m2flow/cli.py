@@ -91,7 +91,8 @@ def command(args: argparse.Namespace) -> None:
             if args.debug:
                 raise
             whose = "the worker's " if isinstance(e, WorkerError) else ""
-            print(f"m2flow: {e}\n({whose}whole traceback: {cfg.runner.out_dir}/log.txt)", file=sys.stderr)
+            traced = f"\n({whose}whole traceback: {cfg.runner.out_dir}/log.txt)" if getattr(e, "traced", True) else ""
+            print(f"m2flow: {e}{traced}", file=sys.stderr)
             raise SystemExit(1) from None
     elif args.command == "config":
         from m2flow.config import load_config, to_yaml

@@ -136,6 +136,7 @@ MALFORMED = [
     (E, ["env.id=NoSuchEnv-v0"], "env.id"),
     (E, ["env.id=CartPole-v9"], "env.id"),
     (E, ["env.kwargs.foo=1"], "env.kwargs"),
+    (E, ["env.kwargs.max_episode_steps=-5"], "env.kwargs"),  # a keyword the env takes, a value it refuses
     # rules between keys (embodied GRPO, reasoning groups and PPO, data sizes, placement)
     (E, ["algorithm.name=grpo", "algorithm.norm_adv=false"], "env.group_size"),
     (RG, ["env.group_size=3"], "env.num_envs"),

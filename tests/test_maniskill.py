@@ -127,3 +127,29 @@ def test_preset_loads():
     assert cfg.env.id == TASK and cfg.algorithm.gamma == 0.8 and cfg.env.kwargs.ignore_terminations
     steps = cfg.runner.rollout_steps * cfg.env.num_envs
     assert steps % cfg.algorithm.minibatch_size == 0
+
+
+def test_a_control_mode_it_lacks_is_a_config_error():
+    from m2flow.config import ConfigError
+    from m2flow.runners.embodied import probe_spaces
+
+    cfg = load_config("embodied/ppo_maniskill_pushcube", ["env.kwargs.control_mode=bogus"])
+    with pytest.raises(ConfigError, match=r"^env.kwargs: cannot make 'maniskill:PushCube-v1' with env.kwargs "
+                                          r".*AssertionError: bogus not in supported modes"):
+        probe_spaces(cfg)
+
+
+def test_no_vulkan_driver_is_one_line_saying_what_to_install(tmp_path):
+    """SAPIEN's own error is a RuntimeError from deep inside ManiSkill; a run names the fix."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VK_ICD_FILENAMES": str(tmp_path / "none.json"), "VK_DRIVER_FILES": str(tmp_path / "none.json")}
+    out = subprocess.run([sys.executable, "-m", "m2flow.cli", "train", "embodied/ppo_maniskill_pushcube",
+                          f"runner.out_dir={tmp_path}"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1].startswith(
+        "m2flow: error: env.id: cannot make 'maniskill:PushCube-v1': SAPIEN found no usable Vulkan driver "
+        "(vk::createInstanceUnique: "), out.stderr
+    assert "make maniskill" in out.stderr.splitlines()[-1]

@@ -80,3 +80,12 @@ def test_ppo_raises_the_success_rate(tmp_path):
     returns = [row["episode_return"] for row in history]
     assert sum(returns[-5:]) > 2 * sum(returns[:5]), [round(r) for r in returns]
     assert "success_rate" in (tmp_path / "metrics.csv").read_text().splitlines()[0]
+
+
+def test_a_task_it_lacks_is_a_config_error():
+    from m2flow.config import ConfigError
+    from m2flow.runners.embodied import probe_spaces
+
+    cfg = load_config("embodied/ppo_metaworld_reach", ["env.id=metaworld:no-such-v3"])
+    with pytest.raises(ConfigError, match=r"^env.id: cannot make 'metaworld:no-such-v3': ValueError: Invalid MT env"):
+        probe_spaces(cfg)

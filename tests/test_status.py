@@ -119,3 +119,28 @@ def test_a_run_of_another_machine_is_taken_at_its_word(tmp_path, capsys):
     s.set("running", unit="step", total=30, done=7)
     main(["status", str(tmp_path)])  # exit status 0: no lock seen, but it may not reach here
     assert "running, 7 of 30 steps, as its status says (" in capsys.readouterr().out
+
+
+def test_a_warning_is_written_at_once_and_shown_while_it_runs_and_after_it_ended_without_a_word(tmp_path, capsys):
+    from m2flow.cli import main
+    from m2flow.runtime.files import DirectoryLock
+
+    s = RunStatus(tmp_path, every_s=3600)
+    s.set("running", unit="update", total=40, done=12)
+    s.warn("the Ray cluster's head (its GCS at 10.0.0.1:6379) has not answered since 10:00:00")
+    assert read(tmp_path)["warning"].startswith("the Ray cluster's head")  # not held back for every_s
+    lock = DirectoryLock(tmp_path).acquire()
+    try:
+        main(["status", str(tmp_path)])
+        assert capsys.readouterr().out.rstrip().endswith("; no checkpoint written; the Ray cluster's head (its GCS "
+                                                         "at 10.0.0.1:6379) has not answered since 10:00:00")
+    finally:
+        lock.release()
+    with pytest.raises(SystemExit):
+        main(["status", str(tmp_path)])
+    assert "holds the directory: pid " in (out := capsys.readouterr().out) and (
+        "); it had said: the Ray cluster's head (its GCS at 10.0.0.1:6379) has not answered since 10:00:00; no "
+        "checkpoint written" in out), out
+    s.warn(None)
+    main_out = read(tmp_path)
+    assert main_out["warning"] is None

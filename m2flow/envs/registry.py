@@ -50,9 +50,17 @@ def _make_maniskill(task: str, ignore_terminations: bool = False, **kwargs: Any)
         **kwargs,
         "num_envs": 1,
     }
+    try:
+        env = gym.make(task, **kwargs)
+    except RuntimeError as e:
+        if not str(e).startswith("vk::"):
+            raise
+        raise gym.error.DependencyNotInstalled(
+            f"SAPIEN found no usable Vulkan driver ({e}): on a CPU-only machine it needs Mesa's "
+            "software Vulkan (lavapipe): `make maniskill` (scripts/setup_maniskill.sh)") from e
     # ManiSkill envs are batched torch envs even with one scene; CPUGymWrapper unbatches
     # them into the plain gymnasium API (numpy, scalar reward and flags).
-    return _ManiSkillSnapshots(CPUGymWrapper(gym.make(task, **kwargs), ignore_terminations=ignore_terminations))
+    return _ManiSkillSnapshots(CPUGymWrapper(env, ignore_terminations=ignore_terminations))
 
 
 class _ManiSkillSnapshots(gym.Wrapper):
@@ -98,7 +106,8 @@ def _maniskill_rngs(base: Any) -> list[Any]:
 
 def _make_metaworld(task: str, **kwargs: Any) -> gym.Env:
     _require("metaworld", "metaworld", f"metaworld:{task}",
-             " (metaworld 3.1 pins its own mujoco version)")  # registers "Meta-World/*"
+             " (it pins its own mujoco version: `make metaworld` sets up .venv-metaworld; run m2flow "
+             "from there)")  # registers "Meta-World/*"
     # The benchmark seed fixes MT1's set of goal positions; unseeded, every env of a batch
     # would draw its own set and runs would not repeat. Episode seeds come from reset().
     kwargs.setdefault("seed", 0)

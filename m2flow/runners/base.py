@@ -34,6 +34,7 @@ from m2flow.runtime.cluster import cpu_slot_count
 from m2flow.runtime.files import DirectoryBusy, DirectoryLock
 from m2flow.runtime.group import (GroupHandle, WorkerDiedError, WorkerError, WorkerPool, death_reason, start_together,
                                   wait)
+from m2flow.runtime.head import HeadMonitor, ray_grace_s
 from m2flow.runtime.placement import ComponentPlacement
 from m2flow.runtime.stop import RunStopped, StopRequest
 from m2flow.runtime.trace import get_tracer, write_chrome_trace
@@ -318,8 +319,9 @@ class Runner:
         run only times updates). A worker process that dies restarts every group
         from the last checkpoint this run wrote (or from where it started), up to
         ``runner.max_restarts`` times; the watchdog stops a run in which nothing moves. SIGINT or
-        SIGTERM stops it after the update in progress, with a checkpoint: ``RunStopped``. Where
-        the run is and how it ended: ``status.json`` (``runners/status.py``)."""
+        SIGTERM stops it after the update in progress, with a checkpoint: ``RunStopped``; so does
+        the loss of the Ray cluster's head (``runtime/head.py``), before Ray ends the driver:
+        ``RunFailed``. Where the run is and how it ended: ``status.json`` (``runners/status.py``)."""
         r = self.cfg.runner
         log = RunLog(r.out_dir, self.metrics.progress_total, x=self.metrics.x, y=self.metrics.y, progress=r.progress)
         self.last_checkpoint: Path | None = None  # the last this run wrote: where a restart starts
@@ -329,12 +331,14 @@ class Runner:
         self.halted: str | None = None  # where a stop asked for ended the run, if one did
         self.restarts, self.done = 0, 0
         self.status.set("running", unit=self.metrics.x_name, total=self.total, **self._position())
+        self.cluster.head.on_change = lambda head: self._head_changed(head, log, checkpoint)
         try:
             history = self._train(log, evaluate, checkpoint, trace)
         except BaseException as e:
             self.status.failed(e, **self._position())
             raise
         finally:
+            self.cluster.head.on_change = None
             failing = sys.exc_info()[1]
             try:
                 log.close()
@@ -362,15 +366,21 @@ class Runner:
             try:
                 with watchdog or contextlib.nullcontext(), self.stop_request:
                     history = self._loop(log, evaluate, checkpoint, watchdog, point, initial)
+                if self.halted and self.stop_request.signum is None:  # the head was lost
+                    raise self._headless(log)
                 if trace:
                     self.write_trace(log)
                 if self.halted:
                     raise self._stopped(log)
                 return history
+            except RunFailed:
+                raise
             except BaseException as e:
                 if watchdog is not None and watchdog.report is not None:  # the watchdog stopped the run
                     log.write(f"{watchdog.error()}\n(then: {type(e).__name__}: {e})")
                     raise watchdog.error() from None
+                if self.cluster.head.lost and self.stop_request.signum is None and not isinstance(e, KeyboardInterrupt):
+                    raise self._headless(log, e) from e  # no restart without it
                 if isinstance(e, OSError) and e.errno in DISK_ERRORS:  # no restart makes room on a disk
                     raise self._failed(log, e) from e
                 if isinstance(e, WorkerError):
@@ -431,12 +441,14 @@ class Runner:
                 break
             t0 = time.perf_counter()
             last = i + 1 == self.total
-            # A checkpoint holds no stream in flight: one due by time, or by a stop asked for,
-            # waits until those launched ahead are trained on, launching no more.
-            asked, drained = self.stop_request.signum is not None, len(self.ahead) <= 1
-            halting = asked and drained
-            due = asked or (checkpoint and bool(r.checkpoint_every_min)
-                            and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min)
+            # A checkpoint holds no stream in flight: one due by time, or by a stop asked for
+            # (a signal, or the loss of the cluster's head), waits until those launched ahead
+            # are trained on, launching no more.
+            asked, headless = self.stop_request.signum is not None, self.cluster.head.lost
+            drained = len(self.ahead) <= 1
+            halting = (asked or headless) and drained
+            due = asked or headless or (checkpoint and bool(r.checkpoint_every_min)
+                                        and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min)
             scheduled = self._barrier(i, True, False)  # by update count, or the last
             saving = checkpoint and (scheduled or (due and drained))
             evaluating = evaluate and self.evaluates(i, last)
@@ -462,13 +474,17 @@ class Runner:
                 watchdog.beat()
             if halting and not last:
                 self.halted = f"after {i + 1} of {self.total} {self.metrics.x_name}s"
-            stop = last or halting or self.stop_early(row, log)
+            early = self.stop_early(row, log)
+            stop = last or halting or early
             if stop:  # stopped early: the streams launched ahead are made, then dropped untrained
                 self.wait_ahead()
                 self.ahead.clear()
             if (stop and checkpoint) or saving:  # one due by time alone is rolling
                 self.checkpoint(i + 1, log, rolling=not (stop or scheduled))
             self.status.set(**self._position())
+            if halting and not (asked or last or early or self.cluster.head.lost):  # it answers again
+                log.note(f"the Ray cluster's head answers again: the run goes on after {self.metrics.x_name} {i + 1}")
+                self.halted, stop = None, False
             if stop:
                 break
         if evaluate and self.defers_evaluation() and not self.halted:
@@ -479,6 +495,29 @@ class Runner:
         """Where the run can be continued from."""
         return continue_from(self._position()["last_checkpoint"], self.cfg.runner.out_dir)
 
+    def _head_changed(self, head: HeadMonitor, log: RunLog, checkpoint: bool) -> None:
+        """From the head monitor's thread: told on stderr and in ``status.json`` at once, in case
+        Ray ends the driver before the update in progress does."""
+        if self.stop_request.signum is not None:  # a Ctrl-C reaches Ray's processes too: the signal tells why
+            return
+        then = "a checkpoint follows the update in progress" if checkpoint else "the run ends after the update in progress"
+        message = (f"{head.describe()}; Ray ends this driver and its workers {ray_grace_s():.0f} s after that: {then}"
+                   if head.lost else "the Ray cluster's head answers again")
+        with contextlib.suppress(OSError):
+            log.write(message)
+            self.status.warn(message if head.lost else None)
+        print(f"\nm2flow: {message}", file=sys.stderr, flush=True)
+
+    def _headless(self, log: RunLog, e: BaseException | None = None) -> RunFailed:
+        """The run ended by the loss of the cluster's head (``e``: the error it then met, whose
+        traceback goes to the log): one paragraph."""
+        message = (f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: "
+                   f"{self.cluster.head.describe()}; {self._then()}")
+        then = "" if e is None else f"\n\n(then: {''.join(traceback.format_exception(e))})"
+        with contextlib.suppress(OSError):
+            log.write(message + then)
+        return RunFailed(message, traced=e is not None)
+
     def _stopped(self, log: RunLog) -> RunStopped:
         message = f"stopped by {self.stop_request.name} {self.halted}; {self._then()}"
         log.write(message)
@@ -488,8 +527,9 @@ class Runner:
         """A file the run could not write or read (a full disk, a quota, permissions): one
         paragraph, the traceback in the log (if it can still be written)."""
         where = f": {str(e.filename)!r}" if e.filename is not None else ""
-        message = (f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: {e.strerror}{where}; "
-                   f"{self._then()} once that is fixed")
+        then = self._then()
+        then += ": run it again once that is fixed" if not self._position()["last_checkpoint"] else " once that is fixed"
+        message = f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: {e.strerror}{where}; {then}"
         with contextlib.suppress(OSError):
             log.write(f"{message}\n\n{''.join(traceback.format_exception(e))}")
         return RunFailed(message)

@@ -59,6 +59,10 @@ def probe_spaces(cfg: DictConfig) -> tuple[Any, Any]:
         if not kwargs:
             raise
         raise ConfigError("env.kwargs", f"{cfg.env.id!r} refused {kwargs}: {e}") from None
+    except Exception as e:  # the simulator refused the task or a keyword's value (an assert, a ValueError)
+        what = f"{cfg.env.id!r} with env.kwargs {kwargs}" if kwargs else repr(cfg.env.id)
+        raise ConfigError("env.kwargs" if kwargs else "env.id",
+                          f"cannot make {what}: {type(e).__name__}: {e}") from e
     try:
         return probe.observation_space, probe.action_space
     finally:

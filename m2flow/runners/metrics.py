@@ -5,7 +5,8 @@ reasoning flow's columns are listed in docs/reasoning.md; the embodied flow's, l
 update (``metrics.csv`` columns and TensorBoard scalars):
 
   env_steps            env steps so far (all envs; a chunk counts the actions it ran)
-  time_s / update_s    wall time since the start / of this update (incl. weight sync)
+  time_s / update_s    wall time since the start (of a resumed run: since it resumed) / of
+                       this update (incl. weight sync)
   env_steps_per_s      env steps taken by this process / time_s: end-to-end throughput,
                        training included
   episode_return       mean raw (unnormalised) return of the episodes that ended in this

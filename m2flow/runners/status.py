@@ -4,7 +4,8 @@ reading its log.
 
 ``state`` is ``starting`` while its workers start (and ``placement=auto`` profiles), ``running``
 while it trains, then one of ``finished``, ``stopped`` (a signal asked it to; ``signal`` names
-it), ``hung`` (the watchdog stopped it) or ``failed`` (``message`` says why). ``updated`` is
+it), ``hung`` (the watchdog stopped it) or ``failed`` (``message`` says why). ``warning``, while
+it runs, says what threatens it (the Ray cluster's head lost: ``runtime/head.py``). ``updated`` is
 when the file was last written: a running run rewrites it after an update at most every
 ``every_s`` seconds, and at once on every change of state, so a ``running`` file that has not
 changed for much longer than an update takes belongs to a driver that no longer runs (killed
@@ -18,6 +19,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -32,7 +34,12 @@ CHECKPOINTS = "checkpoints"  # the folder of a run's directory its checkpoints g
 
 class RunFailed(RuntimeError):
     """The run could not go on for a reason outside it (a file it could not write); the message
-    says how far it got and where it can continue from."""
+    says how far it got and where it can continue from. ``traced``: the run's log holds the
+    traceback of the error behind it."""
+
+    def __init__(self, message: str, traced: bool = True):
+        super().__init__(message)
+        self.traced = traced
 
 
 def read(out_dir: str | Path) -> dict[str, Any]:
@@ -52,14 +59,22 @@ class RunStatus:
         self.fields: dict[str, Any] = {"state": "starting", "pid": os.getpid(), "host": socket.gethostname(),
                                        "started": _stamp(now), "updated": _stamp(now)}
         self.written = 0.0
+        self._lock = threading.Lock()  # ``warn`` comes from another thread
         self.write()
 
     def set(self, state: str | None = None, **fields: Any) -> None:
         """``fields`` (``done``, ``total``, ``last_checkpoint``, ...), written if ``every_s`` has
         passed since the last write; a new ``state`` is written at once."""
-        changed = state is not None and state != self.fields["state"]
-        self.fields |= _plain(fields) | ({"state": state} if state else {})
-        if changed or time.monotonic() - self.written >= self.every_s:
+        with self._lock:
+            changed = state is not None and state != self.fields["state"]
+            self.fields |= _plain(fields) | ({"state": state} if state else {})
+            if changed or time.monotonic() - self.written >= self.every_s:
+                self.write()
+
+    def warn(self, message: str | None) -> None:
+        """What threatens the run as it goes on (``warning``; None: nothing any more), written at once."""
+        with self._lock:
+            self.fields["warning"] = message
             self.write()
 
     def failed(self, e: BaseException, **fields: Any) -> None:
@@ -109,13 +124,15 @@ def describe(out_dir: str | Path) -> tuple[str, bool]:
     then = f"; the last checkpoint: {s['last_checkpoint']}" if s.get("last_checkpoint") else "; no checkpoint written"
     who = f"pid {s['pid']} on {s['host']}, since {s['started']}; written {s['updated']}, {_ago(s['updated'])}"
     if s["state"] in ("starting", "running"):
+        warning = f"; {s['warning']}" if s.get("warning") else ""
         if DirectoryLock.holder(out_dir) is not None:
-            return f"{out_dir}: {s['state']}, {where} ({who}){then}", True
+            return f"{out_dir}: {s['state']}, {where} ({who}){then}{warning}", True
         if s["host"] != socket.gethostname():  # a lock another machine holds may not be seen from here
             return (f"{out_dir}: {s['state']}, {where}, as its status says ({who}); whether its driver on "
-                    f"{s['host']} still runs cannot be told from this machine{then}"), True
+                    f"{s['host']} still runs cannot be told from this machine{then}{warning}"), True
+        said = f"; it had said: {s['warning']}" if s.get("warning") else ""
         return (f"{out_dir}: ended without a word after {where} (its status says {s['state']}, but no process "
-                f"holds the directory: {who}); {continue_from(s.get('last_checkpoint'), out_dir)}"), False
+                f"holds the directory: {who}){said}; {continue_from(s.get('last_checkpoint'), out_dir)}"), False
     if s["state"] == "finished":
         return f"{out_dir}: finished, {where} ({who}){then}", True
     return f"{out_dir}: {s['state']}, {where} ({who}): {s.get('message', '')}", False

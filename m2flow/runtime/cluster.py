@@ -21,6 +21,7 @@ from ray._private import ray_constants
 
 from m2flow.runtime import shm, stop
 from m2flow.runtime.comm import cleanup_pipes
+from m2flow.runtime.head import HeadMonitor, end_leftovers
 from m2flow.runtime.names import NAMESPACE, shm_prefix
 
 
@@ -130,6 +131,7 @@ class Cluster:
         self.run_dir = Path(run_dir).resolve()
         self.session = uuid.uuid4().hex[:8]
         self._started_ray = False
+        self._ray_dir: Path | None = None  # an embedded Ray's temporary directory
         if not ray.is_initialized():
             self._init_ray(address, num_cpus, ray_init_kwargs)
         self._cpu_slots = cpu_slots
@@ -138,6 +140,11 @@ class Cluster:
         self.nodes = self._discover_nodes(ray.nodes())
         self.devices: tuple[Device, ...] = tuple(d for n in self.nodes for d in n.devices)
         self.node_groups = self._check_node_groups(node_groups or {})
+        try:
+            gcs = ray.get_runtime_context().gcs_address
+        except Exception:  # noqa: BLE001 - a client connection (ray://) tells none: nothing is watched
+            gcs = None
+        self.head = HeadMonitor(gcs)  # the runner sets what happens when it is lost
         # Names this run's shared-memory segments and pipes, so that shutdown can remove what
         # crashed workers left behind; workers inherit it through WorkerGroup. Set last: a
         # cluster that failed to start must not rename the segments of the one in use.
@@ -147,6 +154,7 @@ class Cluster:
     def _init_ray(self, address: str | None, num_cpus: int | None, kwargs: dict) -> None:
         if address is None:
             temp_dir = Path(os.environ.get("M2FLOW_RAY_TMP", "/tmp")) / f"m2flow-ray-{os.getpid()}"
+            self._ray_dir = temp_dir
             kwargs = {
                 "num_cpus": num_cpus if num_cpus is not None else os.cpu_count(),
                 "include_dashboard": False,
@@ -222,9 +230,13 @@ class Cluster:
     # -- shutdown ---------------------------------------------------------------
     def shutdown(self) -> None:
         """Stops the Ray this cluster started (an attached cluster is left running) and
-        removes this session's shared-memory segments on this node."""
+        removes this session's shared-memory segments on this node; of an embedded Ray whose
+        head was lost, the processes its shutdown leaves too."""
+        self.head.stop()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+            if self.head.lost and self._ray_dir is not None:
+                end_leftovers(self._ray_dir)
         self._started_ray = False
         ray_constants.ENABLE_RAY_CLUSTER = _RAY_CLUSTERS
         shm.cleanup(shm_prefix(self.session))
