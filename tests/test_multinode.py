@@ -94,3 +94,48 @@ def test_process_group_across_nodes(two_nodes):
     g.init_process_group()
     assert g.all_reduce().wait() == [3.0, 3.0]
     g.kill()
+
+
+@pytest.mark.slow
+def test_a_run_that_loses_a_node_ends_in_a_paragraph_naming_it(tmp_path):
+    """A CartPole run across two nodes whose second node's raylet is killed at update 40: the
+    run ends with one paragraph naming the node and its components, after at most one restart
+    tried while the cluster still took the node for alive (about 50 s)."""
+    import re
+    import threading
+    import time
+
+    from m2flow.config import load_config
+    from m2flow.runners import status
+    from m2flow.runners.embodied import EmbodiedRunner
+    from m2flow.runners.status import RunFailed
+
+    if ray.is_initialized():
+        ray.shutdown()
+    raylets = RayTestCluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    second = raylets.add_node(num_cpus=2)
+    raylets.wait_for_nodes()
+    cluster = Cluster(address=raylets.address)
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", [
+        "placement.mode=disaggregated", "runner.total_env_steps=2000000", "runner.checkpoint_every=20",
+        f"runner.out_dir={tmp_path}", "runner.progress=false"]), cluster)
+
+    def kill_at_40():
+        while status.read(tmp_path).get("done", 0) < 40:
+            time.sleep(0.05)
+        raylets.remove_node(second, allow_graceful=False)
+
+    try:
+        threading.Thread(target=kill_at_40, daemon=True).start()
+        with pytest.raises(RunFailed) as failed:
+            runner.train()
+    finally:
+        runner.close()
+        cluster.shutdown()
+        ray.shutdown()
+        raylets.shutdown()
+    message = str(failed.value)
+    assert re.fullmatch(r"the run failed after \d+ of 7812 updates: the Ray cluster lost node 1 \([^;]+; devices 2-3: "
+                        r"rollout, actor\); the last checkpoint: \S+/update_0000[4-9]0.safetensors; continue with "
+                        r"runner.resume=auto once the cluster has its 4 devices again", message), message
+    assert status.read(tmp_path)["restarts"] <= 1

@@ -105,6 +105,26 @@ def test_a_death_past_max_restarts_ends_the_run_in_a_paragraph(cluster, tmp_path
     assert message in (tmp_path / "log.txt").read_text()
 
 
+def test_a_death_on_a_node_the_cluster_lost_ends_the_run_without_restarts(cluster, tmp_path, monkeypatch):
+    """A node gone from the cluster (here: the cluster says so of the only one) takes its
+    devices: no restart can place the plan again, so the first death ends the run, naming
+    the node, its devices and the components there (a real node's loss: tests/test_multinode.py)."""
+    overrides = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
+                 "placement.components.actor=2-3", "runner.total_env_steps=2048", "runner.checkpoint_every=1",
+                 "env.kwargs.max_episode_steps=20"]  # 8 updates
+    monkeypatch.setattr(cluster, "lost_nodes", lambda: [cluster.nodes[0]])
+    with pytest.raises(RunFailed) as failed:
+        _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path,
+             kills=[("update_000002.safetensors", "actor", 0)])
+    message = str(failed.value)
+    assert re.fullmatch(r"the run failed after [2-7] of 8 updates: the Ray cluster lost node 0 \([^;]+; devices 0-3: "
+                        r"env, rollout, actor\); the last checkpoint: \S+/update_00000[2-7].safetensors; continue with "
+                        r"runner.resume=auto once the cluster has its 4 devices again", message), message
+    ended = status.read(tmp_path)
+    assert (ended["state"], ended["restarts"], ended["message"]) == ("failed", 0, message)
+    assert "restart" not in (tmp_path / "log.txt").read_text()
+
+
 def test_embodied_async_run_survives_a_rollout_worker_killed(cluster, pool, tmp_path):
     """Two versions ahead (runner.max_staleness=2): an env worker hosting the rollout is killed
     while the rollouts of the updates after checkpoint 4 are in flight. The run starts again

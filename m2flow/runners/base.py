@@ -390,6 +390,7 @@ class Runner:
                         raise self._stopped(log) from None
                 if not isinstance(e, WorkerDiedError) or self.pool is not None:
                     raise
+                self._check_nodes(log, e)
                 if self.restarts >= r.max_restarts:
                     raise self._out_of_restarts(log, e) from e
                 died = e
@@ -405,9 +406,30 @@ class Runner:
                     self._restart()
                     break
                 except WorkerDiedError as e:
+                    self._check_nodes(log, e)
                     if self.restarts >= r.max_restarts:
                         raise self._out_of_restarts(log, e) from e
                     died = e
+                except Exception as e:  # noqa: BLE001 - Ray refusing a rank a node that is gone, say
+                    self._check_nodes(log, e)
+                    raise
+
+    def _check_nodes(self, log: RunLog, e: BaseException) -> None:
+        """``RunFailed`` in one paragraph if a node the plan places ranks on has left the Ray
+        cluster (``e``: the error that came of it): no restart brings its devices back."""
+        used = set().union(*(self.placement[c].device_indices for c in self.placement.components))
+        lost = [n for n in self.cluster.lost_nodes() if used & {d.index for d in n.devices}]
+        if not lost:
+            return
+        where = "; ".join(f"node {n.rank} ({n.address}; devices {_span([d.index for d in n.devices])}: "
+                          + ", ".join(c for c in self.placement.components
+                                      if self.placement[c].device_indices & {d.index for d in n.devices}) + ")"
+                          for n in lost)
+        message = (f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: the Ray cluster lost "
+                   f"{where}; {self._then()} once the cluster has its {len(self.cluster.devices)} devices again")
+        with contextlib.suppress(OSError):
+            log.write(f"{message}\n\n{''.join(traceback.format_exception(e))}")
+        raise RunFailed(message) from e
 
     def _restart(self) -> None:
         """New processes for every group (the living ones' state is the checkpoint's now) and
@@ -713,6 +735,11 @@ class Runner:
     def close_components(self) -> None:
         """What a flow's components end themselves, after the channels and before their
         processes go (``close``); none by default."""
+
+
+def _span(indices: list[int]) -> str:
+    """Device indices as a placement writes them: ``2-3``, or ``5``."""
+    return f"{min(indices)}-{max(indices)}" if len(indices) > 1 else str(indices[0])
 
 
 def claim_out_dir(cfg: DictConfig) -> DirectoryLock:

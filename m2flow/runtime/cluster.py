@@ -154,7 +154,6 @@ class Cluster:
     def _init_ray(self, address: str | None, num_cpus: int | None, kwargs: dict) -> None:
         if address is None:
             temp_dir = Path(os.environ.get("M2FLOW_RAY_TMP", "/tmp")) / f"m2flow-ray-{os.getpid()}"
-            self._ray_dir = temp_dir
             kwargs = {
                 "num_cpus": num_cpus if num_cpus is not None else os.cpu_count(),
                 "include_dashboard": False,
@@ -162,6 +161,7 @@ class Cluster:
                 "log_to_driver": True,
                 **kwargs,
             }
+            self._ray_dir = Path(kwargs["_temp_dir"])
             with _loopback_only():
                 ray.init(namespace=NAMESPACE, **kwargs)
         else:
@@ -214,6 +214,11 @@ class Cluster:
         if group not in self.node_groups:
             raise KeyError(f"unknown device group {group!r}; known: {sorted(self.node_groups)}")
         return tuple(d for r in self.node_groups[group] for d in self.nodes[r].devices)
+
+    def lost_nodes(self) -> list[Node]:
+        """The nodes found at the start that the Ray cluster no longer lists alive."""
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        return [n for n in self.nodes if n.node_id not in alive]
 
     @property
     def device_kind(self) -> str:
