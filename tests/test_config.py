@@ -9,10 +9,12 @@ import sys
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 import yaml
 from omegaconf import OmegaConf
+from safetensors.numpy import save_file
 
 from m2flow import cli
 from m2flow.config import ROOTS, ConfigError, load_config, presets, to_yaml, validate
@@ -52,6 +54,13 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "no-config").mkdir()  # a folder, but no model in it
     (tmp / "no-tokenizer").mkdir()
     (tmp / "no-tokenizer" / "config.json").write_text("{}")
+    save_file({"w": np.zeros(4, np.float32)}, tmp / "no-tokenizer" / "model.safetensors")
+    for name in ("no-weights", "cut-weights"):
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text("{}")
+    save_file({"w": np.zeros(1024, np.float32)}, tmp / "cut-weights" / "model.safetensors")
+    with open(tmp / "cut-weights" / "model.safetensors", "r+b") as f:
+        f.truncate(2000)  # a copy cut short
     (tmp / "q.jsonl").write_text("".join(f'{{"q": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(200)))
     text = (ROOT / "m2flow/presets/embodied/ppo_cartpole.yaml").read_text()
     (tmp / "typo.yaml").write_text(text + "policy:\n  hiden: [32, 32]\n")
@@ -125,6 +134,8 @@ MALFORMED = [
     (R, ["model.path=tiny-mistral"], "model.path"),
     (R, ["model.path={tmp}/no-config"], "model.path"),
     (R, ["model.path={tmp}/no-tokenizer"], "model.path"),
+    (R, ["model.path={tmp}/no-weights"], "model.path"),
+    (R, ["model.path={tmp}/cut-weights"], "model.path"),
     (E, ["runner.resume={tmp}/update_000010.safetensors"], "runner.resume"),
     (E, ["runner.resume={tmp}/three.jsonl"], "runner.resume"),  # a file, but no checkpoint
     (E, ["runner.out_dir={tmp}/three.jsonl"], "runner.out_dir"),  # a file, not a directory

@@ -205,6 +205,26 @@ def check_model(path: str) -> None:
     if path not in BUILTIN_MODELS and not (Path(path) / "config.json").is_file():
         raise ConfigError("model.path", f"{path!r} has no config.json: expected a checkpoint directory as "
                                         "transformers' save_pretrained writes it")
+    if path not in BUILTIN_MODELS:
+        check_weights(Path(path))
+
+
+def check_weights(path: Path) -> None:
+    """A checkpoint directory's weight files: there, and each safetensors file whole (its
+    header read, which names every byte the file must hold), so that a truncated download
+    or copy is one line here, not every worker's error as it loads."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files and not any(path.glob("*.bin")):
+        raise ConfigError("model.path", f"{str(path)!r} holds no weights (*.safetensors, or pytorch_model*.bin)")
+    for f in files:
+        try:
+            with safe_open(f, "np"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ConfigError("model.path", f"{f.name} in {str(path)!r} is incomplete or no safetensors file "
+                                            f"({e}): copy or download it again") from None
 
 
 def check_rewards(functions: Mapping[str, float]) -> None:
