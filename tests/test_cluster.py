@@ -88,3 +88,41 @@ def test_an_address_where_no_cluster_answers_fails_at_once():
     with pytest.raises(ConnectionError, match=f"no Ray cluster answers at 127.0.0.1:{port} "):
         answers(f"127.0.0.1:{port}")  # closed now
     assert time.monotonic() - t0 < 5
+
+
+def _embedded_start(monkeypatch, tmp_path, init):
+    """``start_cluster`` of an embedded Ray whose ``ray.init`` is ``init``, as if no Ray ran here."""
+    from m2flow.config import ConfigError, load_config
+    from m2flow.runners.base import start_cluster
+
+    monkeypatch.setenv("M2FLOW_RAY_TMP", str(tmp_path))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    with pytest.raises(ConfigError) as e:
+        start_cluster(load_config("embodied/ppo_cartpole").cluster)
+    return str(e.value)
+
+
+def test_no_room_for_the_embedded_rays_files_is_one_line_before_it_starts(monkeypatch, tmp_path):
+    import m2flow.runtime.cluster as cluster_module
+
+    def init(**kwargs):
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.setattr(cluster_module, "MIN_FREE_MB", 1e12)
+    message = _embedded_start(monkeypatch, tmp_path, init)
+    assert message.startswith("cluster: only ") and message.endswith(
+        f" MB free in {tmp_path}, where the embedded Ray writes its sockets and logs (1000000000000 MB needed): free "
+        "some, or set M2FLOW_RAY_TMP to a directory with room"), message
+
+
+def test_an_embedded_ray_that_does_not_start_is_one_line_naming_its_logs(monkeypatch, tmp_path):
+    def init(**kwargs):
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                        "failed to startup or the GCS has become overloaded.\nmore")
+
+    message = _embedded_start(monkeypatch, tmp_path, init)
+    assert message == ("cluster: the embedded Ray did not start (Exception: The current node timed out during startup. "
+                       "This could happen because some of the raylet failed to startup or the GCS has become "
+                       f"overloaded.); its logs: {tmp_path}/m2flow-ray-{os.getpid()}/session_latest/logs")

@@ -30,7 +30,7 @@ from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.metrics import RunLog
 from m2flow.runners.status import RunFailed, RunStatus, continue_from
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
-from m2flow.runtime.cluster import cpu_slot_count
+from m2flow.runtime.cluster import ClusterStartError, cpu_slot_count
 from m2flow.runtime.files import DirectoryBusy, DirectoryLock
 from m2flow.runtime.group import (GroupHandle, WorkerDiedError, WorkerError, WorkerPool, death_reason, start_together,
                                   wait)
@@ -797,6 +797,8 @@ def start_cluster(cluster: DictConfig) -> Cluster:
                        gpu_slots=cluster.gpu_slots)
     except ConnectionError as e:  # an address where no cluster answers
         raise ConfigError("cluster.address", str(e)) from None
+    except ClusterStartError as e:  # an embedded Ray that could not start (no room for its files)
+        raise ConfigError("cluster", str(e)) from e
 
 
 def gpu_slots_of(cfg: DictConfig, kind: str) -> int:

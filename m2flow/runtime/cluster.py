@@ -9,6 +9,7 @@ placement such as ``"0-3"`` means the same on one laptop and on many GPU nodes.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import uuid
 from contextlib import contextmanager
@@ -26,6 +27,26 @@ from m2flow.runtime.names import NAMESPACE, shm_prefix
 
 
 _RAY_CLUSTERS = ray_constants.ENABLE_RAY_CLUSTER  # Ray's own setting, restored at shutdown
+
+
+class ClusterStartError(RuntimeError):
+    """The embedded Ray could not start; the message says why, and where its logs are."""
+
+
+MIN_FREE_MB = 100  # room an embedded Ray needs where it writes its sockets and logs
+
+
+def check_room(temp_dir: Path, min_free_mb: float | None = None) -> None:
+    """``ClusterStartError`` unless the file system of ``temp_dir`` (or of its nearest existing
+    parent) has ``min_free_mb`` free: a Ray without room there waits 30 s for a node that never
+    starts, then fails with a traceback that does not say why."""
+    min_free_mb = MIN_FREE_MB if min_free_mb is None else min_free_mb
+    existing = next(p for p in (temp_dir, *temp_dir.parents) if p.exists())
+    free_mb = shutil.disk_usage(existing).free / 2**20
+    if free_mb < min_free_mb:
+        raise ClusterStartError(f"only {free_mb:.1f} MB free in {existing}, where the embedded Ray writes its "
+                                f"sockets and logs ({min_free_mb:.0f} MB needed): free some, or set M2FLOW_RAY_TMP "
+                                "to a directory with room")
 
 
 def answers(address: str, timeout_s: float = 5.0) -> None:
@@ -162,8 +183,15 @@ class Cluster:
                 **kwargs,
             }
             self._ray_dir = Path(kwargs["_temp_dir"])
-            with _loopback_only():
-                ray.init(namespace=NAMESPACE, **kwargs)
+            check_room(self._ray_dir)
+            try:
+                with _loopback_only():
+                    ray.init(namespace=NAMESPACE, **kwargs)
+            except Exception as e:  # noqa: BLE001 - Ray's own errors here name no cause the user can act on
+                ray.shutdown()  # what did start goes
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise ClusterStartError(f"the embedded Ray did not start ({type(e).__name__}: {first}); its logs: "
+                                        f"{self._ray_dir}/session_latest/logs") from e
         else:
             answers(address)  # Ray itself would retry an address where nothing listens for minutes
             ray.init(namespace=NAMESPACE, address=address, **kwargs)
