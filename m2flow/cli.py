@@ -160,9 +160,14 @@ def command(args: argparse.Namespace) -> None:
 
         print("\n".join(presets()))
     elif args.command == "demo":
+        from m2flow.config import ConfigError
         from m2flow.demo import run_demo
+        from m2flow.runtime.cluster import ClusterStartError
 
-        run_demo(args.out)
+        try:
+            run_demo(args.out)
+        except ClusterStartError as e:  # as a run's: one line
+            raise ConfigError("cluster", str(e)) from e
 
 
 def checkpoint_file(given: str, cfg) -> str:

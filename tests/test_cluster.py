@@ -2,6 +2,7 @@
 
 import ipaddress
 import os
+import re
 import socket
 import time
 
@@ -126,3 +127,20 @@ def test_an_embedded_ray_that_does_not_start_is_one_line_naming_its_logs(monkeyp
     assert message == ("cluster: the embedded Ray did not start (Exception: The current node timed out during startup. "
                        "This could happen because some of the raylet failed to startup or the GCS has become "
                        f"overloaded.); its logs: {tmp_path}/m2flow-ray-{os.getpid()}/session_latest/logs")
+
+
+def test_the_demo_says_so_in_one_line_too(monkeypatch, tmp_path, capsys):
+    import m2flow.runtime.cluster as cluster_module
+    from m2flow import cli
+
+    monkeypatch.setenv("M2FLOW_RAY_TMP", str(tmp_path))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(cluster_module, "MIN_FREE_MB", 1e12)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--out", str(tmp_path / "demo")])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"m2flow: error: cluster: only [\d.]+ MB free in {re.escape(str(tmp_path))}, where the embedded Ray writes "
+        r"its sockets and logs \(1000000000000 MB needed\): free some, or set M2FLOW_RAY_TMP to a directory with room",
+        lines[0]), lines
