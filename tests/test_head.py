@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from m2flow.config import load_config
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners import status
 from m2flow.runners.embodied import EmbodiedRunner
+from m2flow.runners.status import RunFailed
 from m2flow.runtime.head import HeadMonitor
 
 
@@ -60,14 +62,18 @@ def test_the_monitor_takes_the_head_for_lost_after_its_time_and_back_when_it_ans
 
 
 class _FlakyHead:
-    """A head taken for lost while update ``at`` starts, answering again before it ends."""
+    """A head taken for lost while update ``at`` starts, answering again before it ends unless
+    ``stays_lost``."""
 
-    def __init__(self, runner, at):
-        self.runner, self.at, self.on_change = runner, at, None
+    def __init__(self, runner, at, stays_lost=False):
+        self.runner, self.at, self.stays_lost, self.on_change = runner, at, stays_lost, None
 
     @property
     def lost(self):
-        return getattr(self.runner, "done", 0) == self.at and self.runner.last_checkpoint is None
+        done = getattr(self.runner, "done", 0)
+        if self.stays_lost:
+            return done >= self.at
+        return done == self.at and self.runner.last_checkpoint is None
 
     def describe(self):
         return "the Ray cluster's head (its GCS at nowhere) has not answered since now"
@@ -92,10 +98,35 @@ def test_a_head_that_answers_again_leaves_a_checkpoint_and_the_run_goes_on(clust
     assert status.read(tmp_path)["state"] == "finished"
 
 
+def test_a_head_that_stays_lost_ends_the_run_after_the_update_in_progress_with_a_checkpoint(cluster, tmp_path,
+                                                                                             monkeypatch):
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", [
+        "placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
+        "placement.components.actor=0-1", "runner.total_env_steps=1536", f"runner.out_dir={tmp_path}",
+        "runner.progress=false"]), cluster)
+    monkeypatch.setattr(cluster, "head", _FlakyHead(runner, at=2, stays_lost=True))
+    try:
+        with pytest.raises(RunFailed) as failed:
+            runner.train()
+    finally:
+        runner.close()
+    checkpoint = tmp_path / "checkpoints" / "update_000003.safetensors"
+    assert str(failed.value) == ("the run failed after 3 of 6 updates: the Ray cluster's head (its GCS at nowhere) "
+                                 f"has not answered since now; the last checkpoint: {checkpoint}; continue with "
+                                 "runner.resume=auto")
+    assert not failed.value.traced  # no traceback behind it: the command line names no log for one
+    assert checkpoints.load(checkpoint)["done"] == 3
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [checkpoint.name]
+    ended = status.read(tmp_path)
+    assert (ended["state"], ended["done"], ended["message"]) == ("failed", 3, str(failed.value))
+
+
+@pytest.mark.slow
 def test_a_lost_head_ends_the_run_with_a_checkpoint_and_leaves_no_process(tmp_path):
     """The embedded Ray's GCS killed (SIGKILL) at update 3 of a CartPole run that takes no
-    checkpoint of its own: the run ends in about 15 s with exit status 1, a checkpoint of the
-    updates it did and no process of its Ray left."""
+    checkpoint of its own: the run ends in about 17 s with exit status 1, a checkpoint of the
+    updates it did and no process of its Ray left (35 s in all: slow-marked; the runner's part
+    runs by default above)."""
     out = tmp_path / "run"
     ray_tmp = Path(tempfile.mkdtemp(prefix="m2h-", dir="/tmp"))  # Ray's socket paths must stay short
     env = {**os.environ, "M2FLOW_RAY_TMP": str(ray_tmp)}
