@@ -417,16 +417,16 @@ class Runner:
     def _check_nodes(self, log: RunLog, e: BaseException) -> None:
         """``RunFailed`` in one paragraph if a node the plan places ranks on has left the Ray
         cluster (``e``: the error that came of it): no restart brings its devices back."""
-        used = set().union(*(self.placement[c].device_indices for c in self.placement.components))
-        lost = [n for n in self.cluster.lost_nodes() if used & {d.index for d in n.devices}]
+        lost = []
+        for n in self.cluster.lost_nodes():
+            held = {d.index for d in n.devices}
+            there = [c for c in self.placement.components if self.placement[c].device_indices & held]
+            if there:
+                lost.append(f"node {n.rank} ({n.address}; devices {_span(held)}: {', '.join(there)})")
         if not lost:
             return
-        where = "; ".join(f"node {n.rank} ({n.address}; devices {_span([d.index for d in n.devices])}: "
-                          + ", ".join(c for c in self.placement.components
-                                      if self.placement[c].device_indices & {d.index for d in n.devices}) + ")"
-                          for n in lost)
-        message = (f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: the Ray cluster lost "
-                   f"{where}; {self._then()} once the cluster has its {len(self.cluster.devices)} devices again")
+        message = self._failed_after(f"the Ray cluster lost {'; '.join(lost)}; {self._then()} once the cluster has "
+                                     f"its {len(self.cluster.devices)} devices again")
         with contextlib.suppress(OSError):
             log.write(f"{message}\n\n{''.join(traceback.format_exception(e))}")
         raise RunFailed(message) from e
@@ -513,6 +513,10 @@ class Runner:
             self.evaluate_deferred(log, watchdog)  # a resumed run evaluates what a stopped one left
         return log.history
 
+    def _failed_after(self, why: str) -> str:
+        """The paragraph of a run that could not go on: how far it got, and ``why``."""
+        return f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: {why}"
+
     def _then(self) -> str:
         """Where the run can be continued from."""
         return continue_from(self._position()["last_checkpoint"], self.cfg.runner.out_dir)
@@ -533,8 +537,7 @@ class Runner:
     def _headless(self, log: RunLog, e: BaseException | None = None) -> RunFailed:
         """The run ended by the loss of the cluster's head (``e``: the error it then met, whose
         traceback goes to the log): one paragraph."""
-        message = (f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: "
-                   f"{self.cluster.head.describe()}; {self._then()}")
+        message = self._failed_after(f"{self.cluster.head.describe()}; {self._then()}")
         then = "" if e is None else f"\n\n(then: {''.join(traceback.format_exception(e))})"
         with contextlib.suppress(OSError):
             log.write(message + then)
@@ -551,7 +554,7 @@ class Runner:
         where = f": {str(e.filename)!r}" if e.filename is not None else ""
         then = self._then()
         then += ": run it again once that is fixed" if not self._position()["last_checkpoint"] else " once that is fixed"
-        message = f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: {e.strerror}{where}; {then}"
+        message = self._failed_after(f"{e.strerror}{where}; {then}")
         with contextlib.suppress(OSError):
             log.write(f"{message}\n\n{''.join(traceback.format_exception(e))}")
         return RunFailed(message)
@@ -560,8 +563,8 @@ class Runner:
         """A death after the last restart ``runner.max_restarts`` allows: one paragraph."""
         allowed = self.cfg.runner.max_restarts
         deaths = "a worker process died" if allowed == 0 else f"worker processes died {self.restarts + 1} times"
-        message = (f"the run failed after {self.done} of {self.total} {self.metrics.x_name}s: {deaths}, more than "
-                   f"runner.max_restarts={allowed} allows; the last: {str(e).splitlines()[0]}; {self._then()}")
+        message = self._failed_after(f"{deaths}, more than runner.max_restarts={allowed} allows; the last: "
+                                     f"{str(e).splitlines()[0]}; {self._then()}")
         log.write(message)
         return RunFailed(message)
 
@@ -737,9 +740,9 @@ class Runner:
         processes go (``close``); none by default."""
 
 
-def _span(indices: list[int]) -> str:
-    """Device indices as a placement writes them: ``2-3``, or ``5``."""
-    return f"{min(indices)}-{max(indices)}" if len(indices) > 1 else str(indices[0])
+def _span(indices: set[int]) -> str:
+    """A node's device indices (consecutive) as a placement writes them: ``2-3``, or ``5``."""
+    return f"{min(indices)}-{max(indices)}" if len(indices) > 1 else str(min(indices))
 
 
 def claim_out_dir(cfg: DictConfig) -> DirectoryLock:

@@ -36,16 +36,15 @@ class ClusterStartError(RuntimeError):
 MIN_FREE_MB = 100  # room an embedded Ray needs where it writes its sockets and logs
 
 
-def check_room(temp_dir: Path, min_free_mb: float | None = None) -> None:
+def check_room(temp_dir: Path) -> None:
     """``ClusterStartError`` unless the file system of ``temp_dir`` (or of its nearest existing
-    parent) has ``min_free_mb`` free: a Ray without room there waits 30 s for a node that never
+    parent) has ``MIN_FREE_MB`` free: a Ray without room there waits 30 s for a node that never
     starts, then fails with a traceback that does not say why."""
-    min_free_mb = MIN_FREE_MB if min_free_mb is None else min_free_mb
     existing = next(p for p in (temp_dir, *temp_dir.parents) if p.exists())
     free_mb = shutil.disk_usage(existing).free / 2**20
-    if free_mb < min_free_mb:
+    if free_mb < MIN_FREE_MB:
         raise ClusterStartError(f"only {free_mb:.1f} MB free in {existing}, where the embedded Ray writes its "
-                                f"sockets and logs ({min_free_mb:.0f} MB needed): free some, or set M2FLOW_RAY_TMP "
+                                f"sockets and logs ({MIN_FREE_MB:.0f} MB needed): free some, or set M2FLOW_RAY_TMP "
                                 "to a directory with room")
 
 
