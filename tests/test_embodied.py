@@ -208,12 +208,15 @@ def test_resume_continues_exactly(cluster, pool, tmp_path, monkeypatch, ahead, u
     assert [row["policy_lag"] for row in history] == lags
     assert resumed == straight
     assert rest[-1]["env_steps"] == history[-1]["env_steps"]
-    # a checkpoint resumed under a placement with other ranks: a config error naming both
+    # a checkpoint resumed on another placement (one slot, one rank each, the rollout in
+    # processes of its own): its states spread over the new ranks, the run goes on to its end
     half = tmp_path / "a" / "checkpoints" / f"update_{updates // 2:06d}.safetensors"
-    with pytest.raises(ConfigError, match="runner.resume: .* has 2 actor rank.*, this placement has 1"):
-        run(tmp_path / "c", f"runner.resume={half}", "placement.components.actor=0")
-    ended = status.read(tmp_path / "c")
-    assert (ended["state"], ended["done"]) == ("failed", 0) and ended["message"].startswith("ConfigError: runner.resume: ")
+    _, moved = run(tmp_path / "c", f"runner.resume={half}", "placement.components.env=0",
+                   "placement.components.rollout=0", "placement.components.actor=0", "placement.fuse=false")
+    assert [row["update"] for row in moved] == list(range(updates // 2, updates))
+    assert moved[-1]["env_steps"] == history[-1]["env_steps"]
+    assert (f"checkpoint {half} was written on another placement (env 2 rank(s) then, 1 now; rollout fused then, "
+            "in processes of its own now; actor 2 rank(s) then, 1 now)") in (tmp_path / "c" / "log.txt").read_text()
     with pytest.raises(ConfigError, match=r"runner.resume: .* was written with policy.hidden=\[64, 64\], this run has "
                                           r"policy.hidden=\[32, 32\]: resume with the same policy.hidden"):
         run(tmp_path / "c", f"runner.resume={half}", "policy.hidden=[32,32]")

@@ -317,6 +317,58 @@ def test_snapshot_restore_continues_bit_for_bit(env_id, tmp_path):
         assert x.episode_returns == y.episode_returns and x.episode_successes == y.episode_successes
 
 
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "HalfCheetah-v5"])
+def test_regrouped_snapshots_continue_every_env(env_id):
+    """A run resumed with its envs spread otherwise (two batches of 3 as three of 2): every
+    env continues exactly where it was (simulator, RNG, episode under way, the seeds of its
+    later episodes), and each new batch's statistics are those of the batches its envs came
+    from, merged (by hand: the pooled mean and variance of all their samples)."""
+    kwargs = {"max_episode_steps": 15}
+    rng = np.random.default_rng(0)
+    old = [EnvBatch(env_id, 3, 7 + first, obs_norm=True, reward_scale=True, env_kwargs=kwargs) for first in (0, 3)]
+    for b in old:
+        b.reset()
+    space = old[0].action_space
+
+    def actions(n):
+        if isinstance(space, gym.spaces.Discrete):
+            return rng.integers(space.n, size=n)
+        return rng.uniform(space.low, space.high, size=(n, *space.shape)).astype(np.float32)
+
+    for _ in range(10):
+        a = actions(6)
+        old[0].step(a[:3]), old[1].step(a[3:])
+    snaps = [b.snapshot() for b in old]
+    new = [EnvBatch(env_id, 2, 99, obs_norm=True, reward_scale=True, env_kwargs=kwargs) for _ in range(3)]
+    for b in new:
+        b.reset()
+    for b, snap in zip(new, EnvBatch.regroup(snaps, [2, 2, 2]), strict=True):
+        b.restore(snap)
+    for _ in range(12):  # through time-limit resets
+        a = actions(6)
+        x = [old[0].step(a[:3]), old[1].step(a[3:])]  # raw observations compared: the statistics differ
+        y = [b.step(a[2 * i:2 * i + 2]) for i, b in enumerate(new)]
+        np.testing.assert_array_equal(np.concatenate([b._obs for b in old]), np.concatenate([b._obs for b in new]))
+        for f in ("terminated", "truncated"):
+            np.testing.assert_array_equal(np.concatenate([getattr(r, f) for r in x]),
+                                          np.concatenate([getattr(r, f) for r in y]))
+        ended = sorted((3 * k + i, ret) for k, r in enumerate(x) for i, ret in r.episode_returns)
+        assert ended == sorted((2 * k + i, ret) for k, r in enumerate(y) for i, ret in r.episode_returns)
+    # statistics: new batch 1 holds env 2 (old batch 0) and env 3 (old batch 1)
+    merged = EnvBatch.regroup(snaps, [2, 2, 2])
+    a, b = (s["stats"]["obs_rms"] for s in snaps)
+    n = a["count"] + b["count"]
+    mean = (a["count"] * a["mean"] + b["count"] * b["mean"]) / n
+    var = (a["count"] * (a["var"] + (a["mean"] - mean) ** 2) + b["count"] * (b["var"] + (b["mean"] - mean) ** 2)) / n
+    np.testing.assert_allclose(merged[1]["stats"]["obs_rms"]["mean"], mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(merged[1]["stats"]["obs_rms"]["var"], var, rtol=1e-12, atol=1e-12)
+    assert merged[1]["stats"]["obs_rms"]["count"] == n
+    for k in (0, 2):  # each of a single old batch: its statistics as they were
+        np.testing.assert_array_equal(merged[k]["stats"]["obs_rms"]["mean"], snaps[k // 2]["stats"]["obs_rms"]["mean"])
+    with pytest.raises(ValueError, match="6 envs cannot be regrouped into 4"):
+        EnvBatch.regroup(snaps, [2, 2])
+
+
 class ScriptedSuccess(gym.Env):
     """Episodes of 4 steps (truncated); ``info["success"]`` is true exactly at the step where
     the action is 1, as ManiSkill and Meta-World report it."""

@@ -361,6 +361,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def copy_of(state: dict) -> dict:
+    """A trainer's state as a file holds it: none of its tensors the live ones."""
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    return torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
+
+
 def _dp_worker(rank: int, world: int, port: int, out_dir: str, shard: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -386,16 +393,26 @@ def _dp_worker(rank: int, world: int, port: int, out_dir: str, shard: bool) -> N
         rows = [0] if rank == 0 else [1, 2, 3]
         stats = uneven.train_step(batch.select(rows), token_mean_nll, mini_batches=2)
         results["uneven"] = (weights(uneven), uneven.weights_hash(), stats)
+        if shard:
+            # The other form's state (a run resumed on another placement): rank 0's full state
+            # goes to the test's single process; a replicated trainer's loads into a sharded one
+            # and trains on as the replicated one does.
+            results["full"] = even.state_dict()
+            replicated = LMTrainer(load_lm("tiny-llama")[0], lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16)
+            replicated.train_step(batch.select([0, 1, 2, 3]), token_mean_nll)
+            converted = trainer()
+            converted.load_state_dict(copy_of(replicated.state_dict()))  # not the live tensors
+            for t in (replicated, converted):
+                t.train_step(batch.select([rank, rank + 4]), token_mean_nll)
+            results["converted"] = (weights(replicated), weights(converted), converted.step)
         # A saved state loaded into a fresh trainer continues the same (sharded: rank 0's, broadcast),
         # also one saved before any step (no optimizer state yet), and saving changes nothing.
         resumed, fresh, untouched = [], trainer(), trainer()
         untouched.train_step(batch.select([rank, rank + 4]), token_mean_nll)
         results["untouched"] = untouched.weights_hash()
         for original in (even, fresh):
-            saved = io.BytesIO()
-            torch.save(original.state_dict(), saved)
             copy = trainer()
-            copy.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+            copy.load_state_dict(copy_of(original.state_dict()))
             for t in (original, copy):
                 t.train_step(batch.select([rank, rank + 4]), token_mean_nll)
             resumed.append((original.weights_hash(), copy.weights_hash()))
@@ -439,6 +456,23 @@ def test_data_parallel_matches_one_process(tmp_path, shard):
     for (original, copy), (_, copy_1) in zip(ranks[0]["resumed"], ranks[1]["resumed"]):
         assert original == copy == copy_1
     assert ranks[0]["resumed"][1][0] == ranks[0]["untouched"]
+    if not shard:
+        return
+    # The sharded trainer's full state loads into a replicated one: the same weights, and
+    # Adam's moments by parameter name
+    full = ranks[0]["full"]
+    trainer = LMTrainer(load_lm("tiny-llama")[0], lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16)
+    trainer.load_state_dict(full)
+    assert max_diff(snapshot(trainer.model), ranks[0]["even"][0]) == 0 and trainer.step == 4
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    moments = {names[id(p)]: s["exp_avg"] for p, s in trainer.optimizer.state.items()}
+    assert moments.keys() == full["optimizer"]["state"].keys()
+    assert all(torch.equal(moments[n], full["optimizer"]["state"][n]["exp_avg"]) for n in moments)
+    assert ranks[1]["full"]["model"] == {}  # rank 1 holds none of it
+    # A replicated trainer's state loaded into the sharded one trains on alike
+    for r in (0, 1):
+        replicated, converted, step = ranks[r]["converted"]
+        assert step == 2 and max_diff(replicated, converted) <= 1e-6
 
 
 @pytest.mark.parametrize("device", DEVICES)

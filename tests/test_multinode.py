@@ -100,12 +100,15 @@ def test_process_group_across_nodes(two_nodes):
 def test_a_run_that_loses_a_node_ends_in_a_paragraph_naming_it(tmp_path):
     """A CartPole run across two nodes whose second node's raylet is killed at update 40: the
     run ends with one paragraph naming the node and its components, after at most one restart
-    tried while the cluster still took the node for alive (about 50 s)."""
+    tried while the cluster still took the node for alive; disaggregated needs three devices,
+    so the paragraph names the mode that fits the two left, and ``runner.resume=auto`` under it
+    goes on from the last checkpoint on the node left (about 60 s)."""
     import re
     import threading
     import time
 
     from m2flow.config import load_config
+    from m2flow.runners import checkpoint as checkpoints
     from m2flow.runners import status
     from m2flow.runners.embodied import EmbodiedRunner
     from m2flow.runners.status import RunFailed
@@ -116,26 +119,40 @@ def test_a_run_that_loses_a_node_ends_in_a_paragraph_naming_it(tmp_path):
     second = raylets.add_node(num_cpus=2)
     raylets.wait_for_nodes()
     cluster = Cluster(address=raylets.address)
-    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", [
-        "placement.mode=disaggregated", "runner.total_env_steps=2000000", "runner.checkpoint_every=20",
-        f"runner.out_dir={tmp_path}", "runner.progress=false"]), cluster)
+
+    def config(*extra):
+        return load_config("embodied/ppo_cartpole", ["placement.mode=disaggregated", "runner.checkpoint_every=20",
+                                                     f"runner.out_dir={tmp_path}", "runner.progress=false", *extra])
 
     def kill_at_40():
         while status.read(tmp_path).get("done", 0) < 40:
             time.sleep(0.05)
         raylets.remove_node(second, allow_graceful=False)
 
+    runners = [EmbodiedRunner(config("runner.total_env_steps=2000000"), cluster)]
     try:
         threading.Thread(target=kill_at_40, daemon=True).start()
         with pytest.raises(RunFailed) as failed:
-            runner.train()
+            runners[0].train()
+        runners.pop().close()
+        left = Cluster(address=raylets.address)
+        assert len(left.devices) == 2
+        done = checkpoints.load(status.read(tmp_path)["last_checkpoint"])["done"]
+        runners.append(EmbodiedRunner(config(f"runner.total_env_steps={256 * (done + 3)}", "runner.resume=auto",
+                                             "placement.mode=collocated"), left))
+        rows = runners[0].train()
     finally:
-        runner.close()
+        for runner in runners:
+            runner.close()
         cluster.shutdown()
         ray.shutdown()
         raylets.shutdown()
     message = str(failed.value)
     assert re.fullmatch(r"the run failed after \d+ of 7812 updates: the Ray cluster lost node 1 \([^;]+; devices 2-3: "
                         r"rollout, actor\); the last checkpoint: \S+/update_0000[4-9]0.safetensors; continue with "
-                        r"runner.resume=auto once the cluster has its 4 devices again", message), message
-    assert status.read(tmp_path)["restarts"] <= 1
+                        r"runner.resume=auto once the cluster has its 4 devices again, or now on the 2 left with "
+                        r"placement.mode=collocated", message), message
+    assert [row["update"] for row in rows][-3:] == [done, done + 1, done + 2]
+    assert ("was written on another placement (rollout in processes of its own then, fused now; actor 1 rank(s) then, "
+            "2 now)") in (tmp_path / "log.txt").read_text()
+    assert status.read(tmp_path)["state"] == "finished"

@@ -302,8 +302,15 @@ def test_resume_reaches_the_same_weights(cluster, pool, tmp_path):
     differed in the last bits (a loss differed by 2e-7)."""
     exact = ("algorithm.share_prompts=false", "algorithm.kl_coef=0.05")
     straight = _train(cluster, pool, tmp_path / "straight", "runner.steps=4", *exact)[1]
-    _train(cluster, pool, tmp_path / "split", "runner.steps=2", *exact)
+    at_2 = _train(cluster, pool, tmp_path / "split", "runner.steps=2", *exact)[1]
     checkpoint = tmp_path / "split" / "checkpoints" / "step_000002.safetensors"
+    # on another placement (rollout and actor two ranks each, not one): its weights as written, on each rank
+    moved = _train(cluster, pool, tmp_path / "moved", "runner.steps=2", f"runner.resume={checkpoint}",
+                   "placement.mode=custom", "placement.components.rollout=0-1", "placement.components.reward=2",
+                   "placement.components.inference=3", "placement.components.actor=2-3", *exact)[1]
+    assert moved[0] == at_2[0]
+    assert "written on another placement (rollout 1 rank(s) then, 2 now; actor 1 rank(s) then, 2 now)" in (
+        tmp_path / "moved" / "log.txt").read_text()
     pool.close()  # resumed in fresh processes: nothing the stopped run left in memory carries over
     resumed = _train(cluster, pool, tmp_path / "split", "runner.steps=4", f"runner.resume={checkpoint}", *exact)[1]
     assert resumed[0] == straight[0]

@@ -426,28 +426,46 @@ class LMTrainer:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A ``state_dict`` of a trainer sharded alike (sharded: rank 0's is broadcast)."""
-        if state.get("sharded", False) != self.sharded:
-            raise ValueError(f"a {'sharded' if state.get('sharded') else 'replicated'} trainer's state cannot load "
-                             f"into a {'sharded' if self.sharded else 'replicated'} one: resume with the same "
-                             "algorithm.data_parallel")
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
+        """A ``state_dict`` of this trainer or of one sharded otherwise (a run resumed on
+        another placement). Sharded: rank 0's is broadcast (the other ranks' is not read);
+        a replicated trainer's optimizer state, keyed by parameter number, is keyed by name
+        first, as a sharded one's is. Replicated: a sharded trainer's full state loads by name."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
+        named = state.get("sharded", False)  # the optimizer state is keyed by parameter name
+        if self.sharded:
+            first = dist.get_rank(self.group) == 0
+            model, optimizer = (state["model"], state["optimizer"]) if first else ({}, {})
+            if first and state["step"] and not named:
+                optimizer = self._by_name(optimizer)
             # Apart: set_state_dict skips the model on the ranks whose (empty) model state it gets.
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(self.model, state["model"], options=options)
+            set_model_state_dict(self.model, model, options=options)
             if state["step"]:  # the same on every rank
-                set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+                set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
+        elif named:
+            self.model.load_state_dict(state["model"])
+            if state["step"]:
+                set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                         options=StateDictOptions(full_state_dict=True))
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])  # casts the state to the parameters' devices
         self.step = int(state["step"])
         self._offloaded_state = []
+
+    def _by_name(self, optimizer: dict[str, Any]) -> dict[str, Any]:
+        """A replicated trainer's optimizer ``state_dict`` (parameters numbered in the order
+        the optimizer holds them) keyed by parameter name, as torch's full state dicts are."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        return {"state": {order[int(k)]: v for k, v in optimizer["state"].items()},
+                "param_groups": [{**g, "params": [order[int(k)] for k in g["params"]]}
+                                 for g in optimizer["param_groups"]]}
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The model's weights for weight sync (see ``m2flow.engines.weights.named_weights``).

@@ -250,6 +250,28 @@ class EnvBatch:
         for f in _EPISODE_STATE:
             getattr(self, f)[...] = snap[f]
 
+    @staticmethod
+    def regroup(snaps: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, Any]]:
+        """``snapshot``s of batches of consecutive envs, as snapshots of batches of ``sizes``
+        envs holding the same envs in the same order (a run resumed with its envs spread
+        over other ranks or stages): each env's simulator, RNG and episode under way go with
+        it. A new batch's statistics merge those of every batch its envs come from (the
+        parallel Welford update: the moments of all the samples they saw)."""
+        if sum(len(s["envs"]) for s in snaps) != sum(sizes):
+            raise ValueError(f"{sum(len(s['envs']) for s in snaps)} envs cannot be regrouped into {sum(sizes)}")
+        source = [b for b, s in enumerate(snaps) for _ in s["envs"]]  # each env's batch
+        joined = {f: np.concatenate([s[f] for s in snaps]) for f in _EPISODE_STATE}
+        envs = [e for s in snaps for e in s["envs"]]
+        out, start = [], 0
+        for size in sizes:
+            origins = sorted(set(source[start:start + size]))
+            out.append({"envs": envs[start:start + size], "training": snaps[origins[0]]["training"],
+                        "reports_success": any(snaps[b]["reports_success"] for b in origins),
+                        "stats": _merged_stats([snaps[b]["stats"] for b in origins]),
+                        **{f: joined[f][start:start + size].copy() for f in _EPISODE_STATE}})
+            start += size
+        return out
+
     def observations(self) -> np.ndarray:
         """The current observations as the policy sees them (normalised, without updating)."""
         return self._normalize(self._obs, update=False)
@@ -397,6 +419,20 @@ class EnvBatch:
         if done.any():
             final_obs[done] = self._normalize(final_raw[done], update=False)
         return final_obs
+
+
+def _merged_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """``state_dict``s of several batches' statistics as one: each running statistic folded
+    into the first by its moments and count."""
+    merged = {}
+    for name in stats[0]:
+        rms = RunningMeanStd(np.shape(stats[0][name]["mean"]))
+        rms.load_state_dict(stats[0][name])
+        for other in stats[1:]:
+            rms.update_from_moments(np.asarray(other[name]["mean"]), np.asarray(other[name]["var"]),
+                                    other[name]["count"])
+        merged[name] = rms.state_dict()
+    return merged
 
 
 # -- snapshots of single simulators ----------------------------------------------------

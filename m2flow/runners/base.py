@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config.validate import ConfigError, validate
-from m2flow.flow import Plan, Workflow
+from m2flow.flow import Plan, PlanError, Workflow
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.metrics import RunLog
 from m2flow.runners.status import RunFailed, RunStatus, continue_from
@@ -417,19 +417,43 @@ class Runner:
     def _check_nodes(self, log: RunLog, e: BaseException) -> None:
         """``RunFailed`` in one paragraph if a node the plan places ranks on has left the Ray
         cluster (``e``: the error that came of it): no restart brings its devices back."""
-        lost = []
+        lost, gone = [], 0
         for n in self.cluster.lost_nodes():
             held = {d.index for d in n.devices}
+            gone += len(held)
             there = [c for c in self.placement.components if self.placement[c].device_indices & held]
             if there:
                 lost.append(f"node {n.rank} ({n.address}; devices {_span(held)}: {', '.join(there)})")
         if not lost:
             return
+        left = len(self.cluster.devices) - gone
+        fits = self._fitting(left) if left else None
         message = self._failed_after(f"the Ray cluster lost {'; '.join(lost)}; {self._then()} once the cluster has "
-                                     f"its {len(self.cluster.devices)} devices again")
+                                     f"its {len(self.cluster.devices)} devices again"
+                                     + (f", or now on the {left} left{fits}" if fits is not None else ""))
         with contextlib.suppress(OSError):
             log.write(f"{message}\n\n{''.join(traceback.format_exception(e))}")
         raise RunFailed(message) from e
+
+    def _fitting(self, n: int) -> str | None:
+        """How the run goes on on ``n`` devices (a checkpoint resumes on another placement):
+        "" where its placement mode lays itself out on them, else the mode or placement to
+        set; None where no named mode fits."""
+        p = self.cfg.placement
+        if p.mode == "custom" or p.plan is not None and p.mode != "auto":
+            return " with a placement that fits them"
+        if p.mode == "auto":  # it plans for the devices there are
+            return ""
+        for mode in dict.fromkeys((p.mode, "collocated")):
+            cfg = copy.deepcopy(self.cfg)
+            cfg.placement.mode = mode
+            try:
+                plan_of(cfg, self.workflow, n, self.cluster.device_kind, self.components, **self.plan_options(cfg)).check(
+                    self.workflow, n, self.components, gpu_slots=gpu_slots_of(cfg, self.cluster.device_kind))
+            except (PlanError, ValueError):
+                continue
+            return "" if mode == p.mode else f" with placement.mode={mode}"
+        return None
 
     def _restart(self) -> None:
         """New processes for every group (the living ones' state is the checkpoint's now) and
@@ -691,19 +715,29 @@ class Runner:
                                                f"of this run: raise {self.length_key} to continue it")
         if ckpt["done"] == self.total:
             log.note(f"checkpoint {path} is {self.total} of {self.total} {x}s in: nothing left to train")
+        states, moved = {}, []
         for c, group in self._stateful().items():
             if c not in ckpt["states"]:
                 raise ConfigError("runner.resume", f"checkpoint {path} has no {c} state (a run with algorithm.name="
                                                    f"{ckpt['config']['algorithm']['name']}): resume with the same "
                                                    "algorithm")
-            state = ckpt["states"][c]
-            if (state is None) != (group is None):
-                raise ConfigError("runner.resume", f"checkpoint {path} was written with placement.fuse={state is None}: "
-                                                   "resume the same way")
-            if group is not None and len(state) != group.world_size:
-                raise ConfigError("runner.resume", f"checkpoint {path} has {len(state)} {c} rank(s), this placement "
-                                                   f"has {group.world_size}: resume with the same placement")
-        wait(*(g.load_state(ckpt["states"][c]) for c, g in self._stateful().items() if g is not None))
+            saved = ckpt["states"][c]
+            if group is None or saved is None:  # fused into its host, now or then: the host's state serves
+                if (group is None) != (saved is None):
+                    moved.append(f"{c} {'fused' if saved is None else 'in processes of its own'} then, "
+                                 f"{'fused' if group is None else 'in processes of its own'} now")
+                continue
+            try:
+                states[c] = self.workers[c].reshard(saved, group.world_size, *self.worker_args(c, False))
+            except ValueError as e:
+                raise ConfigError("runner.resume", f"checkpoint {path}'s {c} state does not fit this placement "
+                                                   f"({e})") from None
+            if len(saved) != group.world_size:
+                moved.append(f"{c} {len(saved)} rank(s) then, {group.world_size} now")
+        if moved:
+            log.note(f"checkpoint {path} was written on another placement ({'; '.join(moved)}): its states are "
+                     "spread over this one's ranks")
+        wait(*(self.groups[c].load_state(state) for c, state in states.items()))
         self.synced = None  # the loaded weights go out before the first step, whatever was synced before
         self.metrics.load_state_dict(ckpt["metrics"])
         self.load_extra_state(ckpt["extra"])

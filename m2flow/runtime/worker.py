@@ -99,6 +99,15 @@ class Worker:
     rank: int
     world_size: int
 
+    @classmethod
+    def reshard(cls, states: list[Any], ranks: int, *args: Any) -> list[Any]:
+        """The per-rank states a group of ``len(states)`` ranks saved, spread over a group of
+        ``ranks`` ranks made with ``args`` (a run resumed on another placement). By default
+        new rank i takes old rank ``i % len(states)``'s: right for ranks that hold the same
+        state (replicas) or states of their own (random generators). A class whose ranks
+        each hold a part of one whole overrides it; ``ValueError`` where it cannot be done."""
+        return states if len(states) == ranks else [states[i % len(states)] for i in range(ranks)]
+
     # -- set-up, called by WorkerGroup --------------------------------------------
     def _m2flow_init(self, info: WorkerInfo, master: tuple[str, int], args: tuple, kwargs: dict) -> None:
         """``master``: rank 0's address for torch.distributed's rendezvous."""

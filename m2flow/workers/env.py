@@ -140,8 +140,22 @@ class EnvWorker(PolicyHost):
     def load_state(self, state: dict[str, Any]) -> None:
         for b, snap in zip(self.batches, state["batches"], strict=True):
             b.restore(snap)
-        self.obs = [o.copy() for o in state["obs"]]  # writable: Ray hands arrays over read-only
+        # A regrouped state has no observations: its batches' statistics are new
+        self.obs = [o.copy() for o in state["obs"]] if "obs" in state else [b.observations() for b in self.batches]
         torch.set_rng_state(state["rng"])
+
+    @classmethod
+    def reshard(cls, states: list[dict[str, Any]], ranks: int, *args: Any) -> list[dict[str, Any]]:
+        """The envs of ``states`` (every rank's batches in global env order) regrouped into
+        this layout's ranks and stages (``EnvBatch.regroup``); each rank keeps a random
+        generator of the old ones (``Worker.reshard``). The same layout: ``states`` as they are."""
+        layout: Layout = args[1]
+        n = layout.envs_per_stage
+        if len(states) == ranks and all(len(s["envs"]) == n for state in states for s in state["batches"]):
+            return states
+        batches = EnvBatch.regroup([s for state in states for s in state["batches"]], [n] * (ranks * layout.stages))
+        rngs = super().reshard([state["rng"] for state in states], ranks)
+        return [{"batches": batches[r * layout.stages:(r + 1) * layout.stages], "rng": rngs[r]} for r in range(ranks)]
 
 
 def _pad_rows(trajectory: dict[str, Any], steps: int) -> dict[str, Any]:

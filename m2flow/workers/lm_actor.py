@@ -290,6 +290,18 @@ class LMActorWorker(Worker):
         self.version = state["version"]
         self.shuffle.set_state(state["shuffle"])
 
+    @classmethod
+    def reshard(cls, states: list[dict[str, Any]], ranks: int, *args: Any) -> list[dict[str, Any]]:
+        """As ``Worker.reshard``, but the trainer's state where the ranks hold it otherwise
+        (another count, or sharded then and not now or the reverse): rank 0's on every rank
+        (sharded, rank 0 holds it in full; replicated, every rank holds the same)."""
+        cfg = args[0]
+        sharded = cfg["algorithm"]["data_parallel"] == "fsdp" and ranks > 1
+        spread = super().reshard(states, ranks)
+        if len(states) == ranks and states[0]["trainer"].get("sharded", False) == sharded:
+            return spread
+        return [{**s, "trainer": states[0]["trainer"]} for s in spread]
+
 
 def _count_lags(counts: dict[int, int], batch: SequenceBatch, version: int) -> None:
     """Adds the batch's completion tokens to ``counts`` by how many versions behind ``version``
