@@ -71,6 +71,11 @@ def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     assert "cost model (held-out error" in out and "predicted step times" in out and "why:" in out
     chosen = Plan.load(tmp_path / "a" / "plan.yaml")
     assert f"plan ({chosen.mode(run_workflow(cfg))})" in out  # the run printed the plan it ran
+    # The planner's pick from the same profile for the devices a run has left after its
+    # cluster lost a node: on two, the plan it ran; on one, a plan that fits one.
+    replan = auto.replanner(cfg)
+    assert replan(2).to_dict() == chosen.to_dict()
+    replan(1).check(run_workflow(cfg), 1)
     # A second run of the same preset on the same hardware reuses the profile, whatever its length.
     short = "runner.total_env_steps=512" if preset.startswith("embodied") else "runner.steps=1"
     run(load_config(preset, [*common, short, f"runner.out_dir={tmp_path / 'b'}"]))

@@ -194,6 +194,7 @@ def test_some_messages_in_full(capsys, no_ray):
         ([R, "rollout.top_p=0"], "rollout.top_p: must be in (0, 1], got 0.0"),
         ([E, "algorithm.gamma=null"], "algorithm.gamma: expected a float, got null"),
         ([R, "model.dtype=fp8"], "model.dtype: must be one of float32 | bfloat16 | float16, got 'fp8'"),
+        ([E, "runner.on_node_loss=wait"], "runner.on_node_loss: must be one of continue | fail, got 'wait'"),
         ([RG, "algorithm.norm_adv=true"], "algorithm.norm_adv: must be false for algorithm.name=grpo: its advantages "
                                           "are already normalised within each group"),
         ([E, "runner.collect_ahead=true"], "runner.collect_ahead: renamed: use runner.max_staleness (true: 1)"),
@@ -294,6 +295,7 @@ def test_the_schemas_names_are_the_codes():
 # ------------------------------------------------------------------ installed
 
 
+@pytest.mark.slow  # 20 s: a wheel built and installed, then a run
 def test_a_plain_install_ships_the_presets_and_trains(tmp_path):
     """``pip install .`` (not editable) of a copy of this tree into a fresh directory, then the
     installed ``m2flow`` lists the presets and trains one, from a directory outside the tree.

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +34,7 @@ def test_runtime_demo_writes_a_trace(tmp_path):
     assert {"call", "send", "recv", "lock", "channel"} <= cats
 
 
+@pytest.mark.slow  # 22 s; the command line's train runs by default in test_stop.py (an embodied preset)
 def test_reasoning_tiny_preset_from_the_command_line(tmp_path):
     out = run(["-m", "m2flow.cli", "train", "reasoning/grpo_arith_tiny", "runner.steps=2", "runner.progress=false",
                f"runner.out_dir={tmp_path / 'run'}"], tmp_path)

@@ -54,8 +54,8 @@ def cases(flow: str, placements: dict, calls: dict, by_default: str = "") -> lis
 
 
 @pytest.mark.parametrize("flow, placement, component",
-                         cases("reasoning", REASONING_PLACEMENTS, REASONING_CALLS, by_default="collocated-rollout")
-                         + cases("embodied", EMBODIED_PLACEMENTS, EMBODIED_CALLS))
+                         cases("reasoning", REASONING_PLACEMENTS, REASONING_CALLS)
+                         + cases("embodied", EMBODIED_PLACEMENTS, EMBODIED_CALLS, by_default="disaggregated-actor"))
 def test_a_component_that_raises_fails_the_run_which_then_closes(cluster, tmp_path, flow, placement, component):
     if flow == "reasoning":
         base, preset, calls = ReasoningRunner, "reasoning/grpo_arith_tiny", REASONING_CALLS

@@ -240,6 +240,7 @@ def test_killed_worker_surfaces_fast(cluster):
     g.kill()
 
 
+@pytest.mark.slow  # 16 s: a Ray of its own in a subprocess, made to run low on memory
 def test_a_worker_killed_by_rays_memory_monitor_is_a_death_told_in_a_line(tmp_path):
     # Ray tells it as OutOfMemoryError, with a page of object-store statistics: a death, so
     # the runner restarts from its last checkpoint, and a line in the message (the page goes

@@ -475,6 +475,28 @@ def test_data_parallel_matches_one_process(tmp_path, shard):
         assert step == 2 and max_diff(replicated, converted) <= 1e-6
 
 
+def test_an_actors_states_spread_over_another_number_of_ranks():
+    """``LMActorWorker.reshard`` (a run resumed on another placement): every new rank takes
+    the trainer state rank 0 saved wherever the ranks hold it otherwise (sharded, rank 0 holds
+    it in full; replicated, every rank the same), its own generator state round the old
+    ranks, and the states as they are where nothing changed."""
+    from m2flow.workers.lm_actor import LMActorWorker
+
+    full = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {}}, "step": 3, "sharded": True}
+    none = {"model": {}, "optimizer": {}, "step": 3, "sharded": True}
+    sharded = [{"trainer": full, "version": 3, "shuffle": 0}, {"trainer": none, "version": 3, "shuffle": 1}]
+    fsdp, replicate = ({"algorithm": {"data_parallel": kind}} for kind in ("fsdp", "replicate"))
+    assert LMActorWorker.reshard(sharded, 2, fsdp) is sharded
+    for ranks, cfg in ((3, fsdp), (1, fsdp), (2, replicate)):  # other ranks, or not sharded now
+        spread = LMActorWorker.reshard(sharded, ranks, cfg)
+        assert [s["trainer"] for s in spread] == [full] * ranks
+        assert [s["shuffle"] for s in spread] == [0, 1, 0][:ranks]
+    plain = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {}}, "step": 3}
+    replicated = [{"trainer": plain, "version": 3, "shuffle": s} for s in (0, 1)]
+    assert LMActorWorker.reshard(replicated, 2, replicate) is replicated
+    assert [s["trainer"] for s in LMActorWorker.reshard(replicated, 2, fsdp)] == [plain] * 2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_optimizer_offload_round_trip_keeps_training_identical(device):
     batch = random_batch(6, seed=6)

@@ -98,14 +98,13 @@ def test_process_group_across_nodes(two_nodes):
 
 @pytest.mark.slow
 def test_a_run_that_loses_a_node_ends_in_a_paragraph_naming_it(tmp_path):
-    """A CartPole run across two nodes whose second node's raylet is killed at update 40: the
-    run ends with one paragraph naming the node and its components, after at most one restart
+    """A CartPole run across two nodes whose second node's raylet is killed at update 40, told
+    not to go on without it (``runner.on_node_loss=fail``): the run ends with one paragraph
+    naming the node and its components, after at most one restart
     tried while the cluster still took the node for alive; disaggregated needs three devices,
     so the paragraph names the mode that fits the two left, and ``runner.resume=auto`` under it
     goes on from the last checkpoint on the node left (about 60 s)."""
     import re
-    import threading
-    import time
 
     from m2flow.config import load_config
     from m2flow.runners import checkpoint as checkpoints
@@ -113,25 +112,15 @@ def test_a_run_that_loses_a_node_ends_in_a_paragraph_naming_it(tmp_path):
     from m2flow.runners.embodied import EmbodiedRunner
     from m2flow.runners.status import RunFailed
 
-    if ray.is_initialized():
-        ray.shutdown()
-    raylets = RayTestCluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    second = raylets.add_node(num_cpus=2)
-    raylets.wait_for_nodes()
-    cluster = Cluster(address=raylets.address)
+    raylets, second, cluster = _two_raylets()
 
     def config(*extra):
         return load_config("embodied/ppo_cartpole", ["placement.mode=disaggregated", "runner.checkpoint_every=20",
                                                      f"runner.out_dir={tmp_path}", "runner.progress=false", *extra])
 
-    def kill_at_40():
-        while status.read(tmp_path).get("done", 0) < 40:
-            time.sleep(0.05)
-        raylets.remove_node(second, allow_graceful=False)
-
-    runners = [EmbodiedRunner(config("runner.total_env_steps=2000000"), cluster)]
+    runners = [EmbodiedRunner(config("runner.total_env_steps=2000000", "runner.on_node_loss=fail"), cluster)]
     try:
-        threading.Thread(target=kill_at_40, daemon=True).start()
+        _kill_at(raylets, second, tmp_path, 40)
         with pytest.raises(RunFailed) as failed:
             runners[0].train()
         runners.pop().close()
@@ -156,3 +145,59 @@ def test_a_run_that_loses_a_node_ends_in_a_paragraph_naming_it(tmp_path):
     assert ("was written on another placement (rollout in processes of its own then, fused now; actor 1 rank(s) then, "
             "2 now)") in (tmp_path / "log.txt").read_text()
     assert status.read(tmp_path)["state"] == "finished"
+
+
+@pytest.mark.slow
+def test_a_run_that_loses_a_node_goes_on_on_the_node_left(tmp_path):
+    """The same run and kill, as runs are by default (``runner.on_node_loss=continue``): the run
+    goes on from its last checkpoint, collocated on the two devices of the node left
+    (disaggregated needs three), and ends with every update once (about 60 s)."""
+    from m2flow.config import load_config
+    from m2flow.runners import status
+    from m2flow.runners.embodied import EmbodiedRunner
+
+    raylets, second, cluster = _two_raylets()
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", [
+        "placement.mode=disaggregated", "runner.total_env_steps=15360", "runner.checkpoint_every=20",
+        f"runner.out_dir={tmp_path}", "runner.progress=false"]), cluster)  # 60 updates
+    try:
+        _kill_at(raylets, second, tmp_path, 40)
+        rows = runner.train()
+    finally:
+        runner.close()
+        cluster.shutdown()
+        ray.shutdown()
+        raylets.shutdown()
+    assert [row["update"] for row in rows] == list(range(60))
+    ended = status.read(tmp_path)
+    assert ended["state"] == "finished" and 1 <= ended["restarts"] <= 2
+    assert ended["warning"].startswith("the Ray cluster lost node 1 (") and ended["warning"].endswith(
+        "devices 2-3: rollout, actor): the run goes on on the 2 devices left under placement.mode=collocated, from "
+        f"{tmp_path / 'checkpoints' / 'update_000040.safetensors'}")
+    assert len(cluster.devices) == 2 and len(cluster.nodes) == 1
+
+
+def _two_raylets():
+    """A fresh Ray of two raylets of 2 CPUs each (any Ray this process was attached to is shut
+    down first), a cluster attached to it, and its second node."""
+    if ray.is_initialized():
+        ray.shutdown()
+    raylets = RayTestCluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    second = raylets.add_node(num_cpus=2)
+    raylets.wait_for_nodes()
+    return raylets, second, Cluster(address=raylets.address)
+
+
+def _kill_at(raylets, node, out, updates):
+    """Kills ``node``'s raylet, from a thread, once the run writing to ``out`` has logged ``updates``."""
+    import threading
+    import time
+
+    from m2flow.runners import status
+
+    def kill():
+        while status.read(out).get("done", 0) < updates:
+            time.sleep(0.05)
+        raylets.remove_node(node, allow_graceful=False)
+
+    threading.Thread(target=kill, daemon=True).start()

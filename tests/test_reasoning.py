@@ -105,8 +105,10 @@ LEARNING = {
 # and overlong penalty have unit tests of their own (test_reasoning_algorithms.py); FSDP's
 # training equals one process's (test_lm_training.py); generation and training on slots of
 # their own run in rloo-pipelined-ahead, an actor beside the rollout on a shared slot in
-# grpo-spanning-inference-ahead.
-SLOW = {"grpo-hybrid", "reinforce_pp-hybrid", "dr_grpo", "grpo-hybrid-fsdp", "grpo-disaggregated"}
+# grpo-spanning-inference-ahead; bfloat16 sampling and autocast training have unit tests
+# (test_engine.py, test_lm_training.py).
+SLOW = {"grpo-hybrid", "reinforce_pp-hybrid", "dr_grpo", "grpo-hybrid-fsdp", "grpo-disaggregated",
+        "grpo-bfloat16-rollout"}
 
 
 def _option(overrides, key, default):
@@ -302,15 +304,8 @@ def test_resume_reaches_the_same_weights(cluster, pool, tmp_path):
     differed in the last bits (a loss differed by 2e-7)."""
     exact = ("algorithm.share_prompts=false", "algorithm.kl_coef=0.05")
     straight = _train(cluster, pool, tmp_path / "straight", "runner.steps=4", *exact)[1]
-    at_2 = _train(cluster, pool, tmp_path / "split", "runner.steps=2", *exact)[1]
+    _train(cluster, pool, tmp_path / "split", "runner.steps=2", *exact)
     checkpoint = tmp_path / "split" / "checkpoints" / "step_000002.safetensors"
-    # on another placement (rollout and actor two ranks each, not one): its weights as written, on each rank
-    moved = _train(cluster, pool, tmp_path / "moved", "runner.steps=2", f"runner.resume={checkpoint}",
-                   "placement.mode=custom", "placement.components.rollout=0-1", "placement.components.reward=2",
-                   "placement.components.inference=3", "placement.components.actor=2-3", *exact)[1]
-    assert moved[0] == at_2[0]
-    assert "written on another placement (rollout 1 rank(s) then, 2 now; actor 1 rank(s) then, 2 now)" in (
-        tmp_path / "moved" / "log.txt").read_text()
     pool.close()  # resumed in fresh processes: nothing the stopped run left in memory carries over
     resumed = _train(cluster, pool, tmp_path / "split", "runner.steps=4", f"runner.resume={checkpoint}", *exact)[1]
     assert resumed[0] == straight[0]
@@ -326,6 +321,28 @@ def test_resume_reaches_the_same_weights(cluster, pool, tmp_path):
                                           r"512 items, this loader has 500\)"):
         _train(cluster, pool, tmp_path / "fewer", "runner.steps=4", f"runner.resume={checkpoint}",
                "data.train_size=500", *exact)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_on_another_placement(cluster, pool, tmp_path):
+    """A checkpoint of one rollout and one actor rank resumed with two of each: every actor
+    rank holds the weights the checkpoint holds (``LMActorWorker.reshard``; the trainer's
+    forms: tests/test_lm_training.py), and log.txt says what moved."""
+    at_2 = _train(cluster, pool, tmp_path / "split", "runner.steps=2")[1]
+    checkpoint = tmp_path / "split" / "checkpoints" / "step_000002.safetensors"
+    cfg = load_config(PRESET, ["runner.steps=2", f"runner.resume={checkpoint}", f"runner.out_dir={tmp_path / 'moved'}",
+                               "runner.progress=false", "placement.mode=custom", "placement.components.rollout=0-1",
+                               "placement.components.reward=2", "placement.components.inference=3",
+                               "placement.components.actor=2-3"])
+    runner = ReasoningRunner(cfg, cluster=cluster, pool=pool)
+    try:
+        runner.train()
+        moved = runner.groups["actor"].weights_hash().wait()
+    finally:
+        runner.close()
+    assert moved == [at_2[0]] * 2
+    assert "written on another placement (rollout 1 rank(s) then, 2 now; actor 1 rank(s) then, 2 now)" in (
+        tmp_path / "moved" / "log.txt").read_text()
 
 
 def test_a_plan_that_keeps_memory_in_place_moves_nothing_between_turns(cluster, pool, tmp_path):

@@ -2,6 +2,7 @@
 its groups again from its last checkpoint and finishes with the same number of updates and
 the same weights as an undisturbed run: the same samples, none trained twice, none lost."""
 
+import dataclasses
 import math
 import os
 import re
@@ -14,10 +15,12 @@ import pytest
 import ray
 
 from m2flow.config import load_config
+from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners import status
 from m2flow.runners.status import RunFailed
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.reasoning import ReasoningRunner
+from m2flow.runtime.cluster import Node
 
 
 def _pid(group, rank):
@@ -123,6 +126,39 @@ def test_a_death_on_a_node_the_cluster_lost_ends_the_run_without_restarts(cluste
     ended = status.read(tmp_path)
     assert (ended["state"], ended["restarts"], ended["message"]) == ("failed", 0, message)
     assert "restart" not in (tmp_path / "log.txt").read_text()
+
+
+def test_a_run_whose_cluster_lost_a_node_goes_on_on_the_devices_left(cluster, tmp_path, monkeypatch):
+    """The cluster is made to report a node with devices 2-3 lost when the actor there dies
+    (disaggregated on four devices: the rollout on device 2, the actor on 3). Disaggregated
+    needs three devices, so the run goes on collocated on the two left, from its last
+    checkpoint (its states spread over the new ranks), counted as a restart, said in log.txt
+    and status.json, and ends with every update once (a real node's loss: test_multinode.py)."""
+    overrides = ["placement.mode=disaggregated", "runner.total_env_steps=2048", "runner.checkpoint_every=1",
+                 "env.kwargs.max_episode_steps=20"]  # 8 updates
+    everything = cluster.devices
+    gone = Node(1, "gone", "192.0.2.9", 2, 0, devices=everything[2:])
+    monkeypatch.setattr(cluster, "lost_nodes", lambda: [gone] if cluster.devices == everything else [])
+
+    def rediscover():  # what Ray then lists alive: devices 0-1
+        monkeypatch.setattr(cluster, "devices", everything[:2])
+        monkeypatch.setattr(cluster, "nodes", (dataclasses.replace(cluster.nodes[0], devices=everything[:2]),))
+
+    monkeypatch.setattr(cluster, "rediscover", rediscover)
+    history, _, killed = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path,
+                              kills=[("update_000002.safetensors", "actor", 0)])
+    assert killed == [("actor", 0)]
+    assert [row["update"] for row in history] == list(range(8))
+    ended = status.read(tmp_path)
+    assert (ended["state"], ended["done"], ended["restarts"]) == ("finished", 8, 1)
+    assert re.fullmatch(r"the Ray cluster lost node 1 \(192.0.2.9; devices 2-3: rollout, actor\): the run goes on on the "
+                        r"2 devices left under placement.mode=collocated, from \S+/update_00000[2-7].safetensors",
+                        ended["warning"]), ended["warning"]
+    log = (tmp_path / "log.txt").read_text()
+    assert ended["warning"] in log and "restart 1 of at most 3: actor-" in log and "was written on another placement" in log
+    assert log.rindex("plan (collocated)") > log.index(ended["warning"])
+    last = checkpoints.load(tmp_path / "checkpoints" / "update_000008.safetensors")
+    assert last["config"]["placement"]["mode"] == "collocated" and len(last["states"]["actor"]) == 2
 
 
 def test_embodied_async_run_survives_a_rollout_worker_killed(cluster, pool, tmp_path):

@@ -104,6 +104,10 @@ class RunnerConfig:
                                       within=NON_NEGATIVE)
     max_restarts: int = opt(3, "times a run starts its groups again (from its last checkpoint) after a worker process "
                             "died", within=NON_NEGATIVE)
+    on_node_loss: str = opt("continue", "the Ray cluster lost a node the plan placed ranks on: continue (from the "
+                                        "last checkpoint, on the devices left, where the placement mode lays itself "
+                                        "out on them, else collocated; counts as a restart) | fail (end, naming the "
+                                        "node)", choices=("continue", "fail"))
     hang_timeout_s: float = opt(1800.0, "seconds without progress (no update ending, no channel item moving, no device "
                                 "lock changing hands) after which the run stops with a report of every worker's stacks; "
                                 "0: never", within=NON_NEGATIVE)

@@ -33,6 +33,10 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
                 raise
         try:
             runner = runner_cls(cfg, cluster=cluster)
+            if cfg.placement.mode == "auto":
+                from m2flow.runners.auto import replanner
+
+                runner.replanner = replanner(cfg)
             try:
                 return runner.train()
             finally:

@@ -24,6 +24,7 @@ import copy
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from m2flow.runtime.stop import RunStopped
 # Keys whose value does not change what a step costs: a profile is reused across them.
 RUN_KEYS = ("total_env_steps", "steps", "out_dir", "resume", "progress", "checkpoint_every", "checkpoint_every_min",
             "target_return", "eval_every", "eval_deferred", "log_every", "max_staleness", "stages", "hang_timeout_s",
-            "max_restarts")
+            "max_restarts", "on_node_loss")
 
 
 # Off-policy corrections that cost nothing beyond the loss's own arithmetic (the decoupled
@@ -411,6 +412,13 @@ def auto_plan(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Dic
     cfg = copy.deepcopy(cfg)
     OmegaConf.update(cfg, "placement.plan", str(path), merge=False)
     return cfg
+
+
+def replanner(cfg: DictConfig) -> Callable[[int], Plan]:
+    """For a run of ``cfg`` as ``auto_plan`` made it: the planner's pick for it on ``n``
+    devices, from the profile it was planned with (a run that goes on after its cluster lost a
+    node)."""
+    return lambda n: choose(cfg, Profile.load(profile_path(cfg)), num_devices=n).best.plan
 
 
 def plan_command(preset: str | None, overrides: list[str], profile_file: str | None, devices: int | None,

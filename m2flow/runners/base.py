@@ -17,7 +17,7 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config.validate import ConfigError, validate
-from m2flow.flow import Plan, PlanError, Workflow
+from m2flow.flow import Plan, Workflow
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.metrics import RunLog
 from m2flow.runners.status import RunFailed, RunStatus, continue_from
@@ -76,6 +76,9 @@ class Runner:
     def _setup(self, cfg: DictConfig, cluster: Cluster | None, pool: WorkerPool | None) -> None:
         self.components = self.components_of(cfg)
         self.workflow = self.workflow_of(cfg)
+        # ``placement.mode=auto``: the planner's pick for n devices (set by whoever planned the
+        # run), for a run that goes on after the cluster lost a node
+        self.replanner: Callable[[int], Plan] | None = None
         self._own_cluster = cluster is None
         self.pool = pool
         # On an embedded Ray the devices are known before it starts: a plan or config that
@@ -170,6 +173,11 @@ class Runner:
 
     def channels_of(self) -> tuple[str, ...]:
         return self.workflow.channels
+
+    @classmethod
+    def check_plan(cls, cfg: DictConfig, plan: Plan) -> None:
+        """Fails (ConfigError) unless the flow can lay its work out on ``plan`` (beyond
+        ``Plan.check``: how its data is shared out among the plan's ranks)."""
 
     def prepare(self) -> None:
         """Work done before any process starts (data, env probes); its errors stop the run early."""
@@ -411,12 +419,18 @@ class Runner:
                         raise self._out_of_restarts(log, e) from e
                     died = e
                 except Exception as e:  # noqa: BLE001 - Ray refusing a rank a node that is gone, say
-                    self._check_nodes(log, e)
-                    raise
+                    if not self._check_nodes(log, e):
+                        raise
+                    if self.restarts >= r.max_restarts:
+                        raise self._out_of_restarts(log, died) from e
 
-    def _check_nodes(self, log: RunLog, e: BaseException) -> None:
-        """``RunFailed`` in one paragraph if a node the plan places ranks on has left the Ray
-        cluster (``e``: the error that came of it): no restart brings its devices back."""
+    def _check_nodes(self, log: RunLog, e: BaseException) -> bool:
+        """Whether a node the plan places ranks on has left the Ray cluster (``e``: the error
+        that came of it): no restart brings its devices back. With ``runner.on_node_loss=
+        continue`` the run then goes on on the devices left, under a plan laid out on them
+        (``_plan_for``; the restart that follows starts from the last checkpoint, its states
+        spread over the new ranks); else, or where no plan fits them, ``RunFailed`` in one
+        paragraph."""
         lost, gone = [], 0
         for n in self.cluster.lost_nodes():
             held = {d.index for d in n.devices}
@@ -425,35 +439,66 @@ class Runner:
             if there:
                 lost.append(f"node {n.rank} ({n.address}; devices {_span(held)}: {', '.join(there)})")
         if not lost:
-            return
+            return False
         left = len(self.cluster.devices) - gone
-        fits = self._fitting(left) if left else None
+        fitting = self._plan_for(left) if left else None
+        if fitting is not None and self.cfg.runner.on_node_loss == "continue":
+            self._go_on(*fitting, f"the Ray cluster lost {'; '.join(lost)}", left, log)
+            return True
+        # (placement.mode=auto plans for the devices there are: a resume under it needs nothing more)
+        mode = self.cfg.placement.mode
+        then = "" if fitting is None else f", or now on the {left} left" + (
+            "" if fitting[1] == mode or mode == "auto" else f" with placement.mode={fitting[1]}")
         message = self._failed_after(f"the Ray cluster lost {'; '.join(lost)}; {self._then()} once the cluster has "
-                                     f"its {len(self.cluster.devices)} devices again"
-                                     + (f", or now on the {left} left{fits}" if fits is not None else ""))
+                                     f"its {len(self.cluster.devices)} devices again{then}")
         with contextlib.suppress(OSError):
             log.write(f"{message}\n\n{''.join(traceback.format_exception(e))}")
         raise RunFailed(message) from e
 
-    def _fitting(self, n: int) -> str | None:
-        """How the run goes on on ``n`` devices (a checkpoint resumes on another placement):
-        "" where its placement mode lays itself out on them, else the mode or placement to
-        set; None where no named mode fits."""
-        p = self.cfg.placement
+    def _plan_for(self, n: int) -> tuple[Plan, str] | None:
+        """A plan of this run on ``n`` devices and its ``placement.mode``: its own mode's where
+        that lays itself out on them (``auto``: the planner's pick, ``replanner``), else
+        collocated's; None where neither fits, or where the run gave device ranges (custom, a
+        plan file)."""
+        p, kind = self.cfg.placement, self.cluster.device_kind
         if p.mode == "custom" or p.plan is not None and p.mode != "auto":
-            return " with a placement that fits them"
-        if p.mode == "auto":  # it plans for the devices there are
-            return ""
-        for mode in dict.fromkeys((p.mode, "collocated")):
+            return None
+
+        def named(mode: str) -> Plan:
             cfg = copy.deepcopy(self.cfg)
-            cfg.placement.mode = mode
+            cfg.placement.mode, cfg.placement.plan = mode, None
+            return plan_of(cfg, self.workflow, n, kind, self.components, **self.plan_options(cfg))
+
+        tries = [("auto", lambda: self.replanner(n))] if p.mode == "auto" and self.replanner else []
+        tries += [(m, lambda m=m: named(m)) for m in dict.fromkeys((p.mode, "collocated")) if m != "auto"]
+        for mode, make in tries:
             try:
-                plan_of(cfg, self.workflow, n, self.cluster.device_kind, self.components, **self.plan_options(cfg)).check(
-                    self.workflow, n, self.components, gpu_slots=gpu_slots_of(cfg, self.cluster.device_kind))
-            except (PlanError, ValueError):
+                plan = make()
+                plan.check(self.workflow, n, self.components, gpu_slots=gpu_slots_of(self.cfg, kind))
+                self.check_plan(self.cfg, plan)
+            except ValueError:  # PlanError, ConfigError: it does not fit
                 continue
-            return "" if mode == p.mode else f" with placement.mode={mode}"
+            return plan, mode
         return None
+
+    def _go_on(self, plan: Plan, mode: str, why: str, n: int, log: RunLog) -> None:
+        """The run goes on under ``plan`` (of placement ``mode``) on the ``n`` devices the
+        cluster lists alive now: said in ``log.txt`` and ``status.json``; the restart that
+        follows starts its groups."""
+        self.cluster.rediscover()
+        p = self.cfg.placement
+        how = "" if mode == p.mode else f" under placement.mode={mode}"
+        if mode == "auto":  # the plan the run follows now
+            plan.save(p.plan)
+        else:  # a named mode: its checkpoints' config says which
+            p.mode, p.plan = mode, None
+        self.plan = plan
+        self.cfg.runner.max_staleness = plan.run_ahead
+        self.prepare()
+        message = (f"{why}: the run goes on on the {n} devices left{how}, from "
+                   f"{self.last_checkpoint or self.resumed_from or 'the beginning'}")
+        log.note(f"{message}\n{plan.table(self.workflow)}")
+        self.status.warn(message)
 
     def _restart(self) -> None:
         """New processes for every group (the living ones' state is the checkpoint's now) and

@@ -82,6 +82,10 @@ class EmbodiedRunner(Runner):
         p = cfg.placement
         return {"fuse": p.fuse, "trainer_devices_per_proc": p.actor_devices_per_proc, "stages": cfg.runner.stages}
 
+    @classmethod
+    def check_plan(cls, cfg: DictConfig, plan: Plan) -> None:
+        env_layout(cfg, plan, cls.components_of(cfg))
+
     def prepare(self) -> None:
         cfg = self.cfg
         self.spaces = probe_spaces(cfg)

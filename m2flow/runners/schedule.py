@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from m2flow.flow import Plan, Workflow
 from m2flow.flow.simulate import Shape
 from m2flow.runners.base import Runner
-from m2flow.runners.embodied import EmbodiedRunner, env_layout, steps_per_update
+from m2flow.runners.embodied import EmbodiedRunner, steps_per_update
 from m2flow.runners.reasoning import ReasoningRunner, sharded
 
 
@@ -53,6 +53,7 @@ class Schedule:
 
     def check(self, plan: Plan) -> None:
         """Fails (ConfigError) unless the flow can lay its work out on ``plan``."""
+        self.runner.check_plan(self.cfg, plan)
 
     def plan_options(self) -> dict[str, Any]:
         return self.runner.plan_options(self.cfg)
@@ -86,9 +87,6 @@ class EmbodiedSchedule(Schedule):
         which tells a cost per call (a batched inference, an env worker's step) from a cost
         per env."""
         return {}, {"stages": 1 if devices > 1 else 2}, {}
-
-    def check(self, plan: Plan) -> None:
-        env_layout(self.cfg, plan, self.components)
 
 
 class ReasoningSchedule(Schedule):

@@ -243,9 +243,18 @@ class Cluster:
         return tuple(d for r in self.node_groups[group] for d in self.nodes[r].devices)
 
     def lost_nodes(self) -> list[Node]:
-        """The nodes found at the start that the Ray cluster no longer lists alive."""
+        """The nodes found at the start (or at the last ``rediscover``) that the Ray cluster no
+        longer lists alive."""
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         return [n for n in self.nodes if n.node_id not in alive]
+
+    def rediscover(self) -> None:
+        """The nodes and devices as the Ray cluster lists them alive now (after it lost one: a
+        plan is then laid out on the devices left, numbered afresh). Named node groups name
+        nodes by rank, which the nodes left do not keep: only ``all`` is left."""
+        self.nodes = self._discover_nodes(ray.nodes())
+        self.devices = tuple(d for n in self.nodes for d in n.devices)
+        self.node_groups = self._check_node_groups({})
 
     @property
     def device_kind(self) -> str:
