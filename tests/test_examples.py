@@ -24,6 +24,7 @@ def test_readme_example(tmp_path):
     assert out.strip().splitlines()[-1] == "25 [None]"  # 100 puts x 64 samples = 25 batches of 256
 
 
+@pytest.mark.slow  # 17 s; the runtime it shows runs by default in test_group.py, test_channel.py, test_comm.py
 def test_runtime_demo_writes_a_trace(tmp_path):
     out = run(["-m", "m2flow.cli", "demo", "--out", str(tmp_path / "demo")], tmp_path)
     assert "devices overlapping" in out and "took 12288 rows" in out and "via shm" in out
