@@ -20,6 +20,7 @@ def _train(runner_cls, cluster, pool, preset, overrides):
         runner.close()
 
 
+@pytest.mark.slow  # 18 s; m2flow eval runs by default on an embodied checkpoint (test_eval_runs_episodes_...)
 def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_users(cluster, pool, tmp_path, capsys,
                                                                                    monkeypatch):
     preset = "reasoning/grpo_arith_tiny"
