@@ -108,21 +108,24 @@ def test_a_death_past_max_restarts_ends_the_run_in_a_paragraph(cluster, tmp_path
     assert message in (tmp_path / "log.txt").read_text()
 
 
-def test_a_death_on_a_node_the_cluster_lost_ends_the_run_without_restarts(cluster, tmp_path, monkeypatch):
-    """A node gone from the cluster (here: the cluster says so of the only one) takes its
-    devices: no restart can place the plan again, so the first death ends the run, naming
-    the node, its devices and the components there (a real node's loss: tests/test_multinode.py)."""
-    overrides = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
-                 "placement.components.actor=2-3", "runner.total_env_steps=2048", "runner.checkpoint_every=1",
-                 "env.kwargs.max_episode_steps=20"]  # 8 updates
-    monkeypatch.setattr(cluster, "lost_nodes", lambda: [cluster.nodes[0]])
+def test_a_death_on_a_node_the_cluster_lost_with_no_restart_left_ends_the_run(cluster, tmp_path, monkeypatch):
+    """A node gone from the cluster (here: one the cluster is made to report lost, with devices
+    2-3) takes its devices: no restart can place the plan again, and with no restart left
+    (``runner.max_restarts=0``) the run does not go on without them. The first death ends it,
+    naming the node, its devices and the components there, and offering the devices left
+    under the mode that fits them (a real node's loss: tests/test_multinode.py)."""
+    overrides = ["placement.mode=disaggregated", "runner.max_restarts=0", "runner.total_env_steps=2048",
+                 "runner.checkpoint_every=1", "env.kwargs.max_episode_steps=20"]  # 8 updates
+    gone = Node(1, "gone", "192.0.2.9", 2, 0, devices=cluster.devices[2:])
+    monkeypatch.setattr(cluster, "lost_nodes", lambda: [gone])
     with pytest.raises(RunFailed) as failed:
         _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path,
              kills=[("update_000002.safetensors", "actor", 0)])
     message = str(failed.value)
-    assert re.fullmatch(r"the run failed after [2-7] of 8 updates: the Ray cluster lost node 0 \([^;]+; devices 0-3: "
-                        r"env, rollout, actor\); the last checkpoint: \S+/update_00000[2-7].safetensors; continue with "
-                        r"runner.resume=auto once the cluster has its 4 devices again", message), message
+    assert re.fullmatch(r"the run failed after [2-7] of 8 updates: the Ray cluster lost node 1 \(192.0.2.9; devices "
+                        r"2-3: rollout, actor\); the last checkpoint: \S+/update_00000[2-7].safetensors; continue with "
+                        r"runner.resume=auto once the cluster has its 4 devices again, or now on the 2 left with "
+                        r"placement.mode=collocated", message), message
     ended = status.read(tmp_path)
     assert (ended["state"], ended["restarts"], ended["message"]) == ("failed", 0, message)
     assert "restart" not in (tmp_path / "log.txt").read_text()

@@ -419,18 +419,16 @@ class Runner:
                         raise self._out_of_restarts(log, e) from e
                     died = e
                 except Exception as e:  # noqa: BLE001 - Ray refusing a rank a node that is gone, say
-                    if not self._check_nodes(log, e):
+                    if not self._check_nodes(log, e):  # else re-planned: started again
                         raise
-                    if self.restarts >= r.max_restarts:
-                        raise self._out_of_restarts(log, died) from e
 
     def _check_nodes(self, log: RunLog, e: BaseException) -> bool:
         """Whether a node the plan places ranks on has left the Ray cluster (``e``: the error
         that came of it): no restart brings its devices back. With ``runner.on_node_loss=
         continue`` the run then goes on on the devices left, under a plan laid out on them
         (``_plan_for``; the restart that follows starts from the last checkpoint, its states
-        spread over the new ranks); else, or where no plan fits them, ``RunFailed`` in one
-        paragraph."""
+        spread over the new ranks); else, where no plan fits them, or with no restart left,
+        ``RunFailed`` in one paragraph."""
         lost, gone = [], 0
         for n in self.cluster.lost_nodes():
             held = {d.index for d in n.devices}
@@ -442,7 +440,8 @@ class Runner:
             return False
         left = len(self.cluster.devices) - gone
         fitting = self._plan_for(left) if left else None
-        if fitting is not None and self.cfg.runner.on_node_loss == "continue":
+        r = self.cfg.runner
+        if fitting is not None and r.on_node_loss == "continue" and self.restarts < r.max_restarts:
             self._go_on(*fitting, f"the Ray cluster lost {'; '.join(lost)}", left, log)
             return True
         # (placement.mode=auto plans for the devices there are: a resume under it needs nothing more)
