@@ -14,18 +14,19 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
     from m2flow.runtime.stop import StopRequest
 
     runner_cls = schedule_of(cfg).runner  # an unknown flow fails here, before a cluster starts
-    cluster = None
+    cluster, replan = None, None
     # SIGINT or SIGTERM from here on: the run stops after its update in progress (before the
     # first, if it comes while the run starts), with a checkpoint
     with StopRequest("stopping after the update in progress, with a checkpoint"), claim_out_dir(cfg):
         if cfg.placement.mode == "auto":
-            from m2flow.runners.auto import auto_plan
+            from m2flow.runners.auto import auto_plan, replanner
             from m2flow.runners.status import RunStatus
 
             status = RunStatus(cfg.runner.out_dir)  # starting: profiling
             try:
                 cluster = start_cluster(cfg.cluster)
                 cfg = auto_plan(cfg, cluster)
+                replan = replanner(cfg)  # for a run that goes on after its cluster lost a node
             except BaseException as e:
                 status.failed(e)
                 if cluster is not None:
@@ -33,10 +34,7 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
                 raise
         try:
             runner = runner_cls(cfg, cluster=cluster)
-            if cfg.placement.mode == "auto":
-                from m2flow.runners.auto import replanner
-
-                runner.replanner = replanner(cfg)
+            runner.replanner = replan
             try:
                 return runner.train()
             finally:
