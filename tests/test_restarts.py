@@ -131,37 +131,51 @@ def test_a_death_on_a_node_the_cluster_lost_with_no_restart_left_ends_the_run(cl
     assert "restart" not in (tmp_path / "log.txt").read_text()
 
 
-def test_a_run_whose_cluster_lost_a_node_goes_on_on_the_devices_left(cluster, tmp_path, monkeypatch):
+def test_a_run_whose_cluster_lost_a_node_goes_on_on_the_devices_left_and_grows_back(cluster, tmp_path, monkeypatch):
     """The cluster is made to report a node with devices 2-3 lost when the actor there dies
     (disaggregated on four devices: the rollout on device 2, the actor on 3). Disaggregated
     needs three devices, so the run goes on collocated on the two left, from its last
     checkpoint (its states spread over the new ranks), counted as a restart, said in log.txt
-    and status.json, and ends with every update once (a real node's loss: test_multinode.py)."""
-    overrides = ["placement.mode=disaggregated", "runner.total_env_steps=2048", "runner.checkpoint_every=1",
-                 "env.kwargs.max_episode_steps=20"]  # 8 updates
-    everything = cluster.devices
+    and status.json. The node is then listed again: at the next checkpoint the run grows back
+    onto the four devices, disaggregated, not counted as a restart, and ends with every update
+    once (a real node's loss and return: test_multinode.py)."""
+    overrides = ["placement.mode=disaggregated", "runner.total_env_steps=3072", "runner.checkpoint_every=1",
+                 "env.kwargs.max_episode_steps=20"]  # 12 updates
+    everything, first = cluster.devices, cluster.nodes
     gone = Node(1, "gone", "192.0.2.9", 2, 0, devices=everything[2:])
     monkeypatch.setattr(cluster, "lost_nodes", lambda: [gone] if cluster.devices == everything else [])
+    monkeypatch.setattr(cluster, "joined_nodes", lambda: [gone] if cluster.devices != everything else [])
 
-    def rediscover():  # what Ray then lists alive: devices 0-1
-        monkeypatch.setattr(cluster, "devices", everything[:2])
-        monkeypatch.setattr(cluster, "nodes", (dataclasses.replace(cluster.nodes[0], devices=everything[:2]),))
+    def rediscover():  # what Ray then lists alive: devices 0-1, then all four again
+        if cluster.devices == everything:
+            monkeypatch.setattr(cluster, "devices", everything[:2])
+            monkeypatch.setattr(cluster, "nodes", (dataclasses.replace(first[0], devices=everything[:2]),))
+            monkeypatch.setattr(cluster, "lost_nodes", lambda: [])  # gone for good: listed again as joining
+        else:
+            monkeypatch.setattr(cluster, "devices", everything)
+            monkeypatch.setattr(cluster, "nodes", first)
 
     monkeypatch.setattr(cluster, "rediscover", rediscover)
     history, _, killed = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path,
                               kills=[("update_000002.safetensors", "actor", 0)])
     assert killed == [("actor", 0)]
-    assert [row["update"] for row in history] == list(range(8))
+    assert [row["update"] for row in history] == list(range(12))
     ended = status.read(tmp_path)
-    assert (ended["state"], ended["done"], ended["restarts"]) == ("finished", 8, 1)
-    assert re.fullmatch(r"the Ray cluster lost node 1 \(192.0.2.9; devices 2-3: rollout, actor\): the run goes on on the "
-                        r"2 devices left under placement.mode=collocated, from \S+/update_00000[2-7].safetensors",
-                        ended["warning"]), ended["warning"]
+    assert (ended["state"], ended["done"], ended["restarts"], ended["warning"]) == ("finished", 12, 1, None)
     log = (tmp_path / "log.txt").read_text()
-    assert ended["warning"] in log and "restart 1 of at most 3: actor-" in log and "was written on another placement" in log
-    assert log.rindex("plan (collocated)") > log.index(ended["warning"])
-    last = checkpoints.load(tmp_path / "checkpoints" / "update_000008.safetensors")
-    assert last["config"]["placement"]["mode"] == "collocated" and len(last["states"]["actor"]) == 2
+    shrunk = re.search(r"the Ray cluster lost node 1 \(192.0.2.9; devices 2-3: rollout, actor\): the run goes on on the "
+                       r"2 devices left under placement.mode=collocated, from \S+/update_0000(\d\d).safetensors", log)
+    grown = re.search(r"node 1 \(192.0.2.9; 2 device\(s\)\) joined the Ray cluster: the run grows onto the 4 devices "
+                      r"there are now under placement.mode=disaggregated, from \S+/update_0000(\d\d).safetensors", log)
+    assert shrunk and grown, log
+    assert 2 <= int(shrunk[1]) < int(grown[1]) == int(shrunk[1]) + 1  # at the first checkpoint after
+    assert "restart 1 of at most 3: actor-" in log and "restart 2" not in log
+    assert log.count("was written on another placement") == 2
+    assert log.index(shrunk[0]) < log.index("plan (collocated)") < log.index(grown[0]) < log.rindex("plan (disaggregated)")
+    between = checkpoints.load(tmp_path / "checkpoints" / f"update_0000{grown[1]}.safetensors")
+    assert between["config"]["placement"]["mode"] == "collocated" and len(between["states"]["actor"]) == 2
+    last = checkpoints.load(tmp_path / "checkpoints" / "update_000012.safetensors")
+    assert last["config"]["placement"]["mode"] == "disaggregated" and len(last["states"]["actor"]) == 1
 
 
 def test_embodied_async_run_survives_a_rollout_worker_killed(cluster, pool, tmp_path):

@@ -108,6 +108,10 @@ class RunnerConfig:
                                         "last checkpoint, on the devices left, where the placement mode lays itself "
                                         "out on them, else collocated; counts as a restart) | fail (end, naming the "
                                         "node)", choices=("continue", "fail"))
+    on_node_return: str = opt("grow", "a run that went on on fewer devices, at each checkpoint while the Ray cluster "
+                                      "lists more: grow (onto every device listed, under its first placement mode "
+                                      "where that lays itself out on them; from that checkpoint, not a restart) | "
+                                      "stay", choices=("grow", "stay"))
     hang_timeout_s: float = opt(1800.0, "seconds without progress (no update ending, no channel item moving, no device "
                                 "lock changing hands) after which the run stops with a report of every worker's stacks; "
                                 "0: never", within=NON_NEGATIVE)

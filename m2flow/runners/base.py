@@ -338,6 +338,10 @@ class Runner:
         self.stop_request = StopRequest("stopping after the update in progress" + (", with a checkpoint" * checkpoint))
         self.halted: str | None = None  # where a stop asked for ended the run, if one did
         self.restarts, self.done = 0, 0
+        # after a node's loss: the placement and device count the run started with, to grow back
+        # to (``_grows``), and a device count its plan did not fit
+        self.shrunk: tuple[DictConfig, int] | None = None
+        self.unfit: int | None = None
         self.status.set("running", unit=self.metrics.x_name, total=self.total, **self._position())
         self.cluster.head.on_change = lambda head: self._head_changed(head, log, checkpoint)
         try:
@@ -371,16 +375,18 @@ class Runner:
         while True:
             watchdog = Watchdog(r.hang_timeout_s, r.out_dir, self.distinct_groups, self.channels,
                                 self.lock_devices) if r.hang_timeout_s else None
+            died: WorkerDiedError | None = None  # None below: the run grows onto nodes back (``_grows``)
             try:
                 with watchdog or contextlib.nullcontext(), self.stop_request:
                     history = self._loop(log, evaluate, checkpoint, watchdog, point, initial)
-                if self.halted and self.stop_request.signum is None:  # the head was lost
-                    raise self._headless(log)
-                if trace:
-                    self.write_trace(log)
-                if self.halted:
-                    raise self._stopped(log)
-                return history
+                if history is not None:  # else it grows (``_grows``): its groups start again below
+                    if self.halted and self.stop_request.signum is None:  # the head was lost
+                        raise self._headless(log)
+                    if trace:
+                        self.write_trace(log)
+                    if self.halted:
+                        raise self._stopped(log)
+                    return history
             except RunFailed:
                 raise
             except BaseException as e:
@@ -402,14 +408,15 @@ class Runner:
                 if self.restarts >= r.max_restarts:
                     raise self._out_of_restarts(log, e) from e
                 died = e
-            # A worker process died: every group starts again from the last checkpoint (a
-            # process that dies while they start counts as a restart too).
+            # A worker process died (or the run grows onto nodes back): every group starts again
+            # from the last checkpoint (a process that dies while they start counts as a restart).
             point = str(self.last_checkpoint) if self.last_checkpoint else origin
             while True:
-                self.restarts += 1
-                log.note(f"restart {self.restarts} of at most {r.max_restarts}: {died.group} rank {died.rank} "
-                         f"died in {died.method}() ({_first_line(died.cause)}); all groups start again from "
-                         f"{point or 'the beginning'}")
+                if died is not None:
+                    self.restarts += 1
+                    log.note(f"restart {self.restarts} of at most {r.max_restarts}: {died.group} rank {died.rank} "
+                             f"died in {died.method}() ({_first_line(died.cause)}); all groups start again from "
+                             f"{point or 'the beginning'}")
                 try:
                     self._restart()
                     break
@@ -442,7 +449,12 @@ class Runner:
         fitting = self._plan_for(left) if left else None
         r = self.cfg.runner
         if fitting is not None and r.on_node_loss == "continue" and self.restarts < r.max_restarts:
-            self._go_on(*fitting, f"the Ray cluster lost {'; '.join(lost)}", left, log)
+            if self.shrunk is None:  # what it grows back to
+                self.shrunk = (copy.deepcopy(self.cfg.placement), len(self.cluster.devices))
+            message = (f"the Ray cluster lost {'; '.join(lost)}: the run goes on on the {left} devices left"
+                       f"{self._replan(*fitting)}, from {self.last_checkpoint or self.resumed_from or 'the beginning'}")
+            log.note(f"{message}\n{self.plan.table(self.workflow)}")
+            self.status.warn(message)
             return True
         # (placement.mode=auto plans for the devices there are: a resume under it needs nothing more)
         mode = self.cfg.placement.mode
@@ -454,12 +466,12 @@ class Runner:
             log.write(f"{message}\n\n{''.join(traceback.format_exception(e))}")
         raise RunFailed(message) from e
 
-    def _plan_for(self, n: int) -> tuple[Plan, str] | None:
-        """A plan of this run on ``n`` devices and its ``placement.mode``: its own mode's where
-        that lays itself out on them (``auto``: the planner's pick, ``replanner``), else
-        collocated's; None where neither fits, or where the run gave device ranges (custom, a
-        plan file)."""
-        p, kind = self.cfg.placement, self.cluster.device_kind
+    def _plan_for(self, n: int, placement: DictConfig | None = None) -> tuple[Plan, str] | None:
+        """A plan of this run on ``n`` devices and its ``placement.mode``: that of the run's own
+        mode (or ``placement``'s) where it lays itself out on them (``auto``: the planner's
+        pick, ``replanner``), else collocated's; None where neither fits, or where the run gave
+        device ranges (custom, a plan file)."""
+        p, kind = placement or self.cfg.placement, self.cluster.device_kind
         if p.mode == "custom" or p.plan is not None and p.mode != "auto":
             return None
 
@@ -480,24 +492,48 @@ class Runner:
             return plan, mode
         return None
 
-    def _go_on(self, plan: Plan, mode: str, why: str, n: int, log: RunLog) -> None:
-        """The run goes on under ``plan`` (of placement ``mode``) on the ``n`` devices the
-        cluster lists alive now: said in ``log.txt`` and ``status.json``; the restart that
-        follows starts its groups."""
+    def _replan(self, plan: Plan, mode: str) -> str:
+        """The run goes on under ``plan`` (of placement ``mode``) on the devices the cluster
+        lists alive now; the restart that follows starts its groups. Returns `` under
+        placement.mode=...`` where the mode changed."""
         self.cluster.rediscover()
         p = self.cfg.placement
         how = "" if mode == p.mode else f" under placement.mode={mode}"
-        if mode == "auto":  # the plan the run follows now
+        if mode == "auto":  # the plan the run follows now, in the file of the first
+            p.mode, p.plan = mode, self.shrunk[0].plan
             plan.save(p.plan)
         else:  # a named mode: its checkpoints' config says which
             p.mode, p.plan = mode, None
         self.plan = plan
         self.cfg.runner.max_staleness = plan.run_ahead
         self.prepare()
-        message = (f"{why}: the run goes on on the {n} devices left{how}, from "
-                   f"{self.last_checkpoint or self.resumed_from or 'the beginning'}")
-        log.note(f"{message}\n{plan.table(self.workflow)}")
-        self.status.warn(message)
+        return how
+
+    def _grows(self, log: RunLog) -> bool:
+        """After a checkpoint of a run that went on on fewer devices (``_check_nodes``): whether
+        it takes the nodes the Ray cluster lists again (back, or new; ``runner.on_node_return=
+        grow``), under a plan of its first placement laid out on every device listed now
+        (``_plan_for``), said in ``log.txt`` and ``status.json``. Its groups then start again
+        from that checkpoint, their states spread over the new ranks; not a restart."""
+        if self.shrunk is None or self.cfg.runner.on_node_return != "grow":
+            return False
+        joined = self.cluster.joined_nodes()
+        n = len(self.cluster.devices) + sum(len(node.devices) for node in joined)
+        if not joined or n == self.unfit or self.cluster.lost_nodes():
+            return False
+        first, devices = self.shrunk
+        fitting = self._plan_for(n, first)
+        if fitting is None:  # asked again once the cluster lists another count
+            self.unfit = n
+            return False
+        now = ", ".join(f"node {node.rank} ({node.address}; {len(node.devices)} device(s))" for node in joined)
+        whole = fitting[1] == first.mode and n >= devices
+        message = (f"{now} joined the Ray cluster: the run grows onto the {n} devices there are now"
+                   f"{self._replan(*fitting)}, from {self.last_checkpoint}")
+        log.note(f"{message}\n{self.plan.table(self.workflow)}")
+        self.status.warn(None if whole else message)
+        self.shrunk = None if whole else self.shrunk
+        return True
 
     def _restart(self) -> None:
         """New processes for every group (the living ones' state is the checkpoint's now) and
@@ -510,10 +546,10 @@ class Runner:
         self._start()
 
     def _loop(self, log: RunLog, evaluate: bool, checkpoint: bool, watchdog: Watchdog | None, path: str | None,
-              initial: dict[str, Any]) -> list[dict[str, float]]:
+              initial: dict[str, Any]) -> list[dict[str, float]] | None:
         """Every update from the first (that of checkpoint ``path``, else 0 with the metrics and
         the flow's own state ``initial``), with its evaluations and checkpoints; ``watchdog``
-        hears of each update's end."""
+        hears of each update's end. None: it stopped at a checkpoint to grow (``_grows``)."""
         r = self.cfg.runner
         first = self.resume(path, log) if path else self._from_start(log, initial)
         self.updates = first  # the trainer's weights are version ``first``: a sync sends that version
@@ -569,7 +605,8 @@ class Runner:
             if stop:  # stopped early: the streams launched ahead are made, then dropped untrained
                 self.wait_ahead()
                 self.ahead.clear()
-            if (stop and checkpoint) or saving:  # one due by time alone is rolling
+            wrote = (stop and checkpoint) or saving
+            if wrote:  # one due by time alone is rolling
                 self.checkpoint(i + 1, log, rolling=not (stop or scheduled))
             self.status.set(**self._position())
             if halting and not (asked or last or early or self.cluster.head.lost):  # it answers again
@@ -577,6 +614,8 @@ class Runner:
                 self.halted, stop = None, False
             if stop:
                 break
+            if wrote and self._grows(log):  # the cluster has nodes again: the run takes them
+                return None
         if evaluate and self.defers_evaluation() and not self.halted:
             self.evaluate_deferred(log, watchdog)  # a resumed run evaluates what a stopped one left
         return log.history

@@ -248,9 +248,16 @@ class Cluster:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         return [n for n in self.nodes if n.node_id not in alive]
 
+    def joined_nodes(self) -> list[Node]:
+        """The nodes the Ray cluster lists alive that were not found at the start (or at the last
+        ``rediscover``): new ones, or lost ones back (their ranks and device indices are those
+        a ``rediscover`` would give them now)."""
+        held = {n.node_id for n in self.nodes}
+        return [n for n in self._discover_nodes(ray.nodes()) if n.node_id not in held]
+
     def rediscover(self) -> None:
-        """The nodes and devices as the Ray cluster lists them alive now (after it lost one: a
-        plan is then laid out on the devices left, numbered afresh). Named node groups name
+        """The nodes and devices as the Ray cluster lists them alive now (after it lost one, or
+        has one again: a plan is then laid out on the devices there are, numbered afresh). Named node groups name
         nodes by rank, which the nodes left do not keep: only ``all`` is left."""
         self.nodes = self._discover_nodes(ray.nodes())
         self.devices = tuple(d for n in self.nodes for d in n.devices)
