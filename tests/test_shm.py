@@ -241,3 +241,49 @@ def test_missing_segment_is_a_clear_error(segments, prefix):
     for r in (ref, never_opened):
         with pytest.raises(FileNotFoundError, match=r.segment):
             shm.open_tensors(r, reader=r.readers - 1)
+
+
+_MEMBER = """
+import os, sys, time, torch
+from m2flow.runtime import shm
+prefix = sys.argv[1]
+shm.hold(prefix)
+if sys.argv[2] == "write":
+    ref = shm.ShmPool(prefix).write([torch.ones(10)])
+    os.mkfifo(os.path.join(shm.SHM_DIR, f"{prefix}-pipe-{os.getpid()}"), 0o600)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_session_whose_processes_were_killed_leaves_nothing_once_another_starts(prefix):
+    """Two processes of a session (one wrote a segment and made its pipe) killed with
+    SIGKILL, as when the driver is: their files stay while either lives, and the next sweep
+    (each process's start) removes them and the session's marker."""
+    import signal
+    import subprocess
+    import sys
+
+    members = [subprocess.Popen([sys.executable, "-c", _MEMBER, prefix, role], stdout=subprocess.PIPE, text=True)
+               for role in ("write", "join")]
+    try:
+        for m in members:
+            assert m.stdout.readline().strip() == "ready"
+        left = files(prefix) | ({prefix + shm.MARKER} & set(os.listdir(shm.SHM_DIR)))
+        assert left == {f"{prefix}-{members[0].pid}-0", f"{prefix}-pipe-{members[0].pid}", prefix + shm.MARKER}, left
+        assert not [n for n in shm.sweep() if n.startswith(prefix)]  # both live
+        members[0].send_signal(signal.SIGKILL)
+        members[0].wait()
+        assert not [n for n in shm.sweep() if n.startswith(prefix)] and files(prefix)  # one lives: its session too
+        members[1].send_signal(signal.SIGKILL)
+        members[1].wait()
+        assert sorted(n for n in shm.sweep() if n.startswith(prefix)) == sorted(left - {prefix + shm.MARKER})
+        assert not files(prefix) and not os.path.exists(os.path.join(shm.SHM_DIR, prefix + shm.MARKER))
+    finally:
+        for m in members:
+            m.kill()
+            m.wait()
+    shm.hold(prefix)  # this process's own session: never swept while it holds it, gone with its last
+    assert prefix + shm.MARKER in os.listdir(shm.SHM_DIR) and not [n for n in shm.sweep() if n.startswith(prefix)]
+    shm.release(prefix)
+    assert prefix + shm.MARKER not in os.listdir(shm.SHM_DIR)

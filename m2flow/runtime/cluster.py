@@ -169,6 +169,8 @@ class Cluster:
         # crashed workers left behind; workers inherit it through WorkerGroup. Set last: a
         # cluster that failed to start must not rename the segments of the one in use.
         os.environ["M2FLOW_SESSION"] = self.session
+        shm.hold(shm_prefix(self.session))
+        shm.sweep()  # what sessions whose processes were all killed left here
 
     # -- start-up --------------------------------------------------------------
     def _init_ray(self, address: str | None, num_cpus: int | None, kwargs: dict) -> None:
@@ -289,6 +291,7 @@ class Cluster:
         ray_constants.ENABLE_RAY_CLUSTER = _RAY_CLUSTERS
         shm.cleanup(shm_prefix(self.session))
         cleanup_pipes(shm_prefix(self.session))
+        shm.release(shm_prefix(self.session))
 
     def __enter__(self) -> Cluster:
         return self

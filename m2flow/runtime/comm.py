@@ -285,7 +285,10 @@ class Communicator:
         self._pipes: dict[str, int] = {}  # write ends of peers' pipes
         self._pipe_lock = threading.Lock()
         # Our own pipe, opened read-write so that it never reports EOF while we live.
-        pipe = _pipe_path(os.environ.get("M2FLOW_SESSION", "default"), os.getpid())
+        session = os.environ.get("M2FLOW_SESSION", "default")
+        shm.hold(shm_prefix(session))  # the session's files here stay while this process lives
+        shm.sweep()  # those of sessions whose processes all ended (killed) go
+        pipe = _pipe_path(session, os.getpid())
         with contextlib.suppress(FileNotFoundError):
             os.unlink(pipe)
         os.mkfifo(pipe, 0o600)

@@ -17,6 +17,7 @@ a private mapping never reach the file). A segment with no flag set may be rewri
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import mmap
 import os
@@ -161,6 +162,90 @@ class ShmPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# A session's files on a node (segments, pipes: ``<prefix>-...``) outlive a process killed
+# with SIGKILL (the driver too: then nobody removes them, and tmpfs holds them in memory until
+# a reboot). Every process of a session on a node holds a shared lock on its marker file
+# ``<prefix>.alive``; a lock goes with its process however that ends. Where nobody holds a
+# marker any more, ``sweep`` (at each process's start) removes that session's files.
+MARKER = ".alive"
+_held: dict[str, int] = {}  # prefix -> the marker fd this process holds its lock with
+_held_lock = threading.Lock()
+
+
+def hold(prefix: str) -> None:
+    """This process takes part in session ``prefix`` on its node until it exits (or
+    ``release``): ``sweep`` leaves the session's files alone meanwhile."""
+    with _held_lock:
+        if prefix in _held:
+            return
+        marker = os.path.join(SHM_DIR, prefix + MARKER)
+        while True:
+            try:
+                fd = os.open(marker, os.O_RDONLY)
+            except FileNotFoundError:  # the first of the session here: a marker locked before it is seen
+                fresh = f"{marker}.{os.getpid()}"
+                fd = os.open(fresh, os.O_RDONLY | os.O_CREAT, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                try:
+                    os.link(fresh, marker)
+                except FileExistsError:  # another was first: take its
+                    os.close(fd)
+                    continue
+                finally:
+                    os.unlink(fresh)
+                break
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                if os.stat(marker).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # swept between the open and the lock: a new one
+        _held[prefix] = fd
+
+
+def release(prefix: str) -> None:
+    """This process leaves session ``prefix`` (its files removed, say); the marker goes with
+    the last to leave."""
+    with _held_lock:
+        fd = _held.pop(prefix, None)
+    if fd is not None:
+        os.close(fd)
+        _sweep(prefix)
+
+
+def sweep() -> list[str]:
+    """Removes the files of every session on this node whose processes have all ended
+    (none holds its marker); returns their names."""
+    with _held_lock:
+        mine = set(_held)
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        if name.startswith("m2flow-") and name.endswith(MARKER) and name[:-len(MARKER)] not in mine:
+            removed += _sweep(name[:-len(MARKER)])
+    return removed
+
+
+def _sweep(prefix: str) -> list[str]:
+    marker = os.path.join(SHM_DIR, prefix + MARKER)
+    try:
+        fd = os.open(marker, os.O_RDONLY)
+    except FileNotFoundError:
+        return []
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a process of the session lives
+            return []
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix + "-")]
+        for name in names:
+            _unlink(name)
+        _unlink(prefix + MARKER)
+        return names
+    finally:
+        os.close(fd)
 
 
 def cleanup(prefix: str) -> list[str]:
