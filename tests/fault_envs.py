@@ -3,7 +3,8 @@ importing this module registers them with gymnasium (``make_env("fault_envs:Stal
 gymnasium's ``module:EnvId`` form).
 
 Stall-v0: ``step`` sleeps for good after ``stall_after`` steps, as a simulator that deadlocks
-would: the runner's watchdog must notice and report it.
+would: the runner's watchdog must notice and report it; with ``stall_s``, once for that long,
+as one that stalls and goes on.
 Faulty-v0: counts up; ``step`` raises at the steps in ``raise_at``, returns a NaN
 observation at those in ``nan_at`` and ends its episode at those in ``end_at``, and ``reset``
 raises at the resets in ``reset_raise_at`` (all counted over the instance's life): the env
@@ -22,8 +23,8 @@ class Stall(gym.Env):
     observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
     action_space = gym.spaces.Discrete(2)
 
-    def __init__(self, stall_after: int = 10):
-        self.stall_after, self.steps = stall_after, 0
+    def __init__(self, stall_after: int = 10, stall_s: float | None = None):
+        self.stall_after, self.stall_s, self.steps = stall_after, stall_s, 0
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -31,7 +32,9 @@ class Stall(gym.Env):
 
     def step(self, action):
         self.steps += 1
-        while self.steps > self.stall_after:
+        if self.stall_s is not None and self.steps == self.stall_after + 1:
+            time.sleep(self.stall_s)
+        while self.stall_s is None and self.steps > self.stall_after:
             time.sleep(3600)
         return np.zeros(2, np.float32), 0.0, False, False, {}
 

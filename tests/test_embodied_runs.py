@@ -1,8 +1,10 @@
 """Embodied runs that no other test starts: a pixel policy (NatureCNN) on a pixel task, and
 the MuJoCo and ManiSkill presets, each shrunk to two short updates through the runner."""
 
+import contextlib
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -134,6 +136,51 @@ def test_a_run_whose_simulator_hangs_stops_with_a_report(cluster, tmp_path):
     assert f"report: {report}" in (tmp_path / "log.txt").read_text()
     ended = status.read(tmp_path)
     assert (ended["state"], ended["done"]) == ("hung", 1) and ended["message"].endswith(f"report: {report}")
+
+
+def test_a_stall_far_longer_than_any_before_is_told_and_the_run_goes_on(cluster, tmp_path, monkeypatch):
+    """The env's step sleeps 3 s once, in the fourth update, where no quiet spell before lasted
+    half a second: the stall is told (on stderr, in log.txt, as status.json's warning, with a
+    report of every rank's stacks) while it lasts, cleared once the env steps again, and the
+    run ends with every update (the floor of a stall, 60 s, made 1.5 s here)."""
+    import threading
+
+    from m2flow.runtime import watchdog
+
+    monkeypatch.setattr(watchdog, "STALL_FLOOR_S", 1.5)
+    overrides = ["env.id=fault_envs:Stall-v0", "env.num_envs=4", "env.kwargs.stall_after=100",
+                 "env.kwargs.stall_s=3", "runner.rollout_steps=32", "runner.total_env_steps=768",
+                 "algorithm.minibatch_size=32", "runner.stall_warning=4", "placement.mode=collocated",
+                 "runner.progress=false", f"runner.out_dir={tmp_path}"]  # 6 updates
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    warnings, ended = [], threading.Event()
+
+    def watch():
+        while not ended.is_set():
+            with contextlib.suppress(OSError, ValueError):
+                warning = status.read(tmp_path).get("warning")
+                if warning and warning not in warnings:
+                    warnings.append(warning)
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        history = runner.train()
+    finally:
+        ended.set()
+        runner.close()
+    watcher.join()
+    assert [row["update"] for row in history] == list(range(6))
+    (report,) = tmp_path.glob("stall-*.txt")
+    assert "== stacks" in report.read_text() and "in step\n" in report.read_text()
+    assert len(warnings) == 1 and re.fullmatch(
+        r"nothing has moved for \d+ s, where the longest quiet spell since the first step ended was \d+ s \(env-\w+ "
+        rf"rank \d busy at .*fault_envs.py:\d+ in step: time.sleep\(self.stall_s\).*; stacks: {report}\); "
+        r"runner.hang_timeout_s=1800 stops the run if nothing moves", warnings[0]), warnings
+    log = (tmp_path / "log.txt").read_text()
+    assert log.index(warnings[0]) < log.index("something moves again: the stall is over")
+    assert status.read(tmp_path)["warning"] is None and status.read(tmp_path)["state"] == "finished"
 
 
 @pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["fused", "separate"])

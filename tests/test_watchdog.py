@@ -1,5 +1,6 @@
 """The watchdog: a group call that never returns is stopped, with a report of every rank."""
 
+import re
 import time
 
 import pytest
@@ -58,4 +59,38 @@ def test_progress_keeps_it_quiet(cluster, tmp_path):
         assert dog.report is None and not list(tmp_path.iterdir())
     finally:
         channel.destroy()
+        group.shutdown()
+
+
+class Napper(Worker):
+    def nap(self, seconds):
+        time.sleep(seconds)
+
+
+def test_a_stall_is_told_once_then_counts_among_the_spells_seen(cluster, tmp_path, monkeypatch):
+    """After a step ends, a call 1.5 s long with nothing moving, where the floor of a stall is
+    0.5 s: told once (a report of every rank, then None once it returns); the same nap again
+    is no longer far longer than the longest spell seen (3x it would be 4.5 s): not told."""
+    from m2flow.runtime import watchdog
+
+    monkeypatch.setattr(watchdog, "STALL_FLOOR_S", 0.5)
+    group = WorkerGroup(Napper, Placement.from_config({"napper": "0"}, cluster)["napper"])
+    told = []
+    try:
+        with Watchdog(60.0, tmp_path, [group], poll_s=0.1, stall_factor=3, on_stall=told.append) as dog:
+            group.nap(0.0).wait()
+            dog.beat()
+            group.nap(1.5).wait()
+            dog.beat()
+            time.sleep(0.3)  # a poll sees it move
+            assert len(told) == 2 and told[1] is None, told
+            group.nap(1.5).wait()
+            dog.beat()
+            time.sleep(0.3)
+        (report,) = tmp_path.glob("stall-*.txt")
+        assert re.fullmatch(r"nothing has moved for [01] s, where the longest quiet spell since the first step ended "
+                            rf"was 0 s \(napper rank 0 busy at .*in nap: time.sleep\(seconds\); stacks: {report}\); "
+                            r"runner.hang_timeout_s=60 stops the run if nothing moves", told[0]), told[0]
+        assert len(told) == 2 and dog.report is None and "in nap\n" in report.read_text()
+    finally:
         group.shutdown()

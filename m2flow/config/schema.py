@@ -115,6 +115,9 @@ class RunnerConfig:
     hang_timeout_s: float = opt(1800.0, "seconds without progress (no update ending, no channel item moving, no device "
                                 "lock changing hands) after which the run stops with a report of every worker's stacks; "
                                 "0: never", within=NON_NEGATIVE)
+    stall_warning: float = opt(10.0, "a spell with nothing moving this many times as long as the longest since the "
+                                     "first update ended (and at least 60 s) is told, with every rank's stacks "
+                                     "(stall-*.txt), the run going on; 0: never", within=NON_NEGATIVE)
     resume: Optional[str] = opt(None, "a checkpoint file (.safetensors) to continue from, or auto: the latest "
                                 "complete one in runner.out_dir/checkpoints (none: start afresh)")
     out_dir: str = opt("runs/${name}", "where metrics, logs and checkpoints go")

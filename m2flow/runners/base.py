@@ -342,6 +342,7 @@ class Runner:
         # to (``_grows``), and a device count its plan did not fit
         self.shrunk: tuple[DictConfig, int] | None = None
         self.unfit: int | None = None
+        self.before_stall: str | None = None  # the warning a stall told replaced
         self.status.set("running", unit=self.metrics.x_name, total=self.total, **self._position())
         self.cluster.head.on_change = lambda head: self._head_changed(head, log, checkpoint)
         try:
@@ -373,8 +374,9 @@ class Runner:
         self.resumed_from = Path(origin) if origin else None
         point = origin
         while True:
-            watchdog = Watchdog(r.hang_timeout_s, r.out_dir, self.distinct_groups, self.channels,
-                                self.lock_devices) if r.hang_timeout_s else None
+            watchdog = Watchdog(r.hang_timeout_s, r.out_dir, self.distinct_groups, self.channels, self.lock_devices,
+                                stall_factor=r.stall_warning,
+                                on_stall=lambda told: self._stall(told, log)) if r.hang_timeout_s else None
             died: WorkerDiedError | None = None  # None below: the run grows onto nodes back (``_grows``)
             try:
                 with watchdog or contextlib.nullcontext(), self.stop_request:
@@ -639,6 +641,18 @@ class Runner:
         with contextlib.suppress(OSError):
             log.write(message)
             self.status.warn(message if head.lost else None)
+        print(f"\nm2flow: {message}", file=sys.stderr, flush=True)
+
+    def _stall(self, told: str | None, log: RunLog) -> None:
+        """From the watchdog's thread: a stall ``told`` (``runner.stall_warning``), or over
+        (None): on stderr, in ``log.txt`` and as ``status.json``'s ``warning`` (the one before
+        it again once over)."""
+        if told is not None:
+            self.before_stall = self.status.fields.get("warning")
+        message = told or "something moves again: the stall is over"
+        with contextlib.suppress(OSError):
+            log.write(message)
+            self.status.warn(told if told is not None else self.before_stall)
         print(f"\nm2flow: {message}", file=sys.stderr, flush=True)
 
     def _headless(self, log: RunLog, e: BaseException | None = None) -> RunFailed:
