@@ -9,10 +9,14 @@ Faulty-v0: counts up; ``step`` raises at the steps in ``raise_at``, returns a Na
 observation at those in ``nan_at`` and ends its episode at those in ``end_at``, and ``reset``
 raises at the resets in ``reset_raise_at`` (all counted over the instance's life): the env
 batch must make it again and count the fault.
+Crash-v0: ends its process (``os._exit``) at the ``crash_at``-th step its process took (all
+its instances together, counted afresh in each new process), as a simulator that segfaults
+would: the run restarts from its last checkpoint, and dies there again as many steps later.
 Slow-v0: a coin-flip task whose ``step`` takes ``step_s`` seconds: a simulator slower than
 the learner, so that the actor's updates end while a rollout runs.
 """
 
+import os
 import time
 
 import gymnasium as gym
@@ -37,6 +41,28 @@ class Stall(gym.Env):
         while self.stall_s is None and self.steps > self.stall_after:
             time.sleep(3600)
         return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+_steps_here = 0  # Crash-v0's steps in this process
+
+
+class Crash(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, crash_at: int = 100):
+        self.crash_at = crash_at
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        global _steps_here
+        _steps_here += 1
+        if _steps_here == self.crash_at:
+            os._exit(1)
+        return np.zeros(2, np.float32), 1.0, False, False, {}
 
 
 class Faulty(gym.Env):
@@ -84,3 +110,4 @@ class Slow(gym.Env):
 gym.register("Stall-v0", entry_point=Stall)
 gym.register("Slow-v0", entry_point=Slow, max_episode_steps=16)
 gym.register("Faulty-v0", entry_point=Faulty)
+gym.register("Crash-v0", entry_point=Crash, max_episode_steps=16)

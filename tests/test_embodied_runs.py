@@ -17,6 +17,7 @@ from m2flow.config import load_config
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners import status
 from m2flow.runners.embodied import EmbodiedRunner
+from m2flow.runners.status import RunFailed
 from m2flow.runtime import Cluster
 from m2flow.runtime.watchdog import RunHung
 
@@ -136,6 +137,30 @@ def test_a_run_whose_simulator_hangs_stops_with_a_report(cluster, tmp_path):
     assert f"report: {report}" in (tmp_path / "log.txt").read_text()
     ended = status.read(tmp_path)
     assert (ended["state"], ended["done"]) == ("hung", 1) and ended["message"].endswith(f"report: {report}")
+
+
+def test_deaths_in_a_row_end_the_run_in_a_paragraph(cluster, tmp_path):
+    """The env workers' processes end at the 20th step of each of their lives, in the first
+    update, with ``runner.max_restarts=1``: no checkpoint comes between the deaths, so the
+    second ends the run in one paragraph (deaths with checkpoints between go on:
+    tests/test_restarts.py)."""
+    overrides = ["env.id=fault_envs:Crash-v0", "env.kwargs.crash_at=20", "env.num_envs=4", "runner.rollout_steps=32",
+                 "algorithm.minibatch_size=32", "placement.mode=collocated", "runner.total_env_steps=1024",
+                 "runner.checkpoint_every=1", "runner.max_restarts=1", "runner.progress=false",
+                 f"runner.out_dir={tmp_path}"]  # 8 updates
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    try:
+        with pytest.raises(RunFailed) as failed:
+            runner.train()
+    finally:
+        runner.close()
+    message = str(failed.value)
+    assert re.fullmatch(r"the run failed after 0 of 8 updates: worker processes died 2 times with no checkpoint "
+                        r"written in between, more than runner.max_restarts=1 allows; the last: env-\w+ rank \d failed "
+                        r"in interact\(\): the worker process died: [^\n]+; no checkpoint written", message), message
+    ended = status.read(tmp_path)
+    assert (ended["state"], ended["restarts"], ended["message"]) == ("failed", 1, message)
+    assert message in (tmp_path / "log.txt").read_text()
 
 
 def test_a_stall_far_longer_than_any_before_is_told_and_the_run_goes_on(cluster, tmp_path, monkeypatch):

@@ -73,39 +73,24 @@ def _run(runner_cls, preset, overrides, cluster, out, kills=(), keep=None, pool=
 
 
 def test_embodied_run_survives_an_env_worker_and_an_actor_rank_killed(cluster, pool, tmp_path):
+    """Two deaths, checkpoints between them: with ``runner.max_restarts=1`` the run goes on after
+    both (deaths in a row end it: tests/test_embodied_runs.py)."""
     overrides = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
                  "placement.components.actor=0-1", "runner.total_env_steps=2048", "runner.checkpoint_every=1",
-                 "env.kwargs.max_episode_steps=20"]  # 8 updates
+                 "runner.max_restarts=1", "env.kwargs.max_episode_steps=20"]  # 8 updates
     straight, weights, _ = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "a",
                                 pool=pool)
     history, hit, killed = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "b",
                                 kills=[("update_000002.safetensors", "env", 0), ("update_000005.safetensors", "actor", 1)])
     assert killed == [("env", 0), ("actor", 1)]
     log = (tmp_path / "b" / "log.txt").read_text()
-    assert log.count("restart ") == 2 and "restart 1 of at most 3: env-" in log and " rank 0 died in " in log
-    assert "restart 2 of at most 3: actor-" in log
+    assert log.count("restart ") == 2 and "restart 1 of at most 1: env-" in log and " rank 0 died in " in log
+    assert "restart 1 of at most 1 since the last checkpoint (2 in all): actor-" in log  # checkpoints 3-5 between
     ended = status.read(tmp_path / "b")
     assert (ended["state"], ended["done"], ended["restarts"]) == ("finished", 8, 2)
     assert [row["update"] for row in history] == list(range(8))  # each update once, in order
     assert [row["env_steps"] for row in history] == [row["env_steps"] for row in straight]
     assert hit == weights  # the same samples trained on, in the same order
-
-
-def test_a_death_past_max_restarts_ends_the_run_in_a_paragraph(cluster, tmp_path):
-    overrides = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
-                 "placement.components.actor=0-1", "runner.total_env_steps=2048", "runner.checkpoint_every=1",
-                 "runner.max_restarts=1", "env.kwargs.max_episode_steps=20"]  # 8 updates
-    with pytest.raises(RunFailed) as failed:
-        _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path,
-             kills=[("update_000002.safetensors", "env", 0), ("update_000004.safetensors", "actor", 1)])
-    message = str(failed.value)
-    assert re.fullmatch(r"the run failed after [4-7] of 8 updates: worker processes died 2 times, more than "
-                        r"runner.max_restarts=1 allows; the last: actor-\w+ rank 1 failed in \w+\(\): the worker "
-                        r"process died: [^\n]+; the last checkpoint: \S+/update_00000[4-7].safetensors; continue "
-                        r"with runner.resume=auto", message), message
-    ended = status.read(tmp_path)
-    assert (ended["state"], ended["restarts"], ended["message"]) == ("failed", 1, message)
-    assert message in (tmp_path / "log.txt").read_text()
 
 
 def test_a_death_on_a_node_the_cluster_lost_with_no_restart_left_ends_the_run(cluster, tmp_path, monkeypatch):
@@ -208,7 +193,9 @@ def test_reasoning_run_survives_the_rollout_and_an_actor_rank_killed(cluster, po
                                 kills=[("step_000001.safetensors", "rollout", 0), ("step_000003.safetensors", "actor", 0)])
     assert killed == [("rollout", 0), ("actor", 0)]
     log = (tmp_path / "b" / "log.txt").read_text()
-    assert "restart 1 of at most 3: rollout-" in log and "restart 2 of at most 3: actor-" in log
+    assert "restart 1 of at most 3: rollout-" in log  # then the actor's, after checkpoints or at once
+    assert re.search(r"restart (2 of at most 3|1 of at most 3 since the last checkpoint \(2 in all\)): actor-", log)
+
     def trained(rows):
         return [row["step"] for row in rows if not math.isnan(row.get("step_s", math.nan))]
 

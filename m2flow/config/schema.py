@@ -102,8 +102,9 @@ class RunnerConfig:
     checkpoint_every_min: float = opt(30.0, "minutes between checkpoints taken by time (also), each replacing the one "
                                             "before it (a restart or a stop then loses at most that much); 0: none",
                                       within=NON_NEGATIVE)
-    max_restarts: int = opt(3, "times a run starts its groups again (from its last checkpoint) after a worker process "
-                            "died", within=NON_NEGATIVE)
+    max_restarts: int = opt(3, "times in a row a run starts its groups again (from its last checkpoint) after a worker "
+                            "process died; a checkpoint written between two deaths starts the count again",
+                            within=NON_NEGATIVE)
     on_node_loss: str = opt("continue", "the Ray cluster lost a node the plan placed ranks on: continue (from the "
                                         "last checkpoint, on the devices left, where the placement mode lays itself "
                                         "out on them, else collocated; counts as a restart) | fail (end, naming the "

@@ -326,7 +326,8 @@ class Runner:
         (``trace.json``, ``timeline.png`` of the last update), unless told not to (a profiling
         run only times updates). A worker process that dies restarts every group
         from the last checkpoint this run wrote (or from where it started), up to
-        ``runner.max_restarts`` times; the watchdog stops a run in which nothing moves. SIGINT or
+        ``runner.max_restarts`` times in a row (a checkpoint written between two deaths starts
+        the count again); the watchdog stops a run in which nothing moves. SIGINT or
         SIGTERM stops it after the update in progress, with a checkpoint: ``RunStopped``; so does
         the loss of the Ray cluster's head (``runtime/head.py``), before Ray ends the driver:
         ``RunFailed``. Where the run is and how it ended: ``status.json`` (``runners/status.py``)."""
@@ -338,6 +339,7 @@ class Runner:
         self.stop_request = StopRequest("stopping after the update in progress" + (", with a checkpoint" * checkpoint))
         self.halted: str | None = None  # where a stop asked for ended the run, if one did
         self.restarts, self.done = 0, 0
+        self.in_a_row = 0  # restarts since the last checkpoint: runner.max_restarts bounds them
         # after a node's loss: the placement and device count the run started with, to grow back
         # to (``_grows``), and a device count its plan did not fit
         self.shrunk: tuple[DictConfig, int] | None = None
@@ -407,7 +409,7 @@ class Runner:
                 if not isinstance(e, WorkerDiedError) or self.pool is not None:
                     raise
                 self._check_nodes(log, e)
-                if self.restarts >= r.max_restarts:
+                if self.in_a_row >= r.max_restarts:
                     raise self._out_of_restarts(log, e) from e
                 died = e
             # A worker process died (or the run grows onto nodes back): every group starts again
@@ -416,15 +418,17 @@ class Runner:
             while True:
                 if died is not None:
                     self.restarts += 1
-                    log.note(f"restart {self.restarts} of at most {r.max_restarts}: {died.group} rank {died.rank} "
-                             f"died in {died.method}() ({_first_line(died.cause)}); all groups start again from "
-                             f"{point or 'the beginning'}")
+                    self.in_a_row += 1
+                    since = f" since the last checkpoint ({self.restarts} in all)" if self.restarts > self.in_a_row else ""
+                    log.note(f"restart {self.in_a_row} of at most {r.max_restarts}{since}: {died.group} rank "
+                             f"{died.rank} died in {died.method}() ({_first_line(died.cause)}); all groups start "
+                             f"again from {point or 'the beginning'}")
                 try:
                     self._restart()
                     break
                 except WorkerDiedError as e:
                     self._check_nodes(log, e)
-                    if self.restarts >= r.max_restarts:
+                    if self.in_a_row >= r.max_restarts:
                         raise self._out_of_restarts(log, e) from e
                     died = e
                 except Exception as e:  # noqa: BLE001 - Ray refusing a rank a node that is gone, say
@@ -450,7 +454,7 @@ class Runner:
         left = len(self.cluster.devices) - gone
         fitting = self._plan_for(left) if left else None
         r = self.cfg.runner
-        if fitting is not None and r.on_node_loss == "continue" and self.restarts < r.max_restarts:
+        if fitting is not None and r.on_node_loss == "continue" and self.in_a_row < r.max_restarts:
             if self.shrunk is None:  # what it grows back to
                 self.shrunk = (copy.deepcopy(self.cfg.placement), len(self.cluster.devices))
             message = (f"the Ray cluster lost {'; '.join(lost)}: the run goes on on the {left} devices left"
@@ -610,6 +614,7 @@ class Runner:
             wrote = (stop and checkpoint) or saving
             if wrote:  # one due by time alone is rolling
                 self.checkpoint(i + 1, log, rolling=not (stop or scheduled))
+                self.in_a_row = 0
             self.status.set(**self._position())
             if halting and not (asked or last or early or self.cluster.head.lost):  # it answers again
                 log.note(f"the Ray cluster's head answers again: the run goes on after {self.metrics.x_name} {i + 1}")
@@ -683,7 +688,8 @@ class Runner:
     def _out_of_restarts(self, log: RunLog, e: WorkerDiedError) -> RunFailed:
         """A death after the last restart ``runner.max_restarts`` allows: one paragraph."""
         allowed = self.cfg.runner.max_restarts
-        deaths = "a worker process died" if allowed == 0 else f"worker processes died {self.restarts + 1} times"
+        deaths = "a worker process died" if allowed == 0 else (f"worker processes died {self.in_a_row + 1} times "
+                                                               f"with no checkpoint written in between")
         message = self._failed_after(f"{deaths}, more than runner.max_restarts={allowed} allows; the last: "
                                      f"{str(e).splitlines()[0]}; {self._then()}")
         log.write(message)
