@@ -164,8 +164,8 @@ def test_deaths_in_a_row_end_the_run_in_a_paragraph(cluster, tmp_path):
 
 
 def test_a_stall_far_longer_than_any_before_is_told_and_the_run_goes_on(cluster, tmp_path, monkeypatch):
-    """The env's step sleeps 3 s once, in the fourth update, where no quiet spell before lasted
-    half a second: the stall is told (on stderr, in log.txt, as status.json's warning, with a
+    """Each env's step sleeps 2 s once, in the fourth update (4 s for an env worker's two), where
+    no quiet spell before lasted half a second: the stall is told (on stderr, in log.txt, as status.json's warning, with a
     report of every rank's stacks) while it lasts, cleared once the env steps again, and the
     run ends with every update (the floor of a stall, 60 s, made 1.5 s here)."""
     import threading
@@ -174,9 +174,9 @@ def test_a_stall_far_longer_than_any_before_is_told_and_the_run_goes_on(cluster,
 
     monkeypatch.setattr(watchdog, "STALL_FLOOR_S", 1.5)
     overrides = ["env.id=fault_envs:Stall-v0", "env.num_envs=4", "env.kwargs.stall_after=100",
-                 "env.kwargs.stall_s=3", "runner.rollout_steps=32", "runner.total_env_steps=768",
+                 "env.kwargs.stall_s=2", "runner.rollout_steps=32", "runner.total_env_steps=768",
                  "algorithm.minibatch_size=32", "runner.stall_warning=4", "placement.mode=collocated",
-                 "runner.progress=false", f"runner.out_dir={tmp_path}"]  # 6 updates
+                 "runner.progress=false", f"runner.out_dir={tmp_path}"]  # 6 updates; two envs an env worker
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
     warnings, ended = [], threading.Event()
 

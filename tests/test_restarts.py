@@ -124,8 +124,8 @@ def test_a_run_whose_cluster_lost_a_node_goes_on_on_the_devices_left_and_grows_b
     and status.json. The node is then listed again: at the next checkpoint the run grows back
     onto the four devices, disaggregated, not counted as a restart, and ends with every update
     once (a real node's loss and return: test_multinode.py)."""
-    overrides = ["placement.mode=disaggregated", "runner.total_env_steps=3072", "runner.checkpoint_every=1",
-                 "env.kwargs.max_episode_steps=20"]  # 12 updates
+    overrides = ["placement.mode=disaggregated", "runner.total_env_steps=2560", "runner.checkpoint_every=1",
+                 "env.kwargs.max_episode_steps=20"]  # 10 updates
     everything, first = cluster.devices, cluster.nodes
     gone = Node(1, "gone", "192.0.2.9", 2, 0, devices=everything[2:])
     monkeypatch.setattr(cluster, "lost_nodes", lambda: [gone] if cluster.devices == everything else [])
@@ -144,9 +144,9 @@ def test_a_run_whose_cluster_lost_a_node_goes_on_on_the_devices_left_and_grows_b
     history, _, killed = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path,
                               kills=[("update_000002.safetensors", "actor", 0)])
     assert killed == [("actor", 0)]
-    assert [row["update"] for row in history] == list(range(12))
+    assert [row["update"] for row in history] == list(range(10))
     ended = status.read(tmp_path)
-    assert (ended["state"], ended["done"], ended["restarts"], ended["warning"]) == ("finished", 12, 1, None)
+    assert (ended["state"], ended["done"], ended["restarts"], ended["warning"]) == ("finished", 10, 1, None)
     log = (tmp_path / "log.txt").read_text()
     shrunk = re.search(r"the Ray cluster lost node 1 \(192.0.2.9; devices 2-3: rollout, actor\): the run goes on on the "
                        r"2 devices left under placement.mode=collocated, from \S+/update_0000(\d\d).safetensors", log)
@@ -159,7 +159,7 @@ def test_a_run_whose_cluster_lost_a_node_goes_on_on_the_devices_left_and_grows_b
     assert log.index(shrunk[0]) < log.index("plan (collocated)") < log.index(grown[0]) < log.rindex("plan (disaggregated)")
     between = checkpoints.load(tmp_path / "checkpoints" / f"update_0000{grown[1]}.safetensors")
     assert between["config"]["placement"]["mode"] == "collocated" and len(between["states"]["actor"]) == 2
-    last = checkpoints.load(tmp_path / "checkpoints" / "update_000012.safetensors")
+    last = checkpoints.load(tmp_path / "checkpoints" / "update_000010.safetensors")
     assert last["config"]["placement"]["mode"] == "disaggregated" and len(last["states"]["actor"]) == 1
 
 
