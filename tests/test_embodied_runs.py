@@ -175,7 +175,7 @@ def test_a_stall_far_longer_than_any_before_is_told_and_the_run_goes_on(cluster,
     monkeypatch.setattr(watchdog, "STALL_FLOOR_S", 1.5)
     overrides = ["env.id=fault_envs:Stall-v0", "env.num_envs=4", "env.kwargs.stall_after=100",
                  "env.kwargs.stall_s=2", "runner.rollout_steps=32", "runner.total_env_steps=768",
-                 "algorithm.minibatch_size=32", "runner.stall_warning=4", "placement.mode=collocated",
+                 "algorithm.minibatch_size=32", "runner.stall_warning=2", "placement.mode=collocated",
                  "runner.progress=false", f"runner.out_dir={tmp_path}"]  # 6 updates; two envs an env worker
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
     warnings, ended = [], threading.Event()
