@@ -23,16 +23,20 @@ import gymnasium as gym
 import numpy as np
 
 
-class Stall(gym.Env):
+class _Blank(gym.Env):
+    """Zeros to see, two actions: what Stall-v0 and Crash-v0 share."""
+
     observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
     action_space = gym.spaces.Discrete(2)
-
-    def __init__(self, stall_after: int = 10, stall_s: float | None = None):
-        self.stall_after, self.stall_s, self.steps = stall_after, stall_s, 0
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
         return np.zeros(2, np.float32), {}
+
+
+class Stall(_Blank):
+    def __init__(self, stall_after: int = 10, stall_s: float | None = None):
+        self.stall_after, self.stall_s, self.steps = stall_after, stall_s, 0
 
     def step(self, action):
         self.steps += 1
@@ -46,16 +50,9 @@ class Stall(gym.Env):
 _steps_here = 0  # Crash-v0's steps in this process
 
 
-class Crash(gym.Env):
-    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
-    action_space = gym.spaces.Discrete(2)
-
+class Crash(_Blank):
     def __init__(self, crash_at: int = 100):
         self.crash_at = crash_at
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        return np.zeros(2, np.float32), {}
 
     def step(self, action):
         global _steps_here

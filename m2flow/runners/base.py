@@ -419,7 +419,8 @@ class Runner:
                 if died is not None:
                     self.restarts += 1
                     self.in_a_row += 1
-                    since = f" since the last checkpoint ({self.restarts} in all)" if self.restarts > self.in_a_row else ""
+                    since = (f" since the last checkpoint ({self.restarts} in all)"
+                             if self.restarts > self.in_a_row else "")
                     log.note(f"restart {self.in_a_row} of at most {r.max_restarts}{since}: {died.group} rank "
                              f"{died.rank} died in {died.method}() ({_first_line(died.cause)}); all groups start "
                              f"again from {point or 'the beginning'}")

@@ -259,8 +259,9 @@ class Cluster:
 
     def rediscover(self) -> None:
         """The nodes and devices as the Ray cluster lists them alive now (after it lost one, or
-        has one again: a plan is then laid out on the devices there are, numbered afresh). Named node groups name
-        nodes by rank, which the nodes left do not keep: only ``all`` is left."""
+        has one again: a plan is then laid out on the devices there are, numbered afresh).
+        Named node groups name nodes by rank, which the nodes left do not keep: only ``all`` is
+        left."""
         self.nodes = self._discover_nodes(ray.nodes())
         self.devices = tuple(d for n in self.nodes for d in n.devices)
         self.node_groups = self._check_node_groups({})

@@ -68,7 +68,7 @@ class Watchdog:
         self._counts: tuple | None = None
         self._beats = 0  # steps ended: quiet spells count from the first on
         self._longest = 0.0  # the longest quiet spell seen since then (to a poll)
-        self._stalled: float | None = None  # when a stall was told, until something moves
+        self._stalled = False  # a stall was told, and nothing has moved since
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="m2flow-watchdog", daemon=True)
 
@@ -102,15 +102,15 @@ class Watchdog:
             elif idle >= self.timeout_s:
                 self._fire()
                 return
-            elif (self.stall_factor and beats and self._stalled is None
+            elif (self.stall_factor and beats and not self._stalled
                   and idle >= max(STALL_FLOOR_S, self.stall_factor * self._longest)):
                 self._tell_stall(idle)
             moved = self._last != seen  # here, or a step ended meanwhile
             if moved and beats:  # the spell that ended counts (a stall told too), to a poll
                 self._longest = max(self._longest, spell)
             spell, seen = 0.0 if moved else idle, self._last
-            if moved and self._stalled is not None:
-                self._stalled = None
+            if moved and self._stalled:
+                self._stalled = False
                 self.on_stall(None)
 
     def _tell_stall(self, idle_s: float) -> None:
@@ -119,7 +119,7 @@ class Watchdog:
         seen = f"the longest quiet spell since the first step ended was {self._longest:.0f} s"
         path = self._write_report("stall", ranks, [f"Nothing moved for {idle_s:.0f} s; {seen}. The run goes on.",
                                                    f"Busy: {summary}"])
-        self._stalled = idle_s
+        self._stalled = True
         self.on_stall(f"nothing has moved for {idle_s:.0f} s, where {seen} ({summary}; stacks: {path}); "
                       f"runner.hang_timeout_s={self.timeout_s:g} stops the run if nothing moves")
 
