@@ -50,7 +50,7 @@ def test_gpu_slots_make_each_gpu_several_devices(monkeypatch):
     node; a process on any of them sees that GPU, once; an embedded Ray's device count
     counts the slots."""
     from m2flow.config import load_config
-    from m2flow.runners.base import local_devices
+    from m2flow.runners.start import local_devices
     from m2flow.runtime.cluster import Cluster
     from m2flow.runtime.worker import visible_gpus
 
@@ -94,7 +94,7 @@ def test_an_address_where_no_cluster_answers_fails_at_once():
 def _embedded_start(monkeypatch, tmp_path, init):
     """``start_cluster`` of an embedded Ray whose ``ray.init`` is ``init``, as if no Ray ran here."""
     from m2flow.config import ConfigError, load_config
-    from m2flow.runners.base import start_cluster
+    from m2flow.runners.start import start_cluster
 
     monkeypatch.setenv("M2FLOW_RAY_TMP", str(tmp_path))
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

@@ -5,7 +5,7 @@ import pytest
 
 from m2flow.config import ConfigError, load_config
 from m2flow.flow import Plan, PlanError
-from m2flow.runners.base import plan_of
+from m2flow.runners.start import plan_of
 from m2flow.runners.embodied import WORKFLOW as EMBODIED, EmbodiedRunner
 from m2flow.runners.reasoning import COMPONENTS, WORKFLOW as REASONING, ReasoningRunner
 

@@ -44,13 +44,13 @@ def test_how_each_end_is_named():
 
 def test_a_run_that_fails_while_it_profiles_says_so_and_lets_its_directory_go(tmp_path, monkeypatch):
     from m2flow.config import ConfigError, load_config
-    from m2flow.runners import base, run
+    from m2flow.runners import run, start
     from m2flow.runtime.files import DirectoryLock
 
     def no_cluster(cluster):
         raise ConfigError("cluster.address", "nothing answers at 10.0.0.9:6379")
 
-    monkeypatch.setattr(base, "start_cluster", no_cluster)
+    monkeypatch.setattr(start, "start_cluster", no_cluster)
     cfg = load_config("embodied/ppo_cartpole", ["placement.mode=auto", f"runner.out_dir={tmp_path}"])
     with pytest.raises(ConfigError):
         run(cfg)

@@ -9,7 +9,7 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
     """Runs the flow a config names and returns its per-update metrics. With
     ``placement.mode=auto`` the plan is chosen first (``runners.auto``), on the cluster the
     run then uses."""
-    from m2flow.runners.base import claim_out_dir, start_cluster
+    from m2flow.runners.start import claim_out_dir, start_cluster
     from m2flow.runners.schedule import schedule_of
     from m2flow.runtime.stop import StopRequest
 

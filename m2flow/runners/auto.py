@@ -36,7 +36,7 @@ from m2flow.flow.cost import (CostModel, Profile, ProfileError, calibrate, hardw
                              trained_rows)
 from m2flow.flow.planner import Choice, layout_of, plan, predicted
 from m2flow.flow.simulate import Layout, Shape, simulate, step_tasks
-from m2flow.runners.base import gpu_slots_of, local_devices, start_cluster
+from m2flow.runners.start import gpu_slots_of, local_devices, start_cluster
 from m2flow.runners.schedule import Schedule, schedule_of
 from m2flow.runtime import Cluster
 from m2flow.runtime.group import WorkerPool
