@@ -144,9 +144,12 @@ def test_staleness_cost_from_controlled_pairs_by_hand():
     assert got["cost_se"] is None  # two pairs: no jackknife
     third = {"async": side([0.2, 0.3, 0.35], lag), "control": side([0.2, 0.3, 0.4])}
     got3 = bench.staleness_cost([*pairs, third])
-    leave_out = [bench.staleness_cost(p)["cost"] for p in ([pairs[1], third], [pairs[0], third], pairs)]
-    mean = sum(leave_out) / 3
-    assert got3["cost_se"] == pytest.approx((2 / 3 * sum((v - mean) ** 2 for v in leave_out)) ** 0.5, abs=1e-3)
+    # all three: control 0.2, 0.267, 0.4; async ends at 0.317, reached at 4 + 4 x 0.05 / 0.133 = 5.5:
+    # 8 / 5.5 = 1.455. Leaving each out: without the first, control 0.25 -> 0.4, async 0.325, at 6:
+    # cost 0.333; without the second, control 0.3 -> 0.4, at 5: 0.6; without the third: 0.5 (above).
+    # Jackknife: mean 0.4777, sqrt(2/3 x (0.1447^2 + 0.1223^2 + 0.0223^2)) = 0.156
+    assert (got3["steps_ratio"], got3["cost"]) == (1.455, 0.455)
+    assert got3["cost_se"] == pytest.approx(0.156, abs=1e-3)
     ahead = [{"async": side([0.2, 0.35, 0.5], lag), "control": side([0.2, 0.3, 0.4])}]
     assert bench.staleness_cost(ahead)["cost_at_most"] == 0.0  # the control never got there
     stuck = [{"async": side([0.2, 0.1, 0.15], lag), "control": side([0.2, 0.3, 0.4])}]

@@ -238,6 +238,13 @@ def test_every_preset_loads_and_validates(preset):
     assert yaml.safe_load(to_yaml(cfg)) == plain  # what `m2flow config` prints is the config
 
 
+def test_the_maniskill_preset_holds_its_task_settings():
+    """Read without ManiSkill installed: the preset is only config."""
+    cfg = load_config("embodied/ppo_maniskill_pushcube", ["runner.total_env_steps=3200"])
+    assert cfg.env.id == "maniskill:PushCube-v1" and cfg.algorithm.gamma == 0.8 and cfg.env.kwargs.ignore_terminations
+    assert cfg.runner.rollout_steps * cfg.env.num_envs % cfg.algorithm.minibatch_size == 0
+
+
 @pytest.mark.parametrize("preset", presets())
 def test_presets_hold_only_what_differs_from_the_defaults(preset):
     delta = yaml.safe_load((ROOT / "m2flow/presets" / f"{preset}.yaml").read_text())

@@ -90,10 +90,17 @@ def test_grpo_config_errors():
 
 
 @pytest.mark.parametrize("preset", [p for p in presets() if p.startswith("embodied/")])
-def test_embodied_presets_load_and_validate(preset):
+def test_embodied_presets_split_over_one_or_two_env_and_actor_ranks(preset):
+    """Each embodied preset's envs divide over one env rank or two (collocated on two slots),
+    into its stages, among one or two actor ranks, and for GRPO in whole groups."""
     cfg = load_config(preset)
-    check_algorithm(cfg)
-    Layout.build(cfg.env.num_envs, 1, 1, 1, cfg.runner.stages, cfg.policy.chunk)
+    for env_ranks in (1, 2):
+        for actor_ranks in (1, 2):
+            layout = Layout.build(cfg.env.num_envs, env_ranks, 1, actor_ranks, cfg.runner.stages, cfg.policy.chunk)
+            assert layout.envs_per_rank * env_ranks == cfg.env.num_envs
+            assert layout.envs_per_stage * cfg.runner.stages == layout.envs_per_rank
+            if cfg.algorithm.name == "grpo":
+                check_grpo_layout(resolved(cfg), layout)
 
 
 # ------------------------------------------------------------------ training

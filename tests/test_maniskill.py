@@ -122,13 +122,6 @@ def test_success_ends_the_episode_unless_terminations_are_ignored(ignore):
     env.close()
 
 
-def test_preset_loads():
-    cfg = load_config("embodied/ppo_maniskill_pushcube", ["runner.total_env_steps=3200"])
-    assert cfg.env.id == TASK and cfg.algorithm.gamma == 0.8 and cfg.env.kwargs.ignore_terminations
-    steps = cfg.runner.rollout_steps * cfg.env.num_envs
-    assert steps % cfg.algorithm.minibatch_size == 0
-
-
 def test_a_control_mode_it_lacks_is_a_config_error():
     from m2flow.config import ConfigError
     from m2flow.runners.embodied import probe_spaces

@@ -91,8 +91,8 @@ def test_group_size_errors():
             grpo_advantages(REWARDS, bad)
         with pytest.raises(ValueError):
             dynamic_sampling_keep(REWARDS, bad)
-    with pytest.raises(ValueError):
-        grpo_advantages(REWARDS.view(3, 4), 4)
+    with pytest.raises(ValueError, match="expected per-sequence rewards"):  # 2-D, though 4 rows of 3 make groups
+        grpo_advantages(REWARDS.view(4, 3), 4)
     with pytest.raises(ValueError):
         rloo_advantages(REWARDS, 1)
     with pytest.raises(ValueError):

@@ -183,6 +183,8 @@ def test_a_steps_training_statistics_are_over_every_actor_rank():
                                   1.0, 1.0)
     assert (row["entropy"], row["loss"], row["approx_kl"], row["grad_norm"]) == (0.6, 0.5, 0.01, 2.0)
     assert row["inert_rows"] == 8 and "forwarded_tokens" not in row
+    lagged = [actor(10, policy_lag=2), actor(30, policy_lag=1)]  # the oldest of any rank, not a mean
+    assert ReasoningMetrics(4).row(0, report | {"actor": lagged}, 1.0, 1.0)["policy_lag"] == 2
     both = across_ranks([actor(10, entropy=0.2, loss=1.0), actor(30, entropy=0.6, loss=0.0)], ("busy_s",))
     assert both["entropy"] == pytest.approx(0.5) and both["loss"] == pytest.approx(0.25) and "busy_s" not in both
     assert across_ranks([{"epochs": 2, "kl": 0.1}, {"epochs": 4, "kl": 0.3}]) == pytest.approx({"epochs": 3, "kl": 0.2})

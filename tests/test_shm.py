@@ -217,7 +217,7 @@ def test_close_and_cleanup_remove_files(prefix):
     assert files(prefix) == {busy.segment}  # a receiver may still open it
     (t,) = shm.open_tensors(busy)
     assert torch.equal(t, torch.ones(10))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="ShmPool is closed"):
         segments.write([torch.ones(1)])
     assert shm.cleanup(prefix) == [busy.segment]
     assert files(prefix) == set()

@@ -265,7 +265,9 @@ class EmbodiedMetrics:
         }
         if not math.isnan(self.last_success):
             row["success_rate"] = self.last_success
-        row |= across_ranks(actor, ("busy_s", "idle_s", "lock_wait_s", "step_lags", "version", "update_end"))
+        row |= across_ranks(actor, ("busy_s", "idle_s", "lock_wait_s", "step_lags", "version", "update_end",
+                                    "policy_lag"))
+        row["policy_lag"] = max(r.get("policy_lag", 0) for r in actor)  # the oldest data of any rank
         row |= self.staleness.row([r["step_lags"] for r in actor], rollout, actor)
         for name, ranks in (("env", env), ("rollout", rollout), ("actor", actor)):
             for k in ("busy_s", "idle_s"):
@@ -317,8 +319,9 @@ class ReasoningMetrics:
         row["prompts_joined_early"] = sum(r.get("joined_early", 0) for r in rollout)
         skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
                 "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
-                "update_end", "trained_prompts", "update_busy_s")
+                "update_end", "trained_prompts", "update_busy_s", "policy_lag")
         row |= across_ranks(actor, skip)
+        row["policy_lag"] = max(r.get("policy_lag", 0) for r in actor)  # the oldest data of any rank
         row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
         row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
         row["actor_update_busy_s"] = sum(r["update_busy_s"] for r in actor) / len(actor)
