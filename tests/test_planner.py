@@ -203,7 +203,7 @@ def test_a_plan_ahead_is_priced_at_the_learning_it_costs():
             assert f"why: {choice.best.describe()} is the least priced: the fastest predicted" in report
     assert "x1 at 1 ahead, x1.5 at 2 ahead" in report  # the last: one ahead free, two ahead 1.5x the steps
     # the reasoning flow prices running ahead by default (measured: its GRPO two ahead learns less a step)
-    assert list(load_config("reasoning/grpo_arith_smollm2").placement.staleness_cost) == [0.24, 0.34]
+    assert list(load_config("reasoning/grpo_arith_smollm2").placement.staleness_cost) == [0.22, 0.34]
 
 
 def test_priced_by_the_steps_to_the_same_learning():
