@@ -84,6 +84,23 @@ def test_gae_whitened_over_the_step_not_per_batch():
     torch.testing.assert_close(joined.returns, returns)  # targets: raw advantages + values
 
 
+def test_gae_whitened_over_the_step_by_hand():
+    """No KL, gamma = lambda = 1, values 0: each token's advantage is its completion's reward,
+    0, 0 in one batch and 2, 2 in the other. Over the step (mean 1, unbiased variance 4/3) they
+    whiten to -sqrt(3)/2 and +sqrt(3)/2, where each batch alone would whiten to 0."""
+    algo = {"kl_coef": 0.0, "kl_in_reward": True, "kl_kind": "k1", "gae_gamma": 1.0, "gae_lambda": 1.0}
+    parts = [_batch([[1, 2]], [[3, 4]]), _batch([[1]], [[6, 7]])]
+    for b, reward in zip(parts, (0.0, 2.0)):
+        b.extras["reward"] = torch.tensor([reward])
+        add_gae(b, torch.zeros(b.completion_mask.shape), algo)
+    whiten_advantages(parts)
+    half_root3 = 3 ** 0.5 / 2
+    for b, sign, reward in zip(parts, (-1.0, 1.0), (0.0, 2.0)):
+        m = b.completion_mask.bool()
+        torch.testing.assert_close(b.advantages[m], torch.full((2,), sign * half_root3))
+        torch.testing.assert_close(b.returns[m], torch.full((2,), reward))  # raw advantages + values 0
+
+
 def test_ppo_configs_and_placement():
     cfg = load_config(PRESET)
     check_config(cfg)  # rollout.n = 1: no groups needed
