@@ -10,7 +10,10 @@ problems) with the same seed and data, in fresh processes, one at a time, altern
   async      ``runner.max_staleness=2`` with the plan the scheduler picks for it
              (``placement=auto``), new weights taken while sequences are in flight
              (``rollout.partial=true``), truncated importance sampling
-             (``algorithm.off_policy=tis``; ``--async-override`` changes any of it)
+             (``algorithm.off_policy=tis``; ``--async-override`` changes any of it). The
+             planner prices a plan ahead by the learning its lag costs
+             (``placement.staleness_cost``), so it may pick an on-policy plan here;
+             ``--async-override placement.staleness_cost=[]`` picks by step time alone
 
 Each side that plans profiles its configuration once per seed (a profile is of one config, seed
 included), in its first repeat; the later repeats reuse it. On GPUs the two sides share one
