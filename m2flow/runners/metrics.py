@@ -175,17 +175,24 @@ class RunLog:
         return path
 
 
+OLDEST = ("policy_lag",)  # the oldest data of any rank, not a mean over them
+
+
 def across_ranks(ranks: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """The actor ranks' training statistics as one row: each number's mean over the ranks
     that report a finite one, weighted by the completion tokens each forwarded
     (``forwarded_tokens``; equal weights where the ranks do not report it). A rank that
     forwarded nothing (all its rows inert) reports nan statistics and weighs nothing; a
-    value that is not a number, or that no rank has finite, is the first rank's that has it."""
+    value that is not a number, or that no rank has finite, is the first rank's that has it.
+    The keys of ``OLDEST`` are the largest any rank reports instead."""
     out: dict[str, Any] = {}
     weights = [float(r.get("forwarded_tokens", 1)) for r in ranks]
     keys = dict.fromkeys(k for r in ranks for k in r)  # in order: a rank that forwarded nothing lacks some
     for key in keys:
         if key in skip or key == "forwarded_tokens":
+            continue
+        if key in OLDEST:
+            out[key] = max(r[key] for r in ranks if key in r)
             continue
         first = next(r[key] for r in ranks if key in r)
         numbers = [(r[key], w) for r, w in zip(ranks, weights)
@@ -265,9 +272,7 @@ class EmbodiedMetrics:
         }
         if not math.isnan(self.last_success):
             row["success_rate"] = self.last_success
-        row |= across_ranks(actor, ("busy_s", "idle_s", "lock_wait_s", "step_lags", "version", "update_end",
-                                    "policy_lag"))
-        row["policy_lag"] = max(r.get("policy_lag", 0) for r in actor)  # the oldest data of any rank
+        row |= across_ranks(actor, ("busy_s", "idle_s", "lock_wait_s", "step_lags", "version", "update_end"))
         row |= self.staleness.row([r["step_lags"] for r in actor], rollout, actor)
         for name, ranks in (("env", env), ("rollout", rollout), ("actor", actor)):
             for k in ("busy_s", "idle_s"):
@@ -319,9 +324,8 @@ class ReasoningMetrics:
         row["prompts_joined_early"] = sum(r.get("joined_early", 0) for r in rollout)
         skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
                 "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
-                "update_end", "trained_prompts", "update_busy_s", "policy_lag")
+                "update_end", "trained_prompts", "update_busy_s")
         row |= across_ranks(actor, skip)
-        row["policy_lag"] = max(r.get("policy_lag", 0) for r in actor)  # the oldest data of any rank
         row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
         row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
         row["actor_update_busy_s"] = sum(r["update_busy_s"] for r in actor) / len(actor)
