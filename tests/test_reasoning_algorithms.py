@@ -131,6 +131,54 @@ def test_reinforce_pp_discounted_then_whitened_over_batch():
     torch.testing.assert_close(reinforce_pp_advantages(token_rewards, m, gamma=0.5), expected)
 
 
+def _reinforce_pp_ranks(rank: int, port: int, out_dir: str) -> None:
+    """One of two gloo ranks: the actor's REINFORCE++ advantages on its share of a step,
+    rows split one each, then all on rank 0 and none on rank 1."""
+    import datetime
+    import types
+
+    import torch.distributed as dist
+
+    from m2flow.engines.batch import SequenceBatch
+    from m2flow.workers.lm_actor import LMActorWorker
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))  # mismatched collectives fail, not hang
+    try:
+        actor = types.SimpleNamespace(algo={"name": "reinforce_pp", "kl_coef": 0.0, "kl_in_reward": False},
+                                      world_size=2)
+        completion = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0]])  # a prompt token, then 3 and 2 completion tokens
+        rewards = torch.tensor([1.0, 0.0])
+
+        def share(rows: list[int]) -> SequenceBatch:
+            c = completion[rows]
+            batch = SequenceBatch(torch.ones_like(c), (c + torch.eye(4, dtype=torch.long)[0]).clamp_max(1), c)
+            batch.extras.update(reward=rewards[rows], group_size=1)
+            LMActorWorker._advantages(actor, batch)
+            return batch.advantages if batch.advantages is not None else torch.zeros((0, 4))
+
+        torch.save({"split": share([rank]), "uneven": share([0, 1] if rank == 0 else [])}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reinforce_pp_whitened_over_every_ranks_share(tmp_path):
+    """Two actor ranks each holding part of a step whiten its returns with the whole step's
+    mean and variance (rank 0's row alone is all 1s and would whiten to 0), also when one
+    rank holds none of it. Returns 1, 1, 1 and 0, 0: mean 0.6, variance 1.2 / 4."""
+    import torch.multiprocessing as mp
+
+    from test_lm_training import _free_port
+
+    mp.spawn(_reinforce_pp_ranks, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    s = math.sqrt(0.3)
+    expected = torch.tensor([[0.0, 0.4 / s, 0.4 / s, 0.4 / s], [0.0, -0.6 / s, -0.6 / s, 0.0]])
+    torch.testing.assert_close(torch.cat([r0["split"], r1["split"]]), expected)
+    torch.testing.assert_close(r0["uneven"], expected)
+    assert r1["uneven"].shape == (0, 4)
+
+
 def test_token_gae_stops_at_sequence_end_and_skips_unmasked_tokens():
     m = mask([[0, 1, 1, 1, 0], [1, 0, 1, 0, 0]])
     rewards = torch.tensor([[9.0, 0.0, 0.0, 1.0, 9.0], [1.0, 100.0, 2.0, 0.0, 0.0]])

@@ -12,6 +12,8 @@ are differentiable in ``logp`` / ``values`` only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -40,14 +42,27 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(x, mask, dim) / count.clamp_min(1).to(x.dtype)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  sum_over_ranks: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` with mean and variance over the masked elements; 0 on
     masked-out positions. ``var`` is the unbiased one (n - 1), as ``masked_whiten`` in veRL;
-    with ``shift_mean=False`` the mean is added back (only the scale changes)."""
+    with ``shift_mean=False`` the mean is added back (only the scale changes).
+
+    ``sum_over_ranks``: where ``x`` is one rank's share of the batch, a function returning a
+    float64 CPU tensor summed over every rank holding a share (an all-reduce; each rank calls
+    this with its share, an empty one too): the mean and variance are then the whole batch's,
+    computed in the same two passes."""
     m = mask.bool()
-    mean = masked_mean(x, m)
-    n = m.sum()
-    var = masked_sum((x - mean) ** 2, m) / (n - 1).clamp_min(1).to(x.dtype)
+    if sum_over_ranks is None:
+        mean = masked_mean(x, m)
+        n = m.sum()
+        var = masked_sum((x - mean) ** 2, m) / (n - 1).clamp_min(1).to(x.dtype)
+    else:
+        local = torch.stack([m.sum().double(), masked_sum(x, m).double()]).cpu()
+        n, total = sum_over_ranks(local).tolist()
+        mean = torch.tensor(total / max(n, 1.0), dtype=x.dtype, device=x.device)
+        squares = sum_over_ranks(masked_sum((x - mean) ** 2, m).double().reshape(1).cpu())
+        var = torch.tensor(squares.item() / max(n - 1, 1.0), dtype=x.dtype, device=x.device)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
@@ -140,15 +155,18 @@ def _discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Te
 
 
 @torch.no_grad()
-def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0, eps: float = 1e-8) -> Tensor:
+def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0, eps: float = 1e-8,
+                            sum_over_ranks: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """REINFORCE++ (Hu 2025, OpenRLHF), [B, T] -> [B, T].
 
     ``G_t = sum_{s >= t} gamma^(s - t) r_s`` over the masked tokens of the sequence (the
     return-to-go of the per-token rewards from :func:`kl_shaped_rewards`), then whitened over
     all masked tokens of the batch (:func:`masked_whiten`, unbiased variance as veRL): the
-    batch, not the group, is the baseline. 0 on masked-out positions.
+    batch, not the group, is the baseline. 0 on masked-out positions. With several ranks each
+    holding a share of the batch, ``sum_over_ranks`` (as in :func:`masked_whiten`) makes the
+    baseline the whole batch's, not each share's.
     """
-    return masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask, eps=eps)
+    return masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask, eps=eps, sum_over_ranks=sum_over_ranks)
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
 Advantages (``algorithm.name``): ``grpo`` (group-normalised rewards), ``dr_grpo`` (not scaled
 by the group's std), ``rloo`` (leave-one-out baseline), ``reinforce_pp`` (REINFORCE++:
-token returns of KL-shaped rewards, whitened over the batch), ``ppo`` (GAE advantages that
+token returns of KL-shaped rewards, whitened over the step on every rank), ``ppo`` (GAE advantages that
 the critic worker sets on each batch, whitened over the step). The loss is the clipped
 surrogate with DAPO's knobs (clip-higher, dual clip, token-level aggregation), an optional
 KL term (k1/k2/k3, in the loss or in the reward) and an entropy bonus.
@@ -37,6 +37,7 @@ from m2flow.algorithms import (
     kl_penalty,
     kl_shaped_rewards,
     masked_mean,
+    masked_whiten,
     policy_loss,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -219,10 +220,10 @@ class LMActorWorker(Worker):
         pad = self.tokenizer.pad_token_id or 0
         if batches:
             batch = concat_batches(batches, pad_id=pad)
-            self._advantages(batch)
         else:
             empty = torch.zeros((0, 1), dtype=torch.long)
             batch = SequenceBatch(empty + pad, empty, empty)
+        self._advantages(batch)
         rows = torch.tensor([len(batch)], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(rows)
@@ -240,6 +241,10 @@ class LMActorWorker(Worker):
 
     def _advantages(self, batch: SequenceBatch) -> None:
         a, mask = self.algo, batch.completion_mask
+        if not len(batch):  # this rank took no batches: it only joins the others' whitening
+            if a["name"] == "reinforce_pp" and self.world_size > 1:
+                masked_whiten(mask.float(), mask, sum_over_ranks=_sum_over_ranks)
+            return
         if a["name"] == "ppo":
             if batch.advantages is None:
                 raise RuntimeError("algorithm.name=ppo: a batch reached the actor without advantages; the critic "
@@ -250,7 +255,9 @@ class LMActorWorker(Worker):
             kl = None
             if a["kl_coef"] > 0 and a["kl_in_reward"]:
                 kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, a["kl_kind"])
-            batch.advantages = reinforce_pp_advantages(kl_shaped_rewards(rewards, mask, kl, a["kl_coef"]), mask)
+            # whitened over the step: every rank's batches, not only those this rank took
+            batch.advantages = reinforce_pp_advantages(kl_shaped_rewards(rewards, mask, kl, a["kl_coef"]), mask,
+                                                       sum_over_ranks=_sum_over_ranks if self.world_size > 1 else None)
             return
         if a["name"] == "rloo":
             adv = rloo_advantages(rewards, n)
@@ -312,6 +319,12 @@ def _count_lags(counts: dict[int, int], batch: SequenceBatch, version: int) -> N
     lags, n = torch.unique(version - sampled, return_counts=True)
     for lag, k in zip(lags.tolist(), n.tolist()):
         counts[lag] = counts.get(lag, 0) + k
+
+
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the actor's ranks (a CPU tensor: gloo, also beside NCCL)."""
+    dist.all_reduce(t)
+    return t
 
 
 def _add_weighted(sums: dict[str, Any], stats: dict[str, float], weight: int) -> None:
