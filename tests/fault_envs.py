@@ -13,7 +13,8 @@ Crash-v0: ends its process (``os._exit``) at the ``crash_at``-th step its proces
 its instances together, counted afresh in each new process), as a simulator that segfaults
 would: the run restarts from its last checkpoint, and dies there again as many steps later.
 Slow-v0: a coin-flip task whose ``step`` takes ``step_s`` seconds: a simulator slower than
-the learner, so that the actor's updates end while a rollout runs.
+the learner, so that the actor's updates end while a rollout runs. Lopsided-v0: Slow-v0 on
+some env ranks only, so that the others run whole rollouts ahead of them.
 """
 
 import os
@@ -104,7 +105,24 @@ class Slow(gym.Env):
         return np.array([self.side, 0.0], np.float32), reward, False, False, {}
 
 
+class Lopsided(Slow):
+    """Slow-v0 whose envs of first seed below ``slow_from_seed`` step at once: the env ranks
+    holding them (env i's first seed is the run's seed + i) run ahead of the others."""
+
+    def __init__(self, step_s: float = 0.01, slow_from_seed: int = 0):
+        super().__init__(step_s)
+        self.slow_from_seed, self.first_seed = slow_from_seed, None
+
+    def reset(self, *, seed=None, options=None):
+        if self.first_seed is None:
+            self.first_seed = seed
+        if self.first_seed is not None and self.first_seed < self.slow_from_seed:
+            self.step_s = 0.0
+        return super().reset(seed=seed, options=options)
+
+
 gym.register("Stall-v0", entry_point=Stall)
 gym.register("Slow-v0", entry_point=Slow, max_episode_steps=16)
+gym.register("Lopsided-v0", entry_point=Lopsided, max_episode_steps=16)
 gym.register("Faulty-v0", entry_point=Faulty)
 gym.register("Crash-v0", entry_point=Crash, max_episode_steps=16)

@@ -236,3 +236,24 @@ def test_in_flight_updates_reach_a_running_rollout(cluster, pool, tmp_path, fuse
     latencies = [row["weight_latency_s"] for row in history if "weight_latency_s" in row]
     assert latencies and all(0 <= s < 5 for s in latencies), latencies
     assert history[0]["policy_lag"] == 0 and max(row["policy_lag"] for row in history) <= 2
+
+
+def test_in_flight_streams_reach_their_own_update(cluster, pool, tmp_path):
+    """Two fused env ranks two versions ahead with in-flight updates, env rank 0's simulator
+    fast and env rank 1's slow: rank 0 puts whole rollouts of later streams before rank 1
+    puts this one's. Each update still trains on one part of each env rank, both of its own
+    stream (the actor refuses two parts of one env rank), and every stream is trained once."""
+    overrides = ["env.id=fault_envs:Lopsided-v0", "env.num_envs=4", "env.kwargs={slow_from_seed: 3}",  # seeds 1-4
+                 "runner.rollout_steps=16", "runner.total_env_steps=384", "algorithm.minibatch_size=64",
+                 "algorithm.epochs=1", "placement.mode=custom", "placement.components.env=0-1",
+                 "placement.components.rollout=0-1", "placement.components.actor=1",
+                 "placement.actor_devices_per_proc=1", "runner.max_staleness=2", "runner.in_flight_updates=true",
+                 "runner.progress=false", f"runner.out_dir={tmp_path}"]
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster, pool)
+    try:
+        assert runner.fused and runner.layout.env_ranks == 2 and runner.refreshing() == {"rollout"}
+        history = runner.train()
+    finally:
+        runner.close()
+    assert [row["env_steps"] for row in history] == [64 * (u + 1) for u in range(6)]
+    assert [row["policy_lag"] for row in history] == [0, 1, 2, 2, 2, 2]

@@ -111,7 +111,7 @@ class EmbodiedRunner(Runner):
         (taking the actor's pushes as they come, from the last sync's on, when refreshing)."""
         steps, env, rollout = self.cfg.runner.rollout_steps, self.groups["env"], self.groups["rollout"]
         fresh = (self.trainer.name, self.synced or 0) if self.refreshing() else (None, 0)
-        return {"env": env.interact(rollout.name, self.channels["trajectories"], steps, *fresh),
+        return {"env": env.interact(rollout.name, self.channels["trajectories"], steps, *fresh, key),
                 "rollout": rollout.act(env.name, steps, *fresh)}
 
     def step(self, i: int, ahead: int = 0) -> dict[str, Any]:
@@ -122,8 +122,8 @@ class EmbodiedRunner(Runner):
         updates are in flight while the actor trains (the newest, launched now, with this
         update's starting weights: its data is k versions old when trained on, which the PPO
         ratio or ``algorithm.off_policy`` accounts for)."""
-        _, collecting, sync = self.stream(ahead)
-        training = self.groups["actor"].train(self.channels["trajectories"], i, self.total)
+        key, collecting, sync = self.stream(ahead)
+        training = self.groups["actor"].train(self.channels["trajectories"], key, i, self.total)
         env, rollout, actor = wait(collecting["env"], collecting["rollout"], training)
         return {"env": env, "rollout": rollout, "actor": actor, "sync": sync}
 

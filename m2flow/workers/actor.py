@@ -75,11 +75,16 @@ class ActorWorker(Worker):
         return weights_hash(self.policy)
 
     # -- training ---------------------------------------------------------------------
-    def train(self, trajectories_in: Channel, update: int, total_updates: int) -> dict:
+    def train(self, trajectories_in: Channel, stream: int, update: int, total_updates: int) -> dict:
+        """One update on stream ``stream``'s trajectories: a part from every env rank."""
         clock = Clock(busy_unless_idle=True)
         with clock.idle():
-            parts = [trajectories_in.get(key=self.rank) for _ in range(self.layout.env_ranks)]
+            parts = [trajectories_in.get(key=(stream, self.rank)) for _ in range(self.layout.env_ranks)]
             parts.sort(key=lambda p: p["env_rank"])  # arrival order varies; the batch must not
+        ranks = [p["env_rank"] for p in parts]
+        if len(set(ranks)) != len(ranks):
+            raise RuntimeError(f"actor rank {self.rank} got stream {stream}'s parts from env ranks {ranks}: "
+                               f"one part from each of the {self.layout.env_ranks} was expected")
         # Collected ahead (runner.max_staleness = k), each step is up to k versions behind the
         # weights: the runner launches no rollout further ahead, so an older one is a fault.
         versions = np.concatenate([p["versions"].ravel() for p in parts])

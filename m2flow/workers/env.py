@@ -53,10 +53,12 @@ class EnvWorker(PolicyHost):
         self.loads = []  # fused: the pushes the replica took during a rollout
 
     def interact(self, policy: str, trajectories_out: Channel, steps: int, weights_from: str | None = None,
-                 min_version: int = 0) -> dict:
+                 min_version: int = 0, stream: int = 0) -> dict:
         """One rollout of ``steps`` steps per env: observations go to this rank's rollout
         worker of group ``policy`` (point to point), or to the hosted replica when fused;
-        the trajectory goes to the actor ranks. Every step records the version of the
+        the trajectory goes to the actor ranks, under the key ``(stream, actor rank)``: with
+        streams in flight at once, one env rank may put the next stream's part before another
+        has put this one's. Every step records the version of the
         weights that chose its actions: fused, with ``weights_from`` (the actor's group), the
         replica takes the actor's pushes as they arrive, between env steps (from version
         ``min_version`` on), so a rollout's steps may come from several versions."""
@@ -109,7 +111,7 @@ class EnvWorker(PolicyHost):
             part = {k: v[a * share:(a + 1) * share] if k == "last_obs" else v[:, a * share:(a + 1) * share]
                     for k, v in trajectory.items()}
             part["env_rank"] = self.rank
-            trajectories_out.put(part, key=a, weight=steps * share)
+            trajectories_out.put(part, key=(stream, a), weight=steps * share)
         trajectories_out.flush()
         faults = sum(b.faults for b in self.batches)
         self.faults_reported, faults = faults, faults - self.faults_reported
