@@ -262,6 +262,33 @@ def test_weights_loaded_between_steps_continue_the_sequences_in_flight(cuda_grap
         assert got[i].versions == [1] * 12 and got[i].token_ids == new[i] != old[i]
 
 
+def test_a_sample_admitted_after_new_weights_records_its_first_token_as_the_prefills():
+    """A prompt is prefilled once for all its samples: one that takes a slot only after new
+    weights came in draws its first token from the prefill's logits, so that token records
+    the prefill's version (and its log-prob is the old weights'), the rest the new one."""
+    model, other, tok = two_lms()
+    before, _ = lively_lm("tiny-llama")  # the engine's weights before the load (it loads into model)
+    prompt = make_prompts([7], seed=9)
+    engine = TorchEngine(model, tok, max_batch_size=2)  # samples 0, 1 first; 2, 3 once those end
+    calls = []
+
+    def between():
+        calls.append(1)
+        if len(calls) == 2:
+            engine.load_weights(other.state_dict().items(), version=1)
+
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=5, seed=3)
+    (group,) = engine.generate(prompt, params, between=between)
+    later = [c for c in group if c.sample_index >= 2]
+    assert len(later) == 2 and all(len(c.versions) > 1 for c in later)
+    for c in later:
+        assert c.versions == [0] + [1] * (len(c.versions) - 1)
+        old, tokens = reference_logprobs(before, prompt[0], c.token_ids[:1], params.temperature)
+        new, _ = reference_logprobs(other, prompt[0], c.token_ids[:1], params.temperature)
+        assert old.gather(1, tokens[:, None]).item() == pytest.approx(float(c.logprobs[0]), abs=1e-4)
+        assert new.gather(1, tokens[:, None]).item() != pytest.approx(float(c.logprobs[0]), abs=1e-2)
+
+
 @pytest.mark.parametrize("cuda_graphs, device", [
     (False, "cpu"), (True, "cpu"),
     pytest.param(True, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),

@@ -118,6 +118,7 @@ class _Sequence:
 class _PrefilledPrompt:
     layer_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [kv_heads, prompt_length, head_dim]
     logits: torch.Tensor                               # [vocab] at the last prompt token, float32
+    version: int                                       # of the weights that made the logits
     admitted: int = 0                                  # samples that have taken a slot so far
 
 
@@ -282,7 +283,9 @@ class TorchEngine(GenerationEngine):
                 for (p, s), token, logprob in zip(take, tokens.tolist(), logprobs.tolist()):
                     seq, entry = _Sequence(p, s, len(prompts[p])), prefilled[p]
                     entry.admitted += 1
-                    if not self._append(seq, token, logprob, params):
+                    # sampled from the prefill's logits: a later sample of the prompt may take
+                    # a slot after new weights came in, its first token still the old ones'
+                    if not self._append(seq, token, logprob, params, entry.version):
                         slot = rows.index(None) if None in rows else len(rows)
                         if slot == len(rows):
                             rows.append(None), lengths.append(0)
@@ -331,7 +334,7 @@ class TorchEngine(GenerationEngine):
             layer_kv = [(layer.keys, layer.values) for layer in kv_cache_of(out).layers]
             for i, p in enumerate(chunk):
                 kv = [(k[i, :, width - len(prompts[p]):], v[i, :, width - len(prompts[p]):]) for k, v in layer_kv]
-                prefilled[p] = _PrefilledPrompt(kv, out.logits[i, -1].float())
+                prefilled[p] = _PrefilledPrompt(kv, out.logits[i, -1].float(), self.version)
             self.stats["prefill_forwards"] += 1
             self.stats["prefill_tokens"] += len(chunk) * width
 
@@ -380,11 +383,13 @@ class TorchEngine(GenerationEngine):
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min)[:, None]
 
-    def _append(self, seq: _Sequence, token: int, logprob: float, params: SamplingParams) -> bool:
-        """Adds a token; True (and a finish_reason) when the sequence is done."""
+    def _append(self, seq: _Sequence, token: int, logprob: float, params: SamplingParams,
+                version: int | None = None) -> bool:
+        """Adds a token, sampled by the weights of ``version`` (None: the current ones); True
+        (and a finish_reason) when the sequence is done."""
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
-        seq.versions.append(self.version)
+        seq.versions.append(self.version if version is None else version)
         if token in self.eos_ids or (params.stop and self._ends_with_stop(seq.tokens, params.stop)):
             seq.finish_reason = "stop"
         elif len(seq.tokens) >= params.max_new_tokens or (
