@@ -669,3 +669,56 @@ def test_inert_rows_are_not_forwarded_and_change_nothing():
     assert skipped["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-6)
     assert max_diff(full_w, skip_w) <= 1e-5  # rounding: the micro-batches are padded differently
     assert max_diff(full_w, snapshot(load_lm("tiny-llama", seed=3)[0])) > 1e-4  # the weights did move
+
+
+def test_the_actors_loss_is_the_steps_whether_streamed_or_gathered():
+    """The LM actor, made here without Ray on one rank, trains one GRPO step on two batches
+    of a channel: streamed (forward and backward on each batch as it arrives) it reports the
+    same loss as gathering them for one pass, the step's token-mean loss; and its
+    ``ratio_max`` is the largest of the step's, not a mean of the batches'."""
+    from omegaconf import OmegaConf
+
+    from m2flow.config import load_config
+    from m2flow.workers.lm_actor import LMActorWorker
+    from m2flow.workers.lm_common import END
+
+    cfg = OmegaConf.to_container(load_config("reasoning/grpo_arith_tiny", ["algorithm.max_tokens_per_micro_batch=64",
+                                                                            "rollout.temperature=1.0"]), resolve=True)
+    batch = random_batch(8, seed=5)
+    g = torch.Generator().manual_seed(2)
+    batch.old_logprobs = torch.where(batch.completion_mask.bool(), -torch.rand(batch.input_ids.shape, generator=g) * 3,
+                                     0.0)
+    batch.extras = {"reward": torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]), "group_size": 4, "version": 0,
+                    "prompt_index": list(range(8))}
+
+    class Items:  # a channel's get, for one step: the items, then the end
+        def __init__(self, items):
+            self.items = list(items)
+
+        def get(self, key=None):
+            return self.items.pop(0)
+
+    def actor(streaming: bool) -> dict:
+        worker = LMActorWorker.__new__(LMActorWorker)
+        worker.group, worker.rank, worker.world_size, worker.device = "actor", 0, 1, "cpu"
+        LMActorWorker.__init__(worker, cfg)
+        worker.streaming = streaming
+        return worker.train(Items([batch.select(torch.arange(4)), batch.select(torch.arange(4, 8)), END]))
+
+    streamed, gathered = actor(True), actor(False)
+    assert streamed["optimizer_steps"] == gathered["optimizer_steps"] == 1
+    assert streamed["loss"] == pytest.approx(gathered["loss"], rel=1e-5)
+    assert streamed["ratio_max"] == pytest.approx(gathered["ratio_max"], rel=1e-5)
+    assert streamed["grad_norm"] == pytest.approx(gathered["grad_norm"], rel=1e-4)
+
+
+def test_a_max_statistic_is_the_largest_over_micro_batches():
+    """The trainer's sums over micro-batches: a statistic is weighted by completion tokens,
+    one named ``*_max`` is the largest (ratios of 5 and 1: 5, not their mean)."""
+    from m2flow.engines.trainer import _Accumulated
+
+    acc = _Accumulated()
+    acc.add({"ratio_max": torch.tensor(5.0), "clip_fraction": 0.5}, 10, 12)
+    acc.add({"ratio_max": 1.0, "clip_fraction": 0.0}, 30, 35)
+    out = acc.result()
+    assert out["ratio_max"] == 5.0 and out["clip_fraction"] == pytest.approx(0.125) and out["completion_tokens"] == 40

@@ -166,8 +166,10 @@ def test_tensorboard_scalars_equal_metrics_csv(runs):
 
 def test_a_steps_training_statistics_are_over_every_actor_rank():
     """Two actor ranks: the one whose rows were all inert (it forwarded nothing, so reports no
-    entropy and nan losses) counts for nothing; the others are weighted by the completion
-    tokens each forwarded. Rank 0's alone would have given no entropy at all."""
+    entropy and a loss share of 0) counts for nothing in the means; the others are weighted by
+    the completion tokens each forwarded. Rank 0's alone would have given no entropy at all.
+    The loss is each rank's share of the step's (LMTrainer.train_step): their plain mean. A
+    ``*_max`` is the largest any rank reports."""
     from m2flow.runners.metrics import ReasoningMetrics, across_ranks
 
     def actor(forwarded, **stats):
@@ -175,20 +177,23 @@ def test_a_steps_training_statistics_are_over_every_actor_rank():
                 "optimizer_steps": 1, "completion_tokens": 80, "token_lags": {0: 80}, "forwarded_tokens": forwarded,
                 "update_busy_s": 0.1, "grad_norm": 2.0} | stats
 
-    idle = actor(0, loss=float("nan"))
+    idle = actor(0, loss=0.0)
     report = {"rollout": [{"completions": 16, "completion_tokens": 160, "truncated": 0, "busy_s": 1.0, "idle_s": 0.0}],
               "reward": [{"reward": 0.25, "busy_s": 0.1, "idle_s": 0.0}], "inference": [{"busy_s": 0.1, "idle_s": 0.0}],
               "sync": {}}
     row = ReasoningMetrics(4).row(0, report | {"actor": [idle, actor(30, loss=0.5, entropy=0.6, approx_kl=0.01)]},
                                   1.0, 1.0)
-    assert (row["entropy"], row["loss"], row["approx_kl"], row["grad_norm"]) == (0.6, 0.5, 0.01, 2.0)
+    assert (row["entropy"], row["loss"], row["approx_kl"], row["grad_norm"]) == (0.6, 0.25, 0.01, 2.0)
     assert row["inert_rows"] == 8 and "forwarded_tokens" not in row
     lagged = [actor(10, policy_lag=2), actor(30, policy_lag=1)]  # the oldest of any rank, not a mean
     assert ReasoningMetrics(4).row(0, report | {"actor": lagged}, 1.0, 1.0)["policy_lag"] == 2
-    both = across_ranks([actor(10, entropy=0.2, loss=1.0), actor(30, entropy=0.6, loss=0.0)], ("busy_s",))
-    assert both["entropy"] == pytest.approx(0.5) and both["loss"] == pytest.approx(0.25) and "busy_s" not in both
+    both = across_ranks([actor(10, entropy=0.2, loss=1.0, ratio_max=5.0), actor(30, entropy=0.6, loss=0.0, ratio_max=1.5)],
+                        ("busy_s",))
+    assert both["entropy"] == pytest.approx(0.5) and both["loss"] == pytest.approx(0.5) and "busy_s" not in both
+    assert both["ratio_max"] == 5.0
+    assert across_ranks([idle, actor(30, ratio_max=1.5)])["ratio_max"] == 1.5  # the idle rank has none
     assert across_ranks([{"epochs": 2, "kl": 0.1}, {"epochs": 4, "kl": 0.3}]) == pytest.approx({"epochs": 3, "kl": 0.2})
-    assert math.isnan(across_ranks([idle, idle])["loss"])  # no rank forwarded anything: no statistic
+    assert across_ranks([idle, idle])["loss"] == 0.0 and "entropy" not in across_ranks([idle, idle])  # nothing forwarded
     one = across_ranks([{"epochs": 4, "loss": 0.5}])  # one rank: its values as they are
     assert one == {"epochs": 4, "loss": 0.5} and isinstance(one["epochs"], int)
 

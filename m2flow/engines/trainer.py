@@ -5,6 +5,7 @@ loss, micro-batched by token budget, data parallel or sharded over ranks) and th
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -59,8 +60,8 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 @dataclass
 class _Accumulated:
-    """Sums over micro-batches: the loss callback's stats weighted by completion tokens, and
-    the token counts."""
+    """Sums over micro-batches: the loss callback's stats weighted by completion tokens (a
+    ``*_max`` one: the largest), and the token counts."""
 
     sums: dict[str, Any] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
@@ -71,14 +72,18 @@ class _Accumulated:
     def add(self, stats: dict[str, Any], n_completion: int, n_tokens: int) -> None:
         for key, value in stats.items():
             v = value.detach().float() if isinstance(value, Tensor) else float(value)
-            self.sums[key] = self.sums.get(key, 0.0) + v * n_completion
+            if key.endswith("_max"):
+                self.sums[key] = max(self.sums.get(key, -math.inf), v)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + v * n_completion
             self.weights[key] = self.weights.get(key, 0.0) + n_completion
         self.micro_batches += 1
         self.tokens += n_tokens
         self.completion_tokens += n_completion
 
     def result(self) -> dict[str, float]:
-        out = {k: float(self.sums[k] / self.weights[k]) if self.weights[k] else float("nan") for k in self.sums}
+        out = {k: float(self.sums[k] if k.endswith("_max") else self.sums[k] / self.weights[k]) if self.weights[k]
+               else float("nan") for k in self.sums}
         return out | {"tokens": self.tokens, "completion_tokens": self.completion_tokens,
                       "micro_batches": self.micro_batches}
 
@@ -196,7 +201,7 @@ class LMTrainer:
         but are not forwarded, and the stats leave them out.
 
         Returns: the callback's stats, averaged over micro-batches weighted by completion
-        tokens (this rank's); ``loss`` (the summed micro-batch losses per mini-batch, averaged
+        tokens (this rank's; a ``*_max`` one is the largest); ``loss`` (the summed micro-batch losses per mini-batch, averaged
         over mini-batches: on one rank the mini-batch loss, with several ranks their mean is);
         ``grad_norm`` (global, before clipping, averaged over steps); ``optimizer_steps``;
         ``skipped_steps`` (non-finite gradient norm: no update); ``tokens`` and

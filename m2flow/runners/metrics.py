@@ -176,6 +176,7 @@ class RunLog:
 
 
 OLDEST = ("policy_lag",)  # the oldest data of any rank, not a mean over them
+SHARES = ("loss",)  # each rank's share of the step's mean (LMTrainer.train_step): their mean is the step's
 
 
 def across_ranks(ranks: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -184,15 +185,21 @@ def across_ranks(ranks: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> dic
     (``forwarded_tokens``; equal weights where the ranks do not report it). A rank that
     forwarded nothing (all its rows inert) reports nan statistics and weighs nothing; a
     value that is not a number, or that no rank has finite, is the first rank's that has it.
-    The keys of ``OLDEST`` are the largest any rank reports instead."""
+    The keys of ``OLDEST`` and any ``*_max`` are the largest any rank reports instead; those
+    of ``SHARES`` the plain mean over every rank."""
     out: dict[str, Any] = {}
     weights = [float(r.get("forwarded_tokens", 1)) for r in ranks]
     keys = dict.fromkeys(k for r in ranks for k in r)  # in order: a rank that forwarded nothing lacks some
     for key in keys:
         if key in skip or key == "forwarded_tokens":
             continue
-        if key in OLDEST:
-            out[key] = max(r[key] for r in ranks if key in r)
+        if key in OLDEST or key.endswith("_max"):
+            values = [r[key] for r in ranks if key in r]
+            finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+            out[key] = max(finite) if finite else values[0]
+            continue
+        if key in SHARES:
+            out[key] = sum(r[key] for r in ranks if key in r) / len(ranks)
             continue
         first = next(r[key] for r in ranks if key in r)
         numbers = [(r[key], w) for r, w in zip(ranks, weights)

@@ -49,6 +49,7 @@ from m2flow.runtime.files import save_tensors
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb, switch
 
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
+PART_COUNTS = ("loss", "tokens", "completion_tokens", "micro_batches")  # what accumulate() reports besides the stats
 ALGORITHMS = (*GROUP_LOCAL, "reinforce_pp", "ppo")
 COLLECTIVE_TIMEOUT_S = 1800.0  # how long a rank may wait in a collective (see __init__)
 
@@ -140,6 +141,7 @@ class LMActorWorker(Worker):
         batches = []
         stats: dict[str, Any] = {}
         tokens = seqs = forwarded = policy_lag = inert_rows = stale_dropped = 0
+        loss_sum = 0.0  # streamed: the parts' summed losses, divided by the step's count at the end
         token_lags: dict[int, int] = {}  # versions behind -> completion tokens trained on
         trained: list[int] = []  # the prompt index of every completion trained on (ids, for checks)
         # A rank whose devices another component holds (hybrid: the rank beside the rollout)
@@ -180,12 +182,13 @@ class LMActorWorker(Worker):
                 part = self.trainer.accumulate(rows, self._loss, raw)
             n = int(rows.completion_mask.sum())
             forwarded += n
-            _add_weighted(stats, part, n)
+            loss_sum += part["loss"]
+            _add_weighted(stats, {k: v for k, v in part.items() if k not in PART_COUNTS}, n)
         with clock.turn(self.together), clock.busy():
             update_start = time.perf_counter()
             switch(self.trainer.onload_optimizer, self.offloads)
             if self.streaming:
-                result = self._finish_streamed(stats, tokens, seqs) | {"inert_rows": inert_rows,
+                result = self._finish_streamed(stats, tokens, seqs, loss_sum) | {"inert_rows": inert_rows,
                                                                        "forwarded_tokens": forwarded}
             else:
                 result = self._train_gathered(batches)
@@ -202,7 +205,9 @@ class LMActorWorker(Worker):
                                           "token_lags": token_lags, "update_end": time.time(),
                                           "trained_prompts": trained}
 
-    def _finish_streamed(self, stats: dict[str, Any], tokens: int, seqs: int) -> dict:
+    def _finish_streamed(self, stats: dict[str, Any], tokens: int, seqs: int, loss_sum: float) -> dict:
+        """The step's optimizer step; ``loss``, as ``LMTrainer.train_step`` reports it, is this
+        rank's share of the step's loss (the ranks' shares average to it)."""
         counts = torch.tensor([tokens, seqs], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(counts)  # CPU tensors: gloo, also beside NCCL (Worker.init_process_group)
@@ -211,7 +216,7 @@ class LMActorWorker(Worker):
             self.trainer.optimizer.zero_grad(set_to_none=True)
             return {"optimizer_steps": 0, "completion_tokens": 0}
         grad_norm = self.trainer.finish_step(grad_scale=self.world_size / divisor)
-        return {**_weighted_means(stats), "grad_norm": grad_norm, "optimizer_steps": int(math.isfinite(grad_norm)),
+        return {**_weighted_means(stats), "loss": loss_sum * self.world_size / divisor, "grad_norm": grad_norm, "optimizer_steps": int(math.isfinite(grad_norm)),
                 "completion_tokens": tokens}
 
     def _train_gathered(self, batches: list[SequenceBatch]) -> dict:
@@ -328,10 +333,11 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
 
 
 def _add_weighted(sums: dict[str, Any], stats: dict[str, float], weight: int) -> None:
+    """Adds a part's statistics, weighted by its completion tokens; a ``*_max`` one is a maximum."""
     for k, v in stats.items():
-        total, w = sums.get(k, (0.0, 0))
-        sums[k] = (total + float(v) * weight, w + weight)
+        total, w = sums.get(k, (-math.inf if k.endswith("_max") else 0.0, 0))
+        sums[k] = (max(total, float(v)), w + weight) if k.endswith("_max") else (total + float(v) * weight, w + weight)
 
 
 def _weighted_means(sums: dict[str, Any]) -> dict[str, float]:
-    return {k: total / w if w else float("nan") for k, (total, w) in sums.items()}
+    return {k: (total if k.endswith("_max") else total / w) if w else float("nan") for k, (total, w) in sums.items()}
