@@ -70,6 +70,7 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "four_actors.yaml").write_text(yaml.safe_dump({"components": {
         "env": "0", "rollout": "0", "actor": {"devices": "0", "procs_per_device": 4}}}))
     (tmp / "wide.yaml").write_text(yaml.safe_dump({"components": plan | {"reward": "0-1"}}))  # reward as 2 ranks
+    (tmp / "ahead.yaml").write_text(yaml.safe_dump({"components": plan, "run_ahead": 1}))
     return {"tmp": str(tmp)}
 
 
@@ -169,6 +170,8 @@ MALFORMED = [
     (R, ["placement=@{tmp}/far.yaml", "cluster.cpu_slots=4"], "placement"),
     (R, ["placement=@{tmp}/wide.yaml", "cluster.cpu_slots=4"], "placement"),
     (R, ["placement=@{tmp}/nope.yaml"], "placement.plan"),
+    # a plan file that runs ahead sets runner.max_staleness: the rules that depend on it hold
+    (R, ["placement=@{tmp}/ahead.yaml", "rollout.backend=vllm", "cluster.cpu_slots=4"], "rollout.partial"),
     (E, ["cluster.address=127.0.0.1:1"], "cluster.address"),  # nothing listens there
     (E, ["env.num_envs=6", "placement=@{tmp}/four_actors.yaml"], "env.num_envs"),  # 6 envs, 4 actor ranks
 ]

@@ -101,8 +101,11 @@ class Runner(Recovery):
     def _plan(self, num_devices: int, kind: str) -> Plan:
         plan = plan_of(self.cfg, self.workflow, num_devices, kind, self.components, **self.plan_options(self.cfg))
         plan.check(self.workflow, num_devices, self.components, gpu_slots=gpu_slots_of(self.cfg, kind))
-        # The workers take data as old as the plan makes it (a plan file may run ahead).
-        self.cfg.runner.max_staleness = plan.run_ahead
+        # The workers take data as old as the plan makes it (a plan file may run ahead), and
+        # the rules that depend on it (rollout.partial's) hold for that.
+        if plan.run_ahead != self.cfg.runner.max_staleness:
+            self.cfg.runner.max_staleness = plan.run_ahead
+            validate(self.cfg)
         return plan
 
     def _start(self) -> None:
