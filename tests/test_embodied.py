@@ -36,14 +36,17 @@ def train_cartpole(cluster, pool, overrides):
         runner.close()
 
 
-def assert_reaches_target(history, target=450, within=40_000):
-    """The run stopped at the first update whose mean return reached ``target``, after at most
-    ``within`` env steps (the preset's budget is 100k: a run that stops there fails); every
-    update took rollout_steps x num_envs = 32 x 8 env steps."""
+def assert_reaches_target(history, target=450, within=40_000, ahead=0):
+    """The run stopped at the first update whose mean return reached ``target`` (collecting
+    ``ahead``: after training on the updates collected ahead of it), after at most ``within``
+    env steps (the preset's budget is 100k: a run that stops there fails); every update took
+    rollout_steps x num_envs = 32 x 8 env steps."""
     returns = [row["episode_return"] for row in history]
-    assert returns[-1] >= target and all(r < target for r in returns[:-1]), f"returns {[round(r) for r in returns]}"
+    reached = len(history) - 1 - ahead
+    assert returns[reached] >= target and all(r < target for r in returns[:reached]), \
+        f"returns {[round(r) for r in returns]}"
     assert [row["env_steps"] for row in history] == [256 * (u + 1) for u in range(len(history))]
-    assert history[-1]["env_steps"] <= within, f"{target} first reached after {history[-1]['env_steps']} env steps"
+    assert history[reached]["env_steps"] <= within, f"{target} first reached after {history[reached]['env_steps']} env steps"
 
 
 def assert_times_add_up(history, fused):
@@ -106,9 +109,29 @@ def test_collect_ahead_learns(cluster, pool, tmp_path, rollout, correction):
         history = runner.train()
     finally:
         runner.close()
-    assert_reaches_target(history)
+    assert_reaches_target(history, ahead=1)
     # The first update's data was collected with its own weights; every later one's ahead of them.
     assert [row["policy_lag"] for row in history] == [0] + [1] * (len(history) - 1)
+
+
+def test_a_run_stopped_at_its_target_trains_on_what_it_collected_ahead(cluster, pool, tmp_path):
+    """Two versions ahead, a target every update reaches: the run trains on the two updates
+    collected ahead before it stops, so its last checkpoint holds the envs where the trained
+    data left them: every observation they made (the normalisation's count) is one the run
+    counted, none of a rollout dropped untrained."""
+    overrides = ["placement.mode=custom", "placement.components.env=0", "placement.components.rollout=0",
+                 "placement.components.actor=2", "placement.actor_devices_per_proc=1", "runner.max_staleness=2",
+                 "env.obs_norm=true", "runner.target_return=1", "runner.progress=false", f"runner.out_dir={tmp_path}"]
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster, pool)
+    try:
+        history = runner.train()
+    finally:
+        runner.close()
+    assert [row["policy_lag"] for row in history] == [0, 1, 2]  # reached at the first; the two ahead trained on
+    state = checkpoints.load(checkpoints.latest(tmp_path / "checkpoints"))
+    (env,) = state["states"]["env"]
+    observed = sum(b["stats"]["obs_rms"]["count"] for b in env["batches"])
+    assert state["done"] == 3 and round(observed) == history[-1]["env_steps"] + 8  # and the 8 first resets
 
 
 def test_bad_overrides_are_clear_errors():

@@ -190,7 +190,8 @@ class EmbodiedRunnerConfig(RunnerConfig):
     rollout_steps: int = opt(MISSING, "env steps per env per update", within=AT_LEAST_1)
     total_env_steps: int = opt(MISSING, "env steps in all; updates = total_env_steps / (rollout_steps x num_envs)",
                                within=AT_LEAST_1)
-    target_return: Optional[float] = opt(None, "stop early once an update's mean episode return reaches it")
+    target_return: Optional[float] = opt(None, "stop early once an update's mean episode return reaches it "
+                                               "(collecting ahead: after training on what was collected ahead)")
     stages: int = opt(1, "elastic pipelining: env batches per env rank (1: no pipelining)", within=AT_LEAST_1)
     in_flight_updates: bool = opt(False, "runner.max_staleness >= 1: new weights reach the rollout between env steps, "
                                          "each step records its version (fresher data, not reproducible run to run); "

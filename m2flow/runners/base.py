@@ -413,6 +413,7 @@ class Runner(Recovery):
         if evaluate and first == 0 and self.evaluates(-1, False):
             log.record({self.metrics.x: 0, "time_s": 0.0, **self.evaluate()}, "evaluated")
         start = time.perf_counter()
+        reached = False  # stop_early said so: the streams launched ahead are trained on, no more launched
         for i in range(first, self.total):
             if i == first and self.stop_request.signum is not None:  # asked while the run started
                 self.halted = f"before its first {self.metrics.x_name}"
@@ -425,7 +426,7 @@ class Runner(Recovery):
             asked, headless = self.stop_request.signum is not None, self.cluster.head.lost
             drained = len(self.ahead) <= 1
             halting = (asked or headless) and drained
-            due = asked or headless or (checkpoint and bool(r.checkpoint_every_min)
+            due = asked or headless or reached or (checkpoint and bool(r.checkpoint_every_min)
                                         and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min)
             scheduled = self._barrier(i, True, False)  # by update count, or the last
             saving = checkpoint and (scheduled or (due and drained))
@@ -452,9 +453,12 @@ class Runner(Recovery):
                 watchdog.beat()
             if halting and not last:
                 self.halted = f"after {i + 1} of {self.total} {self.metrics.x_name}s"
-            early = self.stop_early(row, log)
-            stop = last or halting or early
-            if stop:  # stopped early: the streams launched ahead are made, then dropped untrained
+            early = reached or self.stop_early(row, log)
+            if early and self.ahead and not reached:  # their env steps are taken: trained on, not lost
+                log.note(f"training on the {len(self.ahead)} {self.metrics.x_name}(s) collected ahead, then stopping")
+            reached = early and bool(self.ahead)
+            stop = last or halting or (early and not reached)
+            if stop:  # the last update or a halt: no stream is in flight any more
                 self.wait_ahead()
                 self.ahead.clear()
             wrote = (stop and checkpoint) or saving
