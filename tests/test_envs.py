@@ -1,6 +1,7 @@
 """EnvBatch against plain gymnasium envs and against reference statistics computed in numpy."""
 
 import copy
+import math
 import importlib.util
 from pathlib import Path
 
@@ -183,6 +184,22 @@ def test_running_mean_std_matches_pooled_numpy(batch_sizes, seed):
 
 def normalized(raw: np.ndarray, mean: np.ndarray, var: np.ndarray, clip: float) -> np.ndarray:
     return np.clip((raw - mean) / np.sqrt(var + 1e-8), -clip, clip).astype(np.float32)
+
+
+def test_reward_scale_stays_finite_once_every_episode_of_a_window_is_over():
+    """Without auto-reset (GRPO windows) a step of a batch whose episodes are all over steps
+    no env: the return statistics take nothing in, and the next window's rewards are scaled
+    by the same finite variance (an empty update made them NaN for the rest of the run)."""
+    batch = EnvBatch("CartPole-v1", 2, seed=0, group_size=2, auto_reset=False, reward_scale=True,
+                     env_kwargs={"max_episode_steps": 6})
+    batch.reset()
+    for _ in range(8):  # 6 steps end both episodes; 2 more step nothing
+        batch.step(np.zeros(2, dtype=np.int64))
+    before = batch.state_dict()["ret_rms"]
+    assert batch.all_done and math.isfinite(before["var"]) and before["count"] == pytest.approx(12, abs=1e-3)
+    batch.reset()
+    step = batch.step(np.zeros(2, dtype=np.int64))
+    assert np.isfinite(step.rewards).all() and batch.state_dict()["ret_rms"]["count"] == pytest.approx(14, abs=1e-3)
 
 
 def test_obs_norm_and_reward_scale_match_reference_and_round_trip():

@@ -23,6 +23,8 @@ class RunningMeanStd(_GymRunningMeanStd):
         """Fold in a batch of samples, stacked along axis 0."""
         batch = np.asarray(batch, dtype=np.float64)
         n = batch.shape[0]
+        if n == 0:  # no env stepped (every episode of a GRPO window over): nothing to fold in
+            return
         # The same moments as np.mean/np.var, at about half the cost on the tiny batches of
         # one env step, where numpy's Python-level wrappers dominate.
         batch_mean = batch.sum(axis=0) / n
