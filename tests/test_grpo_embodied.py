@@ -148,3 +148,46 @@ def test_grpo_windows_hold_one_episode_per_env(cluster, pool, tmp_path, fused, s
         assert math.isclose(row["env_steps"] - previous, 16 * row["episode_length"])
         previous = row["env_steps"]
         assert math.isfinite(row["policy_loss"])
+
+
+def _grpo_weights_rank(rank: int, port: int, out_dir: str) -> None:
+    """One of two gloo actor ranks: GRPO's step weights for its envs, whose episodes end
+    after 2 steps (rank 0) or 8 (rank 1)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from m2flow.workers.actor import ActorWorker
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        actor = ActorWorker.__new__(ActorWorker)
+        actor.world_size, actor.algo, actor.cfg = 2, {"minibatch_size": 8}, {"env": {"group_size": 2}}
+        T, n = 8, 2
+        terminated = torch.zeros(T, n)
+        terminated[1 if rank == 0 else 7] = 1.0
+        d = {"rewards": torch.ones(T, n) * (rank + 1), "terminated": terminated, "truncated": torch.zeros(T, n),
+             "obs": torch.zeros(T, n, 4), "actions": torch.zeros(T, n, dtype=torch.long), "logp": torch.zeros(T, n)}
+        batch, _ = ActorWorker._group_advantages(actor, d)
+        torch.save(batch["weights"], f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_valid_step_weighs_alike_over_actor_ranks(tmp_path):
+    """Two actor ranks whose episodes are 2 and 8 steps long (4 and 16 valid steps): each
+    valid step's share of the update (its weight over the padded steps of all ranks) is
+    1/20 on both, as on one rank; it was 1/(its own rank's count), rank 0's steps 4x rank 1's."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from test_lm_training import _free_port
+
+    mp.spawn(_grpo_weights_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    w0, w1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert len(w0) == len(w1) == 16  # padded to the larger count, in whole minibatches of 4
+    assert int((w0 > 0).sum()) == 4 and int((w1 > 0).sum()) == 16
+    shares = torch.cat([w0[w0 > 0], w1[w1 > 0]]) / (16 * 2)
+    assert torch.allclose(shares, torch.full((20,), 1 / 20))

@@ -152,13 +152,14 @@ class ActorWorker(Worker):
         keep = mask.reshape(-1).nonzero().squeeze(1)
         # Every rank must run the same number of minibatches (one all-reduce each): the valid
         # steps are padded with weight-0 copies up to whole minibatches of the largest rank's
-        # count. Valid steps weigh size / count, so a minibatch's weighted mean estimates the
-        # mean over this rank's valid steps without bias.
+        # count. Valid steps weigh size x ranks / (the valid steps of every rank), so a
+        # minibatch's weighted mean, averaged over the ranks, estimates the mean over all
+        # valid steps without bias, however the episodes' lengths fall to the ranks.
         count, mb = len(keep), max(1, self.algo["minibatch_size"] // self.world_size)
         size = -(-self._max_across_ranks(count) // mb) * mb
         idx = torch.cat([keep, keep[:1].expand(size - count)])
         weights = torch.zeros(size)
-        weights[:count] = size / count
+        weights[:count] = size * self.world_size / self._sum_across_ranks(count)
         pick = lambda x: x.reshape(T * n, *x.shape[2:])[idx]
         batch = {"obs": pick(d["obs"]).float(), "actions": pick(d["actions"]), "logp": pick(d["logp"]).float(),
                  "advantages": adv.reshape(-1)[idx], "weights": weights}
@@ -222,6 +223,13 @@ class ActorWorker(Worker):
             return value
         t = torch.tensor([value])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
+
+    def _sum_across_ranks(self, value: int) -> int:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value])
+        dist.all_reduce(t)
         return int(t)
 
     def _mean_across_ranks(self, value: float) -> float:
