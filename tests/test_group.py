@@ -373,3 +373,24 @@ def test_a_pool_holds_a_group_only_where_it_would_start_no_process():
     pool.give("rollout:0", Actor, "n0", cpu[:1], object())
     assert pool.holds(Actor, ComponentPlacement("rollout", cpu[1:]), "rollout")  # re-pinned, not started
     assert not pool.holds(Actor, ComponentPlacement("rollout", cpu[1:]), "reward")
+
+
+def test_own_frames_skip_rays_package_and_the_executors_not_a_directory_named_ray():
+    """A worker's traceback names the frames of the code it ran: Ray's package and the
+    standard library's executors are passed over, but a user's code under a directory
+    named ray (the home of Ray's own images, /home/ray) is not."""
+    import asyncio
+    import concurrent.futures
+    import threading
+
+    import ray
+
+    from m2flow.runtime.group import own_frames
+
+    machinery = [ray.__file__.replace("__init__.py", "_private/worker.py"), threading.__file__,
+                 concurrent.futures.__file__.replace("__init__.py", "thread.py"),
+                 asyncio.__file__.replace("__init__.py", "events.py"), "<string>"]
+    text = "Traceback (most recent call last):\n" + "".join(
+        f'  File "{f}", line {i + 1}, in f{i}\n    call()\n' for i, f in enumerate(machinery))
+    text += '  File "/home/ray/project/my_env.py", line 12, in step\n    raise RuntimeError("boom")\nRuntimeError: boom'
+    assert own_frames(text) == ['/home/ray/project/my_env.py:12 in step: raise RuntimeError("boom")']

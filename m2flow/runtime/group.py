@@ -148,8 +148,11 @@ def death_reason(e: BaseException) -> str:
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
-# Frames of these files are the machinery a call passes through, not the code it ran.
-_MACHINERY = re.compile(r"[/\\](ray|concurrent|asyncio|threading\.py)([/\\]|$)|^<")
+# Frames of these files are the machinery a call passes through, not the code it ran: Ray's
+# package and the standard library's executors (any directory named ray, e.g. the home of
+# Ray's own images, /home/ray, holds code of the user's).
+_MACHINERY = re.compile(r"[/\\](site|dist)-packages[/\\]ray[/\\]|[/\\]python3(\.\d+)?[/\\](concurrent|asyncio)[/\\]"
+                        r"|[/\\]python3(\.\d+)?[/\\]threading\.py$|^<")
 
 
 def own_frames(traceback: str, last: int = 3) -> list[str]:
