@@ -227,3 +227,14 @@ def test_pairwise_group_when_both_sides_start_it_at_once(cluster):
         assert got0 == [1.0] * 4 and got1 == [0.0] * 4
     finally:
         g.shutdown()
+
+
+def test_a_payload_marked_for_nccl_without_its_tensors_is_a_clear_error():
+    """CUDA tensors to another GPU go by the pair's NCCL send; a payload marked so that
+    arrives without them (not point to point) fails saying so, not with an IndexError."""
+    from m2flow.runtime.comm import Packed, unpack
+
+    packed = Packed(None, "nccl", [((3,), torch.float32)], 12)
+    with pytest.raises(RuntimeError, match=r"1 CUDA tensor\(s\) to go by NCCL arrived with 0: NCCL tensors travel "
+                                           "only point to point"):
+        unpack(packed)

@@ -39,6 +39,10 @@ class GpuPeer(Worker):
         return {"transport": self.comm.last_transport, "is_cuda": x.is_cuda, "sum": x.sum().item(),
                 "step": got["step"]}
 
+    def put_cuda(self, channel):
+        channel.put({"x": torch.arange(10, dtype=torch.float32, device="cuda"), "step": 3})
+        channel.flush()
+
     def all_reduce(self):
         import torch.distributed as dist
 
@@ -142,3 +146,18 @@ def test_two_devices_of_one_gpu_share_it_and_talk_by_cuda_ipc(gpu_cluster):
     assert seen_a["uuid"] == seen_b["uuid"] == str(torch.cuda.get_device_properties(0).uuid)
     transport, got = exchange(slots, "0", "1")
     assert transport == "cuda_ipc" and got["transport"] == "cuda_ipc" and got["sum"] == float(sum(range(1000)))
+
+
+def test_cuda_tensors_cross_a_channel_as_cpu_copies(gpu_cluster):
+    """A channel has no NCCL pair between its writers and readers: a GPU worker's CUDA
+    tensors reach the reader as CPU tensors with their values."""
+    from m2flow.runtime import Channel
+
+    group = WorkerGroup(GpuPeer, Placement.from_config({"w": "0"}, gpu_cluster)["w"])
+    channel = Channel.create("cuda-items", maxsize=4)
+    try:
+        group.put_cuda(channel).wait(timeout=180)
+        got = channel.get(timeout=60)
+    finally:
+        group.kill()
+    assert not got["x"].is_cuda and got["x"].sum().item() == 45.0 and got["step"] == 3

@@ -44,7 +44,7 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
-from m2flow.runtime import comm
+from m2flow.runtime import comm, payload
 from m2flow.runtime.channel_actor import CLOSED, FULL, OK, TIMEOUT, Blob, ChannelActor, Entry
 from m2flow.runtime.names import NAMESPACE
 from m2flow.runtime.trace import get_tracer
@@ -301,7 +301,11 @@ class Channel:
         ray.kill(self._actor, no_restart=True)
 
     def _pack(self, item: Any) -> Blob:
-        packed = comm.pack(item, same_node=not self.multi_node)
+        skeleton, tensors = payload.flatten(item)
+        # No NCCL pair joins a channel's writers and readers: CUDA tensors go as CPU copies
+        # (a reader moves them to its device).
+        tensors = [t.cpu() if t.is_cuda else t for t in tensors]
+        packed = comm.pack_flat(skeleton, tensors, same_node=not self.multi_node)
         # Object-store references must travel where Ray can see them, inside an object.
         return ray.put(packed) if packed.transport == "object_store" else cloudpickle.dumps(packed)
 

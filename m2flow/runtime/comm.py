@@ -216,6 +216,9 @@ def unpack(p: Packed, reader: int = 0, nccl_tensors: list[torch.Tensor] | None =
         cuda = [fn(*args) for fn, args in p.data]
     elif p.transport == "nccl":
         cuda = nccl_tensors or []
+        if len(cuda) != len(p.data):  # they come by the pair's own NCCL send (Communicator)
+            raise RuntimeError(f"a payload of {len(p.data)} CUDA tensor(s) to go by NCCL arrived with {len(cuda)}: "
+                               "NCCL tensors travel only point to point between two workers")
     else:
         return payload.unflatten(p.skeleton, _cpu_tensors(p, reader))
     tensors: list[torch.Tensor] = [None] * (len(cuda) + len(p.cpu_index))  # type: ignore[list-item]
