@@ -322,3 +322,26 @@ def test_many_producers_and_consumers_lose_nothing(workers, n_producers, n_consu
         for src in sources:
             seq = [i for s, i in items if s == src]
             assert seq == sorted(seq)
+
+
+def test_items_given_back_go_ahead_of_those_a_waiting_batch_took():
+    """A reader's prefetched items given back (its handle dropped) are older than an item a
+    batch getter already waiting took meanwhile: the getter's batch holds them in put order."""
+    async def main():
+        actor = ChannelActor("local", "uid", 0, None, False)
+        for seq, blob in enumerate((b"1", b"2", b"3")):
+            assert await actor.put("p", seq, "k", blob, 1.0, None, False) == OK
+        status, prefetched = await actor.get("k", 0, 3)  # a reader takes all three, uses the first
+        assert [b for b, _ in prefetched] == [b"1", b"2", b"3"]
+        batch = asyncio.ensure_future(actor.get("k", 10, 1, 2.0))  # another waits for a weight of 2
+        await asyncio.sleep(0.01)
+        assert await actor.put("p", 3, "k", b"4", 1.0, None, False) == OK
+        await asyncio.sleep(0.01)
+        assert not batch.done()  # it holds item 4, a weight of 1
+        await actor.requeue("k", prefetched[1:])  # the first reader's leftovers come back
+        status, entries = await batch
+        assert status == OK and [b for b, _ in entries] == [b"2", b"3"]
+        _, rest = await actor.get("k", 0, 10)
+        assert [b for b, _ in rest] == [b"4"] and (await actor.stats())["gets"] == 6
+
+    asyncio.run(main())

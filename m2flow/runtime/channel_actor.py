@@ -236,7 +236,15 @@ class ChannelActor:
                 del self.getters[key]
 
     def _requeue(self, key: Hashable, entries: list[Entry]) -> None:
+        """Puts items a reader took back at the front of their key's queue (older than any
+        there), ahead of those a batch getter still waiting has taken meanwhile."""
         if entries:
+            waiting = self.getters.get(key)
+            if waiting and waiting[0].taken:  # only the first getter of a key fills, and only a batch one waits so
+                g = waiting[0]
+                entries = [*entries, *g.taken]
+                self.gets -= len(g.taken)
+                g.taken, g.weight = [], 0.0
             self.items.setdefault(key, deque()).extendleft(reversed(entries))
             self.count += len(entries)
             self.weight += sum(w for _, w in entries)
