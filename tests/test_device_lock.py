@@ -229,3 +229,22 @@ def test_holder_that_died_may_acquire_again_after_restart():
             DeviceLock([2], "rollout:0").acquire(timeout=0.2)
         assert ray.get(queued) == ("withdrawn", None)
     assert_free(2)
+
+
+def test_holder_on_another_node_that_died_may_acquire_again_after_restart():
+    """A holder on another node (its pid means nothing here) that died: the next process
+    under its name waits for the probe of its actor, finds it dead and is granted the lock,
+    instead of being refused as re-entrant."""
+    import pickle
+
+    victim = Contender.remote()
+    ray.get(victim.pid.remote())
+    handle = pickle.dumps(victim)
+    ray.kill(victim)
+    lock = lock_actor(1)
+    assert ray.get(lock.acquire.remote("rollout:0", None, 4242, "node-b", handle)) == ("granted", None)
+    # the restarted rollout:0, another process on that node
+    assert ray.get(lock.acquire.remote("rollout:0", 10, 5353, "node-b", None)) == ("granted", None)
+    assert ray.get(lock.acquire.remote("rollout:0", 10, 5353, "node-b", None)) == ("reentrant", "rollout:0")
+    ray.get(lock.release.remote("rollout:0"))
+    assert_free(1)

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 LIVENESS_CHECK_INTERVAL_S = 1.0
 _WAIT_SLICE_S = 0.5  # how often a blocked acquire wakes up to let an interrupt through
+PROBE_WAIT_S = 5.0  # how long a process under a live-looking holder's name waits to hear whether it died
 
 
 class LockTimeout(TimeoutError):
@@ -85,7 +86,14 @@ class _DeviceLockActor:
         for existing in [self._owner, *self._waiting]:
             if existing is not None and existing.holder == holder:
                 # A dead earlier self (e.g. an actor that Ray restarted) must not lock itself out.
-                if self._why_dead(existing) is None:
+                dead = self._why_dead(existing)
+                if dead is None and (existing.pid, existing.node_id) != (pid, node_id) and existing.probe:
+                    # another process under the name: on another node only its actor's probe tells
+                    await asyncio.wait([existing.probe], timeout=PROBE_WAIT_S)
+                    if existing is not self._owner and existing not in self._waiting:
+                        break  # gone meanwhile
+                    dead = self._why_dead(existing)
+                if dead is None:
                     return "reentrant", holder
                 self._forget(holder)
                 break
