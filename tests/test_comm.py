@@ -238,3 +238,24 @@ def test_a_payload_marked_for_nccl_without_its_tensors_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"1 CUDA tensor\(s\) to go by NCCL arrived with 0: NCCL tensors travel "
                                            "only point to point"):
         unpack(packed)
+
+
+def test_a_pipe_nobody_reads_is_a_clear_error_not_a_hang(tmp_path):
+    """A peer killed where it stood leaves its pipe's file behind: opening it to write fails
+    at once (a plain open would wait for a reader for good); a pipe a live peer holds open
+    gives a blocking write end."""
+    import os
+
+    path = str(tmp_path / "pipe")
+    os.mkfifo(path, 0o600)
+    with pytest.raises(LookupError, match=r"pid 4242 cannot be reached through its pipe .*: its process is gone"):
+        comm.open_pipe(path, 4242)
+    reader = os.open(path, os.O_RDWR)  # as a live peer holds its own
+    try:
+        fd = comm.open_pipe(path, 4242)
+        assert os.get_blocking(fd)
+        os.write(fd, b"hi")
+        assert os.read(reader, 2) == b"hi"
+        os.close(fd)
+    finally:
+        os.close(reader)

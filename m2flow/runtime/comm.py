@@ -152,6 +152,19 @@ def _frame(message: tuple) -> bytes:
     return _FRAME.pack(len(body)) + body
 
 
+def open_pipe(path: str, pid: int) -> int:
+    """The write end of a peer's pipe, blocking. A live peer holds its read end open from the
+    start (``O_RDWR``); a pipe nobody reads (its process killed, the file left) would block
+    a plain open for good, so the open does not wait: ``LookupError`` at once."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as e:  # ENXIO: no reader; ENOENT: no pipe
+        raise LookupError(f"pid {pid} cannot be reached through its pipe {path} ({e.strerror}): its process is "
+                          "gone") from None
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _read_exactly(fd: int, n: int) -> bytes:
     chunks = []
     while n:
@@ -380,7 +393,7 @@ class Communicator:
         with self._pipe_lock:
             fd = self._pipes.get(info.pipe)
             if fd is None:
-                fd = self._pipes[info.pipe] = os.open(info.pipe, os.O_WRONLY)
+                fd = self._pipes[info.pipe] = open_pipe(info.pipe, info.pid)
         try:
             os.write(fd, frame)
         except BrokenPipeError:
