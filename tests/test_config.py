@@ -202,6 +202,8 @@ def test_some_messages_in_full(capsys, no_ray):
                                           "are already normalised within each group"),
         ([E, "runner.collect_ahead=true"], "runner.collect_ahead: renamed: use runner.max_staleness (true: 1)"),
         ([R, "placement.staleness=1"], "placement.staleness: renamed: use runner.max_staleness"),
+        ([R, "data.levels=[1,2"], "data.levels: cannot read '[1,2' (while parsing a flow sequence): quote it, or "
+                                  "mend its brackets"),
     ]
     for argv, message in cases:
         assert cli_error(capsys, ["train", *argv]) == f"m2flow: error: {message}"
@@ -210,6 +212,18 @@ def test_some_messages_in_full(capsys, no_ray):
 def test_debug_shows_the_traceback(no_ray):
     with pytest.raises(ConfigError, match="algorithm.lr: expected a float"):
         cli.main(["--debug", "train", R, "algorithm.lr=abc"])
+
+
+def test_a_text_key_takes_the_text_as_typed():
+    """A key whose type is a string takes the override's text itself: not cut at a YAML
+    comment, not read as a number or a boolean; one pair of quotes around it goes, null
+    clears an optional one, and an interpolation still resolves."""
+    cfg = load_config(R, ["data.instruction=Show the work #then box it", "name=0001", "runner.out_dir=/tmp/${name}",
+                          "model.autocast=null", "rollout.dtype='bfloat16'"])
+    assert cfg.data.instruction == "Show the work #then box it" and cfg.name == "0001"
+    assert cfg.runner.out_dir == "/tmp/0001" and cfg.model.autocast is None and cfg.rollout.dtype == "bfloat16"
+    assert load_config(R, ["data.instruction=Answer as: \\boxed{N}"]).data.instruction == "Answer as: \\boxed{N}"
+    assert load_config(E, ["name=yes"]).name == "yes"
 
 
 def test_an_integral_float_sets_an_int_key():

@@ -88,8 +88,19 @@ def apply_override(cfg: DictConfig, root: type, item: str) -> None:
     elif key == "placement":  # placement=auto (or another mode)
         key = "placement.mode"
         item = f"{key}={value}"
+    hint = hint_at(root, key)
+    if _base(hint) is str:  # a text as typed, not read as YAML (a " #" is no comment, 0001 no number)
+        text = None if value == "null" and hint is not str else _unquoted(value)
+        try:
+            OmegaConf.update(cfg, key, text, merge=False)
+        except OmegaConfBaseException as e:
+            raise translate(e, root, key=key, value=value) from None
+        return
     try:
         cfg.merge_with_dotlist([item])
+    except yaml.YAMLError as e:  # not YAML: a bracket left open, a value starting with @ or *
+        problem = str(e).replace("\n", " ").split(" in \"<unicode string>\"")[0].strip()
+        raise ConfigError(key, f"cannot read {value!r} ({problem}): quote it, or mend its brackets") from None
     except ValidationError as e:
         if _integral(value) and _base(hint_at(root, key)) is int:  # 1e6 for an int key
             cfg.merge_with_dotlist([f"{key}={int(float(value))}"])
@@ -97,6 +108,13 @@ def apply_override(cfg: DictConfig, root: type, item: str) -> None:
         raise translate(e, root, key=key, value=value) from None
     except OmegaConfBaseException as e:
         raise translate(e, root, key=key, value=value) from None
+
+
+def _unquoted(value: str) -> str:
+    """``value`` without one pair of matching quotes around it, as a shell passes them on."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
 
 
 def _integral(value: str) -> bool:
