@@ -50,6 +50,8 @@ def test_extraction():
     assert last_boxed("open \\boxed{12") is None and last_boxed("none") is None
     assert last_number("I had 3 apples, then 1,234.5 and -7 left.") == "-7"
     assert last_number("total 1,234.") == "1234"
+    assert last_number("x = 2,3") == "3" and last_number("so 1,2345") == "2345"
+    assert last_number("12,345,678 in all") == "12345678"
     assert final_answer("so 3 + 4 = \\boxed{7}, or 8") == "7"
     assert final_answer("the answer is 42.") == "42"
     assert final_answer("so 7. The answer is \\boxed{}.") == "7"
@@ -68,6 +70,11 @@ def test_extraction():
     ("\\boxed{12} and later 13", "12", 1.0),  # \boxed{} wins over the last number
     ("Mia has 22 now. The answer is \\boxed{}.", "22", 1.0),  # an empty \boxed{} is no answer
     ("The answer is \\boxed{1,234}", "1234", 1.0),
+    ("\\boxed{1{,}000}", "1000", 1.0),
+    ("\\boxed{1\\,000}", "1,000", 1.0),
+    ("\\boxed{2,3}", "23", 0.0),  # two numbers, not twenty-three
+    ("\\boxed{23}", "2,3", 0.0),
+    ("The two solutions are x=2,3", "23", 0.0),
     ("no answer", "3", 0.0),
     ("\\boxed{2}", "Thus the answer is $\\boxed{2}$.", 1.0),  # a MATH solution as reference
 ])
@@ -80,6 +87,7 @@ def test_last_number_and_format_rewards():
     assert last_number_reward("7.0", "7") == 1.0
     assert last_number_reward("7 apples, 8 pears", "7") == 0.0
     assert last_number_reward("none", "7") == 0.0
+    assert last_number_reward("so x = 1,2,3", "123") == 0.0 and last_number_reward("1,000 apples", "1000") == 1.0
     assert format_reward("so \\boxed{7}", "1") == 1.0
     assert format_reward("so \\boxed{}", "1") == 0.0
     assert format_reward("so 7", "7") == 0.0

@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 RewardFn = Callable[[str, str], float]
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# A comma is a thousands separator only between groups of three digits ("1,234"); "2,3" is two numbers.
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)|-?\d+(?:\.\d+)?|-?\.\d+")
+_GROUPED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 def in_process(fn: RewardFn) -> RewardFn:
@@ -57,9 +59,16 @@ def reference_answer(answer: str) -> str:
     return (boxed if boxed is not None else answer).strip()
 
 
+def _plain(number: str) -> str:
+    """A number's text without its thousands separators ("1,000", "1{,}000", "1\\,000"); any
+    other comma stays, so "2,3" is no number."""
+    number = number.strip().replace("{,}", ",").replace("\\,", ",")
+    return number.replace(",", "") if _GROUPED.fullmatch(number) else number
+
+
 def _same_number(a: str, b: str) -> bool:
     try:
-        return float(a.replace(",", "")) == float(b.replace(",", ""))
+        return float(_plain(a)) == float(_plain(b))
     except ValueError:
         return False
 
