@@ -243,6 +243,9 @@ def test_resume_continues_exactly(cluster, pool, tmp_path, monkeypatch, ahead, u
     with pytest.raises(ConfigError, match=r"runner.resume: .* was written with policy.hidden=\[64, 64\], this run has "
                                           r"policy.hidden=\[32, 32\]: resume with the same policy.hidden"):
         run(tmp_path / "c", f"runner.resume={half}", "policy.hidden=[32,32]")
+    with pytest.raises(ConfigError, match=r"runner.resume: .* was written with runner.rollout_steps=32, this run has "
+                                          r"runner.rollout_steps=64: resume with the same runner.rollout_steps"):
+        run(tmp_path / "c", f"runner.resume={half}", "runner.rollout_steps=64")
     if ahead != 2:
         return
     # a checkpoint as far in as the run is long: nothing left to train, and it is the run's last

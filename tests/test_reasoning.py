@@ -317,6 +317,10 @@ def test_resume_reaches_the_same_weights(cluster, pool, tmp_path):
                                           r"the same model.path"):
         _train(cluster, pool, tmp_path / "other", "runner.steps=4", f"runner.resume={checkpoint}",
                "model.path=tiny-qwen2", *exact)
+    with pytest.raises(ConfigError, match=r"runner.resume: checkpoint .* was written with algorithm.name=grpo, this run "
+                                          r"has algorithm.name=rloo: resume with the same algorithm.name"):
+        _train(cluster, pool, tmp_path / "other", "runner.steps=4", f"runner.resume={checkpoint}",
+               "algorithm.name=rloo", *exact)
     with pytest.raises(ConfigError, match=r"runner.resume: the checkpoint's prompts are not this run's \(state is for "
                                           r"512 items, this loader has 500\)"):
         _train(cluster, pool, tmp_path / "fewer", "runner.steps=4", f"runner.resume={checkpoint}",

@@ -74,8 +74,9 @@ class EmbodiedRunner(Runner):
     workers = {"env": EnvWorker, "rollout": RolloutWorker, "actor": ActorWorker}
     stateful = ("env", "rollout", "actor")
     length_key = "runner.total_env_steps"
-    resume_keys = ("env.id", "env.num_envs", "env.group_size", "env.obs_norm", "env.reward_scale", "policy.hidden",
-                   "policy.activation", "policy.chunk")
+    # the updates a checkpoint counts are of runner.rollout_steps x env.num_envs x policy.chunk env steps
+    resume_keys = ("algorithm.name", "env.id", "env.num_envs", "env.group_size", "env.obs_norm", "env.reward_scale",
+                   "policy.hidden", "policy.activation", "policy.chunk", "runner.rollout_steps")
 
     @staticmethod
     def plan_options(cfg: DictConfig) -> dict[str, Any]:

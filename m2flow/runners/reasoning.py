@@ -63,7 +63,7 @@ class ReasoningRunner(Runner):
                "actor": LMActorWorker, "critic": LMCriticWorker}
     stateful = ("rollout", "actor", "critic")
     length_key = "runner.steps"
-    resume_keys = ("model.path",)
+    resume_keys = ("algorithm.name", "model.path")
     prefetch = {"batches": 1}  # actor ranks take batches one at a time: a rank that is free takes the next
 
     @classmethod
