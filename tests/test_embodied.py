@@ -1,5 +1,6 @@
 """Embodied PPO end to end: the same runner loop learns CartPole in every placement mode."""
 
+import csv
 import errno
 import math
 import os
@@ -404,3 +405,37 @@ def test_compiled_minibatch_loss_matches_eager(critic):
     assert (float(eager[1][PPO_STATS.index("value_loss")]) > 0) == critic
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resumed_runs_logs_hold_each_update_once(tmp_path, monkeypatch):
+    """A run starting again from a checkpoint logs the updates after it again: TensorBoard's
+    readers drop the scalars logged before at those steps (each step once, the new value),
+    and metrics.csv, written whole, is replaced only once the new file is on disk (a full
+    disk midway leaves the rows there were)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from m2flow.runners.metrics import RunLog
+
+    log = RunLog(tmp_path, 4, x="update", y="episode_return", progress=False)
+    for u in range(4):
+        log.record({"update": u, "episode_return": float(u)}, "")
+    log.close()
+    resumed = RunLog(tmp_path, 4, x="update", y="episode_return", progress=False)  # a checkpoint at update 2
+    resumed.history = [row for row in resumed.read_csv() if row["update"] <= 1]
+    for u in (2, 3):
+        resumed.record({"update": u, "episode_return": 10.0 * u}, "")
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("episode_return")] == [(0, 0.0), (1, 1.0), (2, 20.0), (3, 30.0)]
+    assert [r["episode_return"] for r in resumed.read_csv()] == [0.0, 1.0, 20.0, 30.0]
+
+    def full(writer, rows):  # the disk fills up as the rows are written
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", full)
+    again = RunLog(tmp_path, 4, x="update", y="episode_return", progress=False)
+    again.history = again.read_csv()
+    with pytest.raises(OSError, match="No space left"):
+        again.record({"update": 4, "episode_return": 40.0}, "")
+    again.close()
+    assert [r["update"] for r in again.read_csv()] == [0, 1, 2, 3]

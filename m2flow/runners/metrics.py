@@ -46,6 +46,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from m2flow.runtime.files import write_whole
+
 
 def _number(text: str) -> float:
     """A CSV cell as written: an int stays an int (a resumed run's rows read as they were)."""
@@ -64,12 +66,11 @@ class RunLog:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._csv = None  # metrics.csv, open for appending once written whole
+        self.tb = None
         self.history = []
         self.x, self.y = x, y
         self.console = Console()
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self.tb = self._tensorboard(None)
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[stats]}"),
                                  TimeElapsedColumn(), console=self.console, disable=not progress)
         self.task = self.progress.add_task("train", total=total, stats="")
@@ -94,6 +95,16 @@ class RunLog:
     def history(self, rows: list[dict[str, float]]) -> None:
         self._history = rows
         self._close_csv()
+        if self.tb is not None:  # a run that starts (again): TensorBoard forgets what came after these rows
+            self.tb.close()
+            self.tb = self._tensorboard(int(rows[-1][self.x]) + 1 if rows else 0)
+
+    def _tensorboard(self, purge_step: int | None) -> Any:
+        """A writer of ``tensorboard/``; with ``purge_step``, readers drop the scalars an earlier
+        writer logged at that step or later (a resumed or restarted run logs them again)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=purge_step)
 
     def read_csv(self) -> list[dict[str, float]]:
         path = self.out_dir / "metrics.csv"
@@ -131,15 +142,21 @@ class RunLog:
                 self.tb.add_scalar(k, v, step)
 
     def _write_csv(self) -> None:
-        """The whole file (a new column, or rows set), then kept open to append to."""
+        """The whole file (a new column, or rows set), then kept open to append to. Written
+        beside and renamed over the old one: a crash or a full disk midway leaves the rows
+        there were, which a resume reads back."""
         self._close_csv()
         keys = list(dict.fromkeys(k for row in self.history for k in row))
-        f = open(self.out_dir / "metrics.csv", "w", newline="")
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(self.history)
-        f.flush()
-        self._csv = (f, writer)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=keys)
+                writer.writeheader()
+                writer.writerows(self.history)
+
+        path = write_whole(self.out_dir / "metrics.csv", write)
+        f = open(path, "a", newline="")
+        self._csv = (f, csv.DictWriter(f, fieldnames=keys))
 
     def _close_csv(self) -> None:
         if self._csv is not None:
