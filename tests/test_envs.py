@@ -446,6 +446,12 @@ def test_an_env_that_raises_or_gives_nan_is_made_again_and_counted(monkeypatch):
         assert batch.envs[0] is not first
         assert all(np.isfinite(r.obs).all() and np.isfinite(r.rewards).all() for r in results)
         assert results[3].obs[:, 0].tolist() == [1.0, 1.0]  # the new env's first step
+    # The count seeds the next env made again: a checkpoint keeps it, a regrouping counts each batch's once.
+    restored = EnvBatch("fault_envs:Faulty-v0", 2, seed=0, env_kwargs=kwargs)
+    restored.restore(batch.snapshot())
+    assert restored.faults == 2
+    halves = EnvBatch.regroup([batch.snapshot(), restored.snapshot()], [1, 3])
+    assert [h["faults"] for h in halves] == [2, 2]
 
 
 def test_an_env_that_will_not_reset_at_an_episodes_end_is_made_again(monkeypatch):

@@ -237,7 +237,7 @@ class EnvBatch:
         """The whole batch mid-rollout: simulators, RNGs, episode counters, statistics.
         ``restore`` of it continues exactly where this batch is (checkpoint and resume)."""
         return {"envs": [_env_snapshot(env) for env in self.envs], "stats": self.state_dict(),
-                "training": self.training, "reports_success": self._reports_success,
+                "training": self.training, "reports_success": self._reports_success, "faults": self.faults,
                 **{f: getattr(self, f).copy() for f in _EPISODE_STATE}}
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -247,6 +247,7 @@ class EnvBatch:
         self.load_state_dict(snap["stats"])
         self.training = snap["training"]
         self._reports_success = snap["reports_success"]
+        self.faults = snap.get("faults", 0)  # it seeds the next env made again (checkpoints before it: 0)
         for f in _EPISODE_STATE:
             getattr(self, f)[...] = snap[f]
 
@@ -262,10 +263,12 @@ class EnvBatch:
         source = [b for b, s in enumerate(snaps) for _ in s["envs"]]  # each env's batch
         joined = {f: np.concatenate([s[f] for s in snaps]) for f in _EPISODE_STATE}
         envs = [e for s in snaps for e in s["envs"]]
-        out, start = [], 0
+        out, start, counted = [], 0, set()
         for size in sizes:
             origins = sorted(set(source[start:start + size]))
-            out.append({"envs": envs[start:start + size], "training": snaps[origins[0]]["training"],
+            faults = sum(snaps[b].get("faults", 0) for b in origins if b not in counted)  # each batch's once
+            counted |= set(origins)
+            out.append({"envs": envs[start:start + size], "training": snaps[origins[0]]["training"], "faults": faults,
                         "reports_success": any(snaps[b]["reports_success"] for b in origins),
                         "stats": _merged_stats([snaps[b]["stats"] for b in origins]),
                         **{f: joined[f][start:start + size].copy() for f in _EPISODE_STATE}})

@@ -142,6 +142,7 @@ class EnvWorker(PolicyHost):
     def load_state(self, state: dict[str, Any]) -> None:
         for b, snap in zip(self.batches, state["batches"], strict=True):
             b.restore(snap)
+        self.faults_reported = sum(b.faults for b in self.batches)  # those before the checkpoint were reported
         # A regrouped state has no observations: its batches' statistics are new
         self.obs = [o.copy() for o in state["obs"]] if "obs" in state else [b.observations() for b in self.batches]
         torch.set_rng_state(state["rng"])
