@@ -20,6 +20,8 @@ def test_updates_are_written_at_most_every_so_often_and_a_new_state_at_once(tmp_
     assert (read(tmp_path)["state"], read(tmp_path)["total"]) == ("running", 10)
     s.set(done=1, last_checkpoint=tmp_path / "c1", restarts=0)
     assert read(tmp_path)["done"] == 0  # within every_s: not written
+    s.set(now=True, done=1)  # a resumed run's position: at once
+    assert read(tmp_path)["done"] == 1
     s.every_s = 0
     s.set(done=2, last_checkpoint=tmp_path / "c2", restarts=1)
     assert (read(tmp_path)["done"], read(tmp_path)["last_checkpoint"], read(tmp_path)["restarts"]) == (

@@ -406,7 +406,7 @@ class Runner(Recovery):
         first = self.resume(path, log) if path else self._from_start(log, initial)
         self.updates = first  # the trainer's weights are version ``first``: a sync sends that version
         self.done = first  # updates logged
-        self.status.set(**self._position())
+        self.status.set(now=True, **self._position())  # a resumed run's position, at once: it may be long to the next
         self.checkpointed_at = time.perf_counter()
         log.note(f"{self.cluster.describe()}\n{self.plan.table(self.workflow)}"
                  + (f"\n{self.describe(first)}" if first < self.total else ""))

@@ -62,13 +62,13 @@ class RunStatus:
         self._lock = threading.Lock()  # ``warn`` comes from another thread
         self.write()
 
-    def set(self, state: str | None = None, **fields: Any) -> None:
+    def set(self, state: str | None = None, *, now: bool = False, **fields: Any) -> None:
         """``fields`` (``done``, ``total``, ``last_checkpoint``, ...), written if ``every_s`` has
-        passed since the last write; a new ``state`` is written at once."""
+        passed since the last write; a new ``state``, or ``now``, is written at once."""
         with self._lock:
             changed = state is not None and state != self.fields["state"]
             self.fields |= _plain(fields) | ({"state": state} if state else {})
-            if changed or time.monotonic() - self.written >= self.every_s:
+            if changed or now or time.monotonic() - self.written >= self.every_s:
                 self.write()
 
     def warn(self, message: str | None) -> None:
