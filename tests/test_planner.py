@@ -343,6 +343,24 @@ def test_plan_for_1024_devices_from_a_profile(tmp_path, capsys):
     assert max(i for _, i in used) <= 1023
 
 
+def test_no_process_of_a_pick_spans_two_nodes():
+    """On 16 devices of 2 nodes, the plans that put one process on devices of both (an actor
+    rank over all 16) are rejected, naming the rank and the nodes; the pick's ranks each sit
+    on one node, so its placement can start."""
+    from m2flow.runtime.placement import parse_range, rank_devices
+
+    _, prof = _embodied_profile()
+    cfg = load_config("embodied/ppo_cartpole", ["env.num_envs=64"])
+    choice = choose(cfg, prof, num_devices=16, nodes=2)
+    spanning = [c for c in choice.rejected if "would span devices of nodes [0, 1]" in (c.rejected or "")]
+    assert spanning and all("one process runs on one node" in c.rejected for c in spanning)
+    for c in choice.ranked:
+        for name, p in c.plan.components.items():
+            _, devices = parse_range(p.devices, name)
+            assert all(len({d // 8 for d in devs}) == 1
+                       for devs in rank_devices(devices, p.procs_per_device, p.devices_per_proc)), (name, p)
+
+
 def test_plan_command_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--profile", str(tmp_path / "missing.json")])

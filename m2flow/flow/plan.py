@@ -198,10 +198,11 @@ class Plan:
 
     # -- checking and placing -------------------------------------------------------------
     def check(self, workflow: Workflow, num_devices: int, components: tuple[str, ...] | None = None, *,
-              gpu_slots: int = 0) -> None:
+              gpu_slots: int = 0, devices_per_node: int = 0) -> None:
         """Fails, naming the component and what is short, unless the plan fits ``num_devices``.
         ``gpu_slots``: where the devices are GPUs, how many devices each GPU is (0: they are
-        not GPUs)."""
+        not GPUs); ``devices_per_node``: on nodes of that many devices each (0: not known), no
+        process may span two of them."""
         names = components or workflow.components
         missing = [c for c in names if c not in self.components]
         if missing:
@@ -226,6 +227,12 @@ class Plan:
                                 f"got devices {p.devices} with {p.devices_per_proc} device(s) per process")
             if gpu_slots and c in workflow.gpu_collectives and group == "all":  # a group's GPUs: known once Ray runs
                 self._one_gpu_per_rank(c, devices, gpu_slots)
+            if devices_per_node and group == "all":
+                for rank, devs in enumerate(rank_devices(devices, p.procs_per_device, p.devices_per_proc)):
+                    if len({d // devices_per_node for d in devs}) > 1:
+                        raise PlanError(f"component {c!r}: rank {rank} would span devices of nodes "
+                                        f"{sorted({d // devices_per_node for d in devs})} ({devices_per_node} "
+                                        "device(s) a node); one process runs on one node")
         for group in self.fuse:
             if workflow.fusable is None or sorted(group) != sorted(workflow.fusable):
                 raise PlanError(f"cannot fuse {group}" + (f"; only {list(workflow.fusable)}" if workflow.fusable else ""))

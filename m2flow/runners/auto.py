@@ -387,7 +387,7 @@ def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes
     slots = gpu_slots_of(cfg, kind)
 
     def check(p: Plan) -> None:
-        p.check(s.workflow, n, s.components, gpu_slots=slots)
+        p.check(s.workflow, n, s.components, gpu_slots=slots, devices_per_node=n // nodes if nodes > 1 else 0)
         s.check(p)
 
     return plan(s.workflow, s.shape, model, n, kind, s.components, check=check, gpu_slots=slots,
