@@ -127,3 +127,21 @@ def test_loader_resume_gives_same_batches():
     assert next(PromptLoader(items, 23, shuffle=False)) == items
     with pytest.raises(ValueError, match="items"):
         resumed.load_state_dict({**state, "num_items": 10})
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_config_error(monkeypatch):
+    """Prompts are chat-formatted: a base model's tokenizer, with no chat template, is one
+    line naming model.path, not transformers' traceback when the first prompts are made."""
+    from m2flow.config import ConfigError, load_config
+    from m2flow.data.prompts import load_prompts
+    from m2flow.models import lm
+
+    def plain(spec, cache_dir=None):
+        tok = lm.byte_tokenizer()
+        tok.chat_template = None
+        return tok
+
+    monkeypatch.setattr(lm, "load_tokenizer", plain)
+    with pytest.raises(ConfigError, match="model.path: the tokenizer of 'tiny-llama' has no chat template, and the "
+                                          "prompts are chat-formatted"):
+        load_prompts(load_config("reasoning/grpo_arith_tiny"))

@@ -56,6 +56,10 @@ def _rows(cfg: DictConfig, problems) -> list[dict]:
     except (OSError, ValueError) as e:  # transformers' own messages name what the directory lacks
         said = " ".join(str(e).split()) or type(e).__name__
         raise ConfigError("model.path", f"no tokenizer loads from {cfg.model.path!r}: {said}") from None
+    if not getattr(tokenizer, "chat_template", None):  # a base model's, often
+        raise ConfigError("model.path", f"the tokenizer of {cfg.model.path!r} has no chat template, and the prompts "
+                                        "are chat-formatted: use an instruct model, or add a chat_template to its "
+                                        "tokenizer_config.json")
     prompts = build_prompts(problems, tokenizer, cfg.data.instruction)
     room = max_positions(cfg.model.path)
     for p in prompts:
