@@ -128,7 +128,7 @@ def command(args: argparse.Namespace) -> None:
             raise ConfigError("checkpoint", "m2flow eval needs checkpoint=FILE (or checkpoint=auto)")
         if not own["episodes"].isdigit() or int(own["episodes"]) < 1:
             raise ConfigError("episodes", f"must be a whole number >= 1, got {own['episodes']!r}")
-        cfg = load_config(args.preset, overrides)
+        cfg = load_config(args.preset, overrides, training=False)  # scores every row of a data file
         path = checkpoint_file(own["checkpoint"], cfg)
         print(table(evaluate(cfg, path, episodes=int(own["episodes"]), out=own["out"])))
     elif args.command == "trace":

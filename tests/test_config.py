@@ -362,3 +362,16 @@ def test_a_plain_install_ships_the_presets_and_trains(tmp_path):
                  f"runner.out_dir={work / 'run'}", "cluster.num_cpus=2", timeout=240)
     assert "updates 0-1" in out, out
     assert (work / "run" / "metrics.csv").read_text().count("\n") == 1 + 2  # header and 2 updates
+
+
+def test_scoring_a_file_needs_no_training_set_beside_it(tmp_path):
+    """``m2flow eval`` scores every row of a data file and trains on none: a file of 3 rows
+    loads for it (training=False), though a training run of the preset refuses it (it holds
+    out 32 and takes 4 a step)."""
+    (tmp_path / "three.jsonl").write_text("".join(f'{{"question": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(3)))
+    source = f"data.source={tmp_path / 'three.jsonl'}"
+    with pytest.raises(ConfigError, match="data.test_size: .* has 3 problems, not enough to hold out 32"):
+        load_config(R, [source])
+    assert load_config(R, [source], training=False).data.source.endswith("three.jsonl")
+    with pytest.raises(ConfigError, match="data.source: no such file"):
+        load_config(R, [f"data.source={tmp_path / 'none.jsonl'}"], training=False)

@@ -42,13 +42,14 @@ def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_use
     assert result["reward"] == pytest.approx(history[-1]["eval_reward"], abs=1e-6)
     assert result["prompts"] == load_config(preset).data.test_size and result["trained_for"] == 2
     assert "accuracy" in printed and f"{result['reward']:.4g}" in printed
-    # a JSONL file of the user's: every row is scored
-    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(5)]
+    # a JSONL file of the user's: every row is scored, however few (none is trained on: the
+    # preset's data.test_size and data.prompts_per_step do not apply)
+    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
     (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     main(["eval", preset, f"checkpoint={tmp_path / 'run' / 'checkpoints' / 'step_000002.safetensors'}",
-          f"data.source={tmp_path / 'mine.jsonl'}", "data.test_size=1", f"out={tmp_path / 'mine.json'}"])
+          f"data.source={tmp_path / 'mine.jsonl'}", f"out={tmp_path / 'mine.json'}"])
     mine = json.loads((tmp_path / "mine.json").read_text())
-    assert mine["prompts"] == 5 and 0.0 <= mine["accuracy"] <= 1.0 and "reward_digit_share" in mine
+    assert mine["prompts"] == 3 and 0.0 <= mine["accuracy"] <= 1.0 and "reward_digit_share" in mine
 
 
 def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, pool, tmp_path, capsys):

@@ -42,10 +42,12 @@ def preset_path(preset: str) -> Path:
     return path
 
 
-def load_config(preset: str, overrides: list[str] | None = None, validate_config: bool = True) -> DictConfig:
+def load_config(preset: str, overrides: list[str] | None = None, validate_config: bool = True,
+                training: bool = True) -> DictConfig:
     """The config of ``preset`` with ``overrides`` (``key.path=value`` strings) applied:
     typed (each key has the schema's type), checked (``validate``), interpolations such as
-    ``runs/${name}`` left to resolve on access. Raises ``ConfigError``."""
+    ``runs/${name}`` left to resolve on access (``training``: see ``validate``). Raises
+    ``ConfigError``."""
     path = preset_path(preset)
     try:
         delta = OmegaConf.load(path)
@@ -74,7 +76,7 @@ def load_config(preset: str, overrides: list[str] | None = None, validate_config
         also = f" (also unset: {', '.join(missing[1:])})" if len(missing) > 1 else ""
         raise ConfigError(missing[0], f"required and not set: the preset must set it, or add {missing[0]}=VALUE{also}")
     if validate_config:
-        validate(cfg)
+        validate(cfg, training)
     return cfg
 
 

@@ -34,8 +34,10 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: {problem}")
 
 
-def validate(cfg: DictConfig | Mapping) -> None:
-    """Raises the first ``ConfigError`` of ``cfg`` (a loaded config, DictConfig or dict)."""
+def validate(cfg: DictConfig | Mapping, training: bool = True) -> None:
+    """Raises the first ``ConfigError`` of ``cfg`` (a loaded config, DictConfig or dict).
+    ``training=False``: for scoring a checkpoint on the data (``m2flow eval``), which trains
+    on none of it: the data need not hold a training set beside the held-out one."""
     d = resolved(cfg)
     flow = d.get("flow")
     if flow not in ROOTS:
@@ -45,7 +47,7 @@ def validate(cfg: DictConfig | Mapping) -> None:
     if flow == "embodied":
         check_embodied(d)
     else:
-        check_reasoning(d)
+        check_reasoning(d, training)
 
 
 def resolved(cfg: DictConfig | Mapping) -> dict:
@@ -159,11 +161,11 @@ def check_grpo_layout(d: Mapping, layout: Any) -> None:
 # -------------------------------------------------------------------- reasoning
 
 
-def check_reasoning(d: Mapping) -> None:
+def check_reasoning(d: Mapping, training: bool = True) -> None:
     a, r = d["algorithm"], d["rollout"]
     check_model(d["model"]["path"])
     check_rewards(d["reward"]["functions"])
-    check_data(d["data"])
+    check_data(d["data"], training)
     if r["n"] < 2 and a["name"] not in GROUP_FREE:
         raise ConfigError("rollout.n", f"algorithm.name={a['name']} compares the samples of a prompt: it must be >= 2, "
                                        f"got {r['n']}")
@@ -312,8 +314,9 @@ def _importable(module: str) -> bool:
         return True
 
 
-def check_data(data: Mapping) -> None:
-    """The prompt source exists and holds enough problems for a step and the held-out set."""
+def check_data(data: Mapping, training: bool = True) -> None:
+    """The prompt source exists and (``training``) holds enough problems for a step and the
+    held-out set."""
     source, test = data["source"], data["test_size"]
     if source == "arithmetic":
         if not data["levels"]:
@@ -328,7 +331,7 @@ def check_data(data: Mapping) -> None:
             raise ConfigError("data.source", f"no such file {source!r} (expected 'arithmetic' or a .jsonl / .parquet "
                                              "file)")
         rows = count_rows(path)
-        if rows is None:
+        if rows is None or not training:
             return  # unreadable here: loading the problems names the problem
         if rows <= test:
             raise ConfigError("data.test_size", f"data.source={source} has {rows} problems, not enough to hold out "
