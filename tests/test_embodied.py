@@ -47,7 +47,8 @@ def assert_reaches_target(history, target=450, within=40_000, ahead=0):
     assert returns[reached] >= target and all(r < target for r in returns[:reached]), \
         f"returns {[round(r) for r in returns]}"
     assert [row["env_steps"] for row in history] == [256 * (u + 1) for u in range(len(history))]
-    assert history[reached]["env_steps"] <= within, f"{target} first reached after {history[reached]['env_steps']} env steps"
+    assert history[reached]["env_steps"] <= within, \
+        f"{target} first reached after {history[reached]['env_steps']} env steps"
 
 
 def assert_times_add_up(history, fused):

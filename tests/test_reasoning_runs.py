@@ -187,13 +187,14 @@ def test_a_steps_training_statistics_are_over_every_actor_rank():
     assert row["inert_rows"] == 8 and "forwarded_tokens" not in row
     lagged = [actor(10, policy_lag=2), actor(30, policy_lag=1)]  # the oldest of any rank, not a mean
     assert ReasoningMetrics(4).row(0, report | {"actor": lagged}, 1.0, 1.0)["policy_lag"] == 2
-    both = across_ranks([actor(10, entropy=0.2, loss=1.0, ratio_max=5.0), actor(30, entropy=0.6, loss=0.0, ratio_max=1.5)],
-                        ("busy_s",))
+    both = across_ranks([actor(10, entropy=0.2, loss=1.0, ratio_max=5.0),
+                         actor(30, entropy=0.6, loss=0.0, ratio_max=1.5)], ("busy_s",))
     assert both["entropy"] == pytest.approx(0.5) and both["loss"] == pytest.approx(0.5) and "busy_s" not in both
     assert both["ratio_max"] == 5.0
     assert across_ranks([idle, actor(30, ratio_max=1.5)])["ratio_max"] == 1.5  # the idle rank has none
     assert across_ranks([{"epochs": 2, "kl": 0.1}, {"epochs": 4, "kl": 0.3}]) == pytest.approx({"epochs": 3, "kl": 0.2})
-    assert across_ranks([idle, idle])["loss"] == 0.0 and "entropy" not in across_ranks([idle, idle])  # nothing forwarded
+    nothing = across_ranks([idle, idle])  # no rank forwarded anything: a loss of 0, no entropy
+    assert nothing["loss"] == 0.0 and "entropy" not in nothing
     one = across_ranks([{"epochs": 4, "loss": 0.5}])  # one rank: its values as they are
     assert one == {"epochs": 4, "loss": 0.5} and isinstance(one["epochs"], int)
 

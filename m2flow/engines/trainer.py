@@ -201,8 +201,9 @@ class LMTrainer:
         but are not forwarded, and the stats leave them out.
 
         Returns: the callback's stats, averaged over micro-batches weighted by completion
-        tokens (this rank's; a ``*_max`` one is the largest); ``loss`` (the summed micro-batch losses per mini-batch, averaged
-        over mini-batches: on one rank the mini-batch loss, with several ranks their mean is);
+        tokens (this rank's; a ``*_max`` one is the largest); ``loss`` (the summed micro-batch
+        losses per mini-batch, averaged over mini-batches: on one rank the mini-batch loss,
+        with several ranks their mean is);
         ``grad_norm`` (global, before clipping, averaged over steps); ``optimizer_steps``;
         ``skipped_steps`` (non-finite gradient norm: no update); ``tokens`` and
         ``completion_tokens`` forwarded here; ``micro_batches``; ``inert_rows`` (not forwarded);

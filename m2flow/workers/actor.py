@@ -219,17 +219,16 @@ class ActorWorker(Worker):
             self.flat.grad /= self.world_size
 
     def _max_across_ranks(self, value: int) -> int:
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t)
+        return self._across_ranks(value, dist.ReduceOp.MAX)
 
     def _sum_across_ranks(self, value: int) -> int:
+        return self._across_ranks(value, dist.ReduceOp.SUM)
+
+    def _across_ranks(self, value: int, op: dist.ReduceOp) -> int:
         if self.world_size == 1:
             return value
         t = torch.tensor([value])
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
         return int(t)
 
     def _mean_across_ranks(self, value: float) -> float:

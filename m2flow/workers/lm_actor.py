@@ -2,10 +2,11 @@
 
 Advantages (``algorithm.name``): ``grpo`` (group-normalised rewards), ``dr_grpo`` (not scaled
 by the group's std), ``rloo`` (leave-one-out baseline), ``reinforce_pp`` (REINFORCE++:
-token returns of KL-shaped rewards, whitened over the step on every rank), ``ppo`` (GAE advantages that
-the critic worker sets on each batch, whitened over the step). The loss is the clipped
-surrogate with DAPO's knobs (clip-higher, dual clip, token-level aggregation), an optional
-KL term (k1/k2/k3, in the loss or in the reward) and an entropy bonus.
+token returns of KL-shaped rewards, whitened over the step's batches on every rank), ``ppo``
+(GAE advantages that the critic worker sets on each batch, whitened over the step). The
+loss is the clipped surrogate with DAPO's knobs (clip-higher, dual clip, token-level
+aggregation), an optional KL term (k1/k2/k3, in the loss or in the reward) and an entropy
+bonus.
 
 Streaming: with a group-local advantage (grpo, dr_grpo, rloo), one epoch, one mini-batch and
 replicated ranks (not ``algorithm.data_parallel=fsdp``, where every forward takes all ranks),
@@ -216,8 +217,8 @@ class LMActorWorker(Worker):
             self.trainer.optimizer.zero_grad(set_to_none=True)
             return {"optimizer_steps": 0, "completion_tokens": 0}
         grad_norm = self.trainer.finish_step(grad_scale=self.world_size / divisor)
-        return {**_weighted_means(stats), "loss": loss_sum * self.world_size / divisor, "grad_norm": grad_norm, "optimizer_steps": int(math.isfinite(grad_norm)),
-                "completion_tokens": tokens}
+        return {**_weighted_means(stats), "loss": loss_sum * self.world_size / divisor, "grad_norm": grad_norm,
+                "optimizer_steps": int(math.isfinite(grad_norm)), "completion_tokens": tokens}
 
     def _train_gathered(self, batches: list[SequenceBatch]) -> dict:
         """Epochs x mini-batches over the step's batches. A rank that took none still takes
