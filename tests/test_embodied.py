@@ -372,7 +372,8 @@ def test_metrics_csv_reads_back_as_written(tmp_path):
     assert [r["update"] for r in resumed.read_csv()] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("critic", [True, False])  # PPO, and GRPO's weighted loss without a critic
+# PPO (slow: 18 s), and GRPO's weighted loss without a critic (the same compile path, by default)
+@pytest.mark.parametrize("critic", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_compiled_minibatch_loss_matches_eager(critic):
     """algorithm.compile: the compiled minibatch loss gives the eager one's loss, stats and
     gradients (same policy, same minibatch)."""

@@ -136,6 +136,7 @@ def test_plan_files_refuse_unknown_keys(tmp_path):
         Plan.load(tmp_path / "list.yaml")
 
 
+@pytest.mark.slow  # 15 s; plan files run by default in tests/test_auto.py (one that runs ahead) and test_reasoning.py
 def test_a_plan_file_runs_as_written(cluster, tmp_path):
     """``placement=@FILE``: the envs and the rollout on slots 0-1 (one process each, fused),
     the actor on slots 2-3, two env stages; the run uses exactly that plan."""

@@ -256,6 +256,7 @@ def test_a_run_is_warm_in_a_pool_holding_every_process_it_would_start(cluster):
     assert not ReasoningRunner.warm_in(cfg, plan, cluster, pool)
 
 
+@pytest.mark.slow  # 17-20 s; deferred evaluations run by default above, resumes in test_resume_reaches_the_same_weights
 def test_a_stopped_runs_deferred_evaluations_are_made_when_it_resumes(cluster, pool, tmp_path, monkeypatch):
     """A run stopped after its last checkpoint but before its deferred evaluations (a time
     limit, a kill) keeps the weights it saved for them; resumed (``runner.resume=auto``), it
