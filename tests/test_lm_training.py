@@ -715,9 +715,9 @@ def test_the_actors_loss_is_the_steps_whether_streamed_or_gathered():
 def test_a_max_statistic_is_the_largest_over_micro_batches():
     """The trainer's sums over micro-batches: a statistic is weighted by completion tokens,
     one named ``*_max`` is the largest (ratios of 5 and 1: 5, not their mean)."""
-    from m2flow.engines.trainer import _Accumulated
+    from m2flow.engines.trainer import Accumulated
 
-    acc = _Accumulated()
+    acc = Accumulated()
     acc.add({"ratio_max": torch.tensor(5.0), "clip_fraction": 0.5}, 10, 12)
     acc.add({"ratio_max": 1.0, "clip_fraction": 0.0}, 30, 35)
     out = acc.result()

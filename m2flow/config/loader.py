@@ -104,7 +104,7 @@ def apply_override(cfg: DictConfig, root: type, item: str) -> None:
         problem = str(e).replace("\n", " ").split(" in \"<unicode string>\"")[0].strip()
         raise ConfigError(key, f"cannot read {value!r} ({problem}): quote it, or mend its brackets") from None
     except ValidationError as e:
-        if _integral(value) and _base(hint_at(root, key)) is int:  # 1e6 for an int key
+        if _integral(value) and _base(hint) is int:  # 1e6 for an int key
             cfg.merge_with_dotlist([f"{key}={int(float(value))}"])
             return
         raise translate(e, root, key=key, value=value) from None

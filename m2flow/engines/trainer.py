@@ -59,7 +59,7 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 
 @dataclass
-class _Accumulated:
+class Accumulated:
     """Sums over micro-batches: the loss callback's stats weighted by completion tokens (a
     ``*_max`` one: the largest), and the token counts."""
 
@@ -221,7 +221,7 @@ class LMTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         was_training = self.model.training
         self.model.train()
-        acc = _Accumulated()
+        acc = Accumulated()
         loss_total = grad_norm_total = 0.0
         steps = skipped = 0
         try:
@@ -265,7 +265,7 @@ class LMTrainer:
             raise ValueError("empty batch: nothing to accumulate")
         was_training = self.model.training
         self.model.train()
-        acc = _Accumulated()
+        acc = Accumulated()
         try:
             loss = self._backward(batch, loss_fn, scale, with_entropy, acc)
         finally:
@@ -290,7 +290,7 @@ class LMTrainer:
             raise RuntimeError("the optimizer is offloaded: call onload_optimizer() before training")
 
     def _backward(self, rows: SequenceBatch, loss_fn: LossFn, scale: LossScale, with_entropy: bool,
-                  acc: _Accumulated) -> float:
+                  acc: Accumulated) -> float:
         """Forward and backward of every micro-batch of ``rows``; returns their summed loss."""
         total: Any = 0.0
         micro = list(micro_batches(rows, self.max_tokens, self.share_prompts)) if len(rows) else []

@@ -44,7 +44,7 @@ from m2flow.algorithms import (
     rloo_advantages,
 )
 from m2flow.engines.batch import SequenceBatch, concat_batches
-from m2flow.engines.trainer import LMTrainer, LossScale
+from m2flow.engines.trainer import Accumulated, LMTrainer, LossScale
 from m2flow.runtime import Channel, Clock, DeviceLock, Worker, dispatch
 from m2flow.runtime.files import save_tensors
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb, switch
@@ -140,7 +140,7 @@ class LMActorWorker(Worker):
         prefetch 1)."""
         clock = Clock()
         batches = []
-        stats: dict[str, Any] = {}
+        stats = Accumulated()  # streamed: the parts' statistics
         tokens = seqs = forwarded = policy_lag = inert_rows = stale_dropped = 0
         loss_sum = 0.0  # streamed: the parts' summed losses, divided by the step's count at the end
         token_lags: dict[int, int] = {}  # versions behind -> completion tokens trained on
@@ -184,7 +184,7 @@ class LMActorWorker(Worker):
             n = int(rows.completion_mask.sum())
             forwarded += n
             loss_sum += part["loss"]
-            _add_weighted(stats, {k: v for k, v in part.items() if k not in PART_COUNTS}, n)
+            stats.add({k: v for k, v in part.items() if k not in PART_COUNTS}, n, 0)
         with clock.turn(self.together), clock.busy():
             update_start = time.perf_counter()
             switch(self.trainer.onload_optimizer, self.offloads)
@@ -206,7 +206,7 @@ class LMActorWorker(Worker):
                                           "token_lags": token_lags, "update_end": time.time(),
                                           "trained_prompts": trained}
 
-    def _finish_streamed(self, stats: dict[str, Any], tokens: int, seqs: int, loss_sum: float) -> dict:
+    def _finish_streamed(self, stats: Accumulated, tokens: int, seqs: int, loss_sum: float) -> dict:
         """The step's optimizer step; ``loss``, as ``LMTrainer.train_step`` reports it, is this
         rank's share of the step's loss (the ranks' shares average to it)."""
         counts = torch.tensor([tokens, seqs], dtype=torch.float64)
@@ -217,7 +217,8 @@ class LMActorWorker(Worker):
             self.trainer.optimizer.zero_grad(set_to_none=True)
             return {"optimizer_steps": 0, "completion_tokens": 0}
         grad_norm = self.trainer.finish_step(grad_scale=self.world_size / divisor)
-        return {**_weighted_means(stats), "loss": loss_sum * self.world_size / divisor, "grad_norm": grad_norm,
+        means = {k: v for k, v in stats.result().items() if k not in PART_COUNTS}
+        return {**means, "loss": loss_sum * self.world_size / divisor, "grad_norm": grad_norm,
                 "optimizer_steps": int(math.isfinite(grad_norm)), "completion_tokens": tokens}
 
     def _train_gathered(self, batches: list[SequenceBatch]) -> dict:
@@ -331,14 +332,3 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     """``t`` summed over the actor's ranks (a CPU tensor: gloo, also beside NCCL)."""
     dist.all_reduce(t)
     return t
-
-
-def _add_weighted(sums: dict[str, Any], stats: dict[str, float], weight: int) -> None:
-    """Adds a part's statistics, weighted by its completion tokens; a ``*_max`` one is a maximum."""
-    for k, v in stats.items():
-        total, w = sums.get(k, (-math.inf if k.endswith("_max") else 0.0, 0))
-        sums[k] = (max(total, float(v)), w + weight) if k.endswith("_max") else (total + float(v) * weight, w + weight)
-
-
-def _weighted_means(sums: dict[str, Any]) -> dict[str, float]:
-    return {k: (total if k.endswith("_max") else total / w) if w else float("nan") for k, (total, w) in sums.items()}
