@@ -163,6 +163,7 @@ def test_deaths_in_a_row_end_the_run_in_a_paragraph(cluster, tmp_path):
     assert message in (tmp_path / "log.txt").read_text()
 
 
+@pytest.mark.slow  # 11-17 s; the stall warning itself is tested by default in tests/test_watchdog.py
 def test_a_stall_far_longer_than_any_before_is_told_and_the_run_goes_on(cluster, tmp_path, monkeypatch):
     """Each env's step sleeps 2 s once, in the fourth update (4 s for an env worker's two), where
     no quiet spell before lasted half a second: the stall is told (on stderr, in log.txt, as status.json's warning, with a
