@@ -164,6 +164,10 @@ MALFORMED = [
     (R, ["data.prompts_per_step=513"], "data.prompts_per_step"),
     (R, ["data.source={tmp}/three.jsonl"], "data.test_size"),
     (R, ["reward.overlong_buffer=17"], "reward.overlong_buffer"),
+    (R, ["placement.components.actor=7"], "placement.components.actor"),  # ignored unless placement.mode=custom
+    (E, ["placement.mode=hybrid", "placement.components.env=0-1"], "placement.components.env"),
+    (R, ["rollout.max_new_tokens=1e9"], "rollout.max_new_tokens"),  # past the model's positions
+    (E, ["runner.log_every=5"], "runner.log_every"),  # removed
     # plans that do not fit the cluster (4 CPU slots unless said), and envs the ranks cannot share
     (E, ["placement.mode=disaggregated", "cluster.cpu_slots=2"], "placement.mode"),
     (R, ["placement.mode=hybrid", "cluster.cpu_slots=1"], "placement.mode"),
@@ -202,6 +206,11 @@ def test_some_messages_in_full(capsys, no_ray):
                                           "are already normalised within each group"),
         ([E, "runner.collect_ahead=true"], "runner.collect_ahead: renamed: use runner.max_staleness (true: 1)"),
         ([R, "placement.staleness=1"], "placement.staleness: renamed: use runner.max_staleness"),
+        ([E, "runner.log_every=5"], "runner.log_every: removed: every update is logged (metrics.csv, TensorBoard): "
+                                    "drop the key"),
+        ([R, "placement.components.actor=7"], "placement.components.actor: takes effect only with "
+                                              "placement.mode=custom, not collocated (which lays the devices out "
+                                              "itself): set placement.mode=custom, or drop the key"),
         ([R, "data.levels=[1,2"], "data.levels: cannot read '[1,2' (while parsing a flow sequence): quote it, or "
                                   "mend its brackets"),
     ]

@@ -13,7 +13,7 @@ from m2flow.config import load_config, presets
 from m2flow.envs import EnvBatch
 from m2flow.config.validate import check_grpo_layout, resolved, validate as check_algorithm
 from m2flow.runners.embodied import EmbodiedRunner
-from m2flow.workers.layout import Layout
+from m2flow.workers.layout import EnvLayout
 
 # ------------------------------------------------------------------ EnvBatch without auto-reset
 
@@ -65,7 +65,7 @@ def test_without_auto_reset_chunks_skip_done_envs():
 def _check(overrides, env_ranks=1, actor_ranks=1, stages=1):
     cfg = load_config("embodied/grpo_cartpole", overrides)
     check_algorithm(cfg)
-    check_grpo_layout(resolved(cfg), Layout.build(cfg.env.num_envs, env_ranks, 1, actor_ranks, stages, cfg.policy.chunk))
+    check_grpo_layout(resolved(cfg), EnvLayout.build(cfg.env.num_envs, env_ranks, 1, actor_ranks, stages, cfg.policy.chunk))
 
 
 def test_grpo_config_errors():
@@ -96,7 +96,7 @@ def test_embodied_presets_split_over_one_or_two_env_and_actor_ranks(preset):
     cfg = load_config(preset)
     for env_ranks in (1, 2):
         for actor_ranks in (1, 2):
-            layout = Layout.build(cfg.env.num_envs, env_ranks, 1, actor_ranks, cfg.runner.stages, cfg.policy.chunk)
+            layout = EnvLayout.build(cfg.env.num_envs, env_ranks, 1, actor_ranks, cfg.runner.stages, cfg.policy.chunk)
             assert layout.envs_per_rank * env_ranks == cfg.env.num_envs
             assert layout.envs_per_stage * cfg.runner.stages == layout.envs_per_rank
             if cfg.algorithm.name == "grpo":

@@ -146,3 +146,30 @@ def test_a_warning_is_written_at_once_and_shown_while_it_runs_and_after_it_ended
     s.warn(None)
     main_out = read(tmp_path)
     assert main_out["warning"] is None
+
+
+def test_a_config_error_while_a_run_starts_leaves_the_last_runs_status(tmp_path, monkeypatch):
+    """A run stopped by a config error as it starts (its envs cannot be shared among the ranks
+    of its plan, found once the plan is laid out; a profiled run's cluster not there) leaves
+    the status.json of the run before it in that directory as it was."""
+    from m2flow.config import ConfigError, load_config
+    from m2flow.runners import run, start
+    from m2flow.runners.status import describe
+
+    earlier = RunStatus(tmp_path)
+    earlier.set("finished", unit="update", total=40, done=40)
+    before = (tmp_path / "status.json").read_bytes()
+    cfg = load_config("embodied/ppo_cartpole", ["env.num_envs=6", "cluster.cpu_slots=4", f"runner.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="env.num_envs: "):
+        run(cfg)
+    assert (tmp_path / "status.json").read_bytes() == before
+
+    def no_cluster(cluster):
+        raise ConfigError("cluster.address", "nothing answers at 10.0.0.9:6379")
+
+    monkeypatch.setattr(start, "start_cluster", no_cluster)
+    cfg = load_config("embodied/ppo_cartpole", ["placement.mode=auto", f"runner.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="cluster.address: "):
+        run(cfg)
+    assert (tmp_path / "status.json").read_bytes() == before
+    assert describe(tmp_path)[0].startswith(f"{tmp_path}: finished, 40 of 40 updates")

@@ -21,7 +21,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from m2flow.config.schema import RENAMED, ROOTS
+from m2flow.config.schema import REMOVED, RENAMED, ROOTS
 from m2flow.config.validate import ConfigError, resolved, validate
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
@@ -164,6 +164,8 @@ def unknown_key(root: type, key: str) -> str:
     """'no such key', with the closest known key, or the keys there are."""
     if key in RENAMED:
         return f"renamed: use {RENAMED[key]}"
+    if key in REMOVED:
+        return f"removed: {REMOVED[key]}"
     parent, _, leaf = key.rpartition(".")
     hint = hint_at(root, parent) if parent else root
     if not dataclasses.is_dataclass(hint):

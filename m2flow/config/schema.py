@@ -19,7 +19,7 @@ from omegaconf import MISSING
 
 # Names the code accepts, kept here so that a config is checked without importing torch;
 # tests/test_config.py asserts that each equals the code's own list.
-EMBODIED_ALGORITHMS = ("ppo", "grpo")  # m2flow.runners.embodied.check_algorithm
+EMBODIED_ALGORITHMS = ("ppo", "grpo")  # m2flow.workers.actor.ActorWorker: grpo (no critic), else ppo
 ACTIVATIONS = ("tanh", "relu")  # m2flow.models.policies.ACTIVATIONS
 REASONING_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo")  # m2flow.workers.lm_actor.ALGORITHMS
 BACKENDS = ("torch", "vllm")  # m2flow.engines.BACKENDS
@@ -97,7 +97,6 @@ class RunnerConfig:
     max_staleness: int = opt(0, "policy versions the trained data may lag the weights: 0 on-policy; k: the rollout "
                                 "runs up to k updates ahead of the actor (placement=auto: plans may)",
                              within=NON_NEGATIVE)
-    log_every: int = opt(1, "kept for older presets: every update is logged")
     checkpoint_every: int = opt(0, "updates between checkpoints; 0: only at the end", within=NON_NEGATIVE)
     checkpoint_every_min: float = opt(30.0, "minutes between checkpoints taken by time (also), each replacing the one "
                                             "before it (a restart or a stop then loses at most that much); 0: none",
@@ -202,6 +201,8 @@ MODES = ("collocated", "disaggregated", "hybrid", "custom", "auto")
 PLAN_DOC = "a plan file (YAML: components, fuse, granularity, stages, run_ahead, offload) run as it is, instead of mode"
 # Keys that were renamed: their old name's error says the new one.
 RENAMED = {"runner.collect_ahead": "runner.max_staleness (true: 1)", "placement.staleness": "runner.max_staleness"}
+# Keys that were removed: their error says what took their place.
+REMOVED = {"runner.log_every": "every update is logged (metrics.csv, TensorBoard): drop the key"}
 STALENESS_COST_DOC = ("mode auto: how many more steps than on-policy a run 1, 2, ... versions ahead takes to the "
                       "same learning, as shares (0.34: 1.34x the steps); the planner picks the least predicted step "
                       "time x (1 + the share at the plan's run-ahead), past the list at its last entry's rate a "

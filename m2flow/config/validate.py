@@ -100,10 +100,16 @@ def check_runner_files(d: Mapping) -> None:
 
 
 def check_custom_placement(placement: Mapping, components: tuple[str, ...]) -> None:
-    """``placement.mode=custom`` names the devices of every component itself."""
-    if placement["mode"] != "custom":
-        return
+    """``placement.mode=custom`` names the devices of every component itself; any other mode
+    lays them out itself, so a component's devices set beside it would be ignored."""
     given = placement["components"]
+    if placement["mode"] != "custom":
+        named = [c for c, devices in given.items() if devices is not None]
+        if named:
+            raise ConfigError(f"placement.components.{named[0]}",
+                              f"takes effect only with placement.mode=custom, not {placement['mode']} (which lays the "
+                              "devices out itself): set placement.mode=custom, or drop the key")
+        return
     missing = [c for c in components if given.get(c) is None]
     if missing:
         raise ConfigError(f"placement.components.{missing[0]}",
@@ -145,7 +151,7 @@ def check_grpo(d: Mapping) -> None:
 
 
 def check_grpo_layout(d: Mapping, layout: Any) -> None:
-    """The GRPO rules that depend on the ranks (``m2flow.workers.layout.Layout``): known once
+    """The GRPO rules that depend on the ranks (``m2flow.workers.layout.EnvLayout``): known once
     the cluster's devices are."""
     k = d["env"]["group_size"]
     if layout.envs_per_stage % k:

@@ -48,7 +48,8 @@ def _file_problems(cfg: DictConfig) -> list[Problem]:
 
 def _rows(cfg: DictConfig, problems) -> list[dict]:
     """The problems as prompts; one the model has no room to answer (its positions all taken by
-    the prompt) is a config error here, not the rollout's whenever its batch comes."""
+    the prompt), or a completion's budget past the model's positions after the longest prompt,
+    is a config error here, not the rollout's whenever its batch comes."""
     from m2flow.models.lm import load_tokenizer, max_positions  # transformers: only when prompts are made
 
     try:
@@ -68,4 +69,9 @@ def _rows(cfg: DictConfig, problems) -> list[dict]:
             raise ConfigError(key, f"problem {p.problem.id!r}: its prompt has {len(p.token_ids)} tokens "
                                    f"(chat-formatted): no room to generate within the {room} positions of "
                                    f"{cfg.model.path}")
+    longest = max((len(p.token_ids) for p in prompts), default=0)
+    if room is not None and longest + cfg.rollout.max_new_tokens > room:
+        raise ConfigError("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} new tokens after the longest prompt "
+                                                    f"({longest} tokens) pass the {room} positions of {cfg.model.path}: "
+                                                    f"at most {room - longest}")
     return [{"index": i, "token_ids": list(p.token_ids), "answer": p.problem.answer} for i, p in enumerate(prompts)]

@@ -16,6 +16,7 @@ one action of the MDP, so logp and entropy sum over the chunk as well as the act
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
@@ -23,6 +24,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from m2flow.config.schema import PolicyConfig
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU}
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -209,9 +212,10 @@ def build_policy(obs_space: gym.Space, action_space: gym.Space, cfg: Mapping) ->
     Observations: a flat Box feeds the MLPs; a rank-3 uint8 Box is an image and gets a
     NatureCNN trunk (channels first or last, told apart by the smallest dim as SB3 does).
     Actions: a flat Box gives a Gaussian policy, a Discrete a categorical one.
-    ``cfg`` keys (SB3 defaults when missing): ``hidden`` [64, 64], ``activation`` "tanh",
-    ``log_std_init`` 0.0, ``chunk`` 1, ``ortho_init`` true.
+    ``cfg``: the ``policy`` config section (``config.schema.PolicyConfig``); a key it lacks
+    takes that section's default (SB3's choices).
     """
+    cfg = {**dataclasses.asdict(PolicyConfig()), **cfg}
     if not isinstance(obs_space, gym.spaces.Box):
         raise NotImplementedError(f"observation space {obs_space}")
     encoder = None
@@ -222,15 +226,15 @@ def build_policy(obs_space: gym.Space, action_space: gym.Space, cfg: Mapping) ->
     obs_dim = encoder.out_dim if encoder is not None else obs_space.shape[0]
 
     common = dict(
-        hidden=tuple(cfg.get("hidden", (64, 64))),
-        activation=cfg.get("activation", "tanh"),
-        chunk=int(cfg.get("chunk", 1)),
+        hidden=tuple(cfg["hidden"]),
+        activation=cfg["activation"],
+        chunk=int(cfg["chunk"]),
         encoder=encoder,
-        ortho_init=bool(cfg.get("ortho_init", True)),
+        ortho_init=bool(cfg["ortho_init"]),
     )
     if isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1:
         return GaussianMLPPolicy(
-            obs_dim, action_space.shape[0], log_std_init=float(cfg.get("log_std_init", 0.0)), **common
+            obs_dim, action_space.shape[0], log_std_init=float(cfg["log_std_init"]), **common
         )
     if isinstance(action_space, gym.spaces.Discrete):
         return CategoricalMLPPolicy(obs_dim, int(action_space.n), **common)

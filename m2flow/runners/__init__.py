@@ -14,7 +14,7 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
     from m2flow.runtime.stop import StopRequest
 
     runner_cls = schedule_of(cfg).runner  # an unknown flow fails here, before a cluster starts
-    cluster, replan = None, None
+    cluster, replan, status = None, None, None
     # SIGINT or SIGTERM from here on: the run stops after its update in progress (before the
     # first, if it comes while the run starts), with a checkpoint
     with StopRequest("stopping after the update in progress, with a checkpoint"), claim_out_dir(cfg):
@@ -33,7 +33,12 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
                     cluster.shutdown()
                 raise
         try:
-            runner = runner_cls(cfg, cluster=cluster)
+            try:
+                runner = runner_cls(cfg, cluster=cluster)
+            except BaseException as e:
+                if status is not None:  # profiled: the file the profiling wrote says how it ended
+                    status.failed(e)
+                raise
             runner.replanner = replan
             try:
                 return runner.train()

@@ -44,7 +44,7 @@ from m2flow.runtime.stop import RunStopped
 
 # Keys whose value does not change what a step costs: a profile is reused across them.
 RUN_KEYS = ("total_env_steps", "steps", "out_dir", "resume", "progress", "checkpoint_every", "checkpoint_every_min",
-            "target_return", "eval_every", "eval_deferred", "log_every", "max_staleness", "stages", "hang_timeout_s",
+            "target_return", "eval_every", "eval_deferred", "max_staleness", "stages", "hang_timeout_s",
             "max_restarts", "on_node_loss", "on_node_return", "stall_warning")
 
 

@@ -23,7 +23,7 @@ from m2flow.runners.metrics import EmbodiedMetrics, RunLog
 from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.env import EnvWorker
-from m2flow.workers.layout import Layout
+from m2flow.workers.layout import EnvLayout
 from m2flow.workers.rollout import RolloutWorker
 
 WORKFLOW = Workflow(
@@ -35,11 +35,11 @@ WORKFLOW = Workflow(
             "hybrid": ((("env",), 0.5), (("rollout",), None))})
 
 
-def env_layout(cfg: DictConfig, plan: Plan, components: tuple[str, ...]) -> Layout:
+def env_layout(cfg: DictConfig, plan: Plan, components: tuple[str, ...]) -> EnvLayout:
     """Which envs each env rank steps in which stage, and which rollout rank acts for them."""
     try:
         ranks = (plan.world_size(c) for c in components)
-        layout = Layout.build(cfg.env.num_envs, *ranks, plan.stages, cfg.policy.chunk)
+        layout = EnvLayout.build(cfg.env.num_envs, *ranks, plan.stages, cfg.policy.chunk)
     except ValueError as e:  # the envs cannot be shared out among the plan's ranks and stages
         raise ConfigError("env.num_envs", str(e)) from None
     if cfg.algorithm.name == "grpo":

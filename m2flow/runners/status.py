@@ -25,7 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from m2flow.runtime.files import DirectoryLock, write_text
+from m2flow.runtime.files import DirectoryLock, write_text, write_whole
 from m2flow.runtime.stop import RunStopped
 
 FILE = "status.json"
@@ -52,8 +52,14 @@ def read(out_dir: str | Path) -> dict[str, Any]:
 
 class RunStatus:
     def __init__(self, out_dir: str | Path, every_s: float = 5.0):
-        """A run that starts (its workers, profiling): written at once."""
+        """A run that starts (its workers, profiling): written at once. What the file held
+        before (an earlier run's ending) is kept, to be put back should a config error stop
+        this run while it starts (``failed``)."""
         self.path = Path(out_dir) / FILE
+        try:
+            self.before: bytes | None = self.path.read_bytes()
+        except OSError:
+            self.before = None
         self.every_s = every_s
         now = time.time()
         self.fields: dict[str, Any] = {"state": "starting", "pid": os.getpid(), "host": socket.gethostname(),
@@ -78,10 +84,22 @@ class RunStatus:
             self.write()
 
     def failed(self, e: BaseException, **fields: Any) -> None:
-        """How ``e`` ended the run (``ending``); a write that fails then is let go: ``e`` stands."""
-        state, more = ending(e)
+        """How ``e`` ended the run (``ending``); a write that fails then is let go: ``e`` stands.
+        A config error while the run starts, in a directory an earlier run wrote its status to,
+        puts that status back: the earlier run keeps its record (the error goes to stderr)."""
+        from m2flow.config.validate import ConfigError
+
         with contextlib.suppress(OSError):
+            if isinstance(e, ConfigError) and self.before is not None and self.fields["state"] == "starting":
+                self.restore()
+                return
+            state, more = ending(e)
             self.set(state, **more, **fields)
+
+    def restore(self) -> None:
+        """The file as this run found it."""
+        with self._lock:
+            write_whole(self.path, lambda tmp: tmp.write_bytes(self.before))
 
     def write(self) -> None:
         self.fields["updated"] = _stamp(time.time())

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from m2flow.algorithms import PPO_STATS, episode_group_advantages, gae, next_values, ppo_minibatch_loss
 from m2flow.models import build_policy, flatten_parameters
 from m2flow.runtime import Channel, Clock, Worker, dispatch
-from m2flow.workers.layout import Layout
+from m2flow.workers.layout import EnvLayout
 
 
 class ActorWorker(Worker):
-    def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
+    def __init__(self, cfg: dict, layout: EnvLayout, observation_space, action_space, take_turns: bool = False):
         self.cfg, self.algo, self.layout = cfg, cfg["algorithm"], layout
         self.grpo = self.algo["name"] == "grpo"
         self.turns = self.device_turns(take_turns, all_ranks=True)  # training all-reduces across the ranks

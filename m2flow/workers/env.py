@@ -21,7 +21,7 @@ import torch
 
 from m2flow.envs import EnvBatch
 from m2flow.runtime import Channel, Clock, dispatch
-from m2flow.workers.layout import Layout
+from m2flow.workers.layout import EnvLayout
 from m2flow.workers.rollout import PolicyHost, PolicyReplica
 
 
@@ -30,7 +30,7 @@ class EnvWorker(PolicyHost):
     (fused: inference in this process, no message per step) and then answers both the env
     role's calls and the rollout role's (``pull_weights``, ``act``)."""
 
-    def __init__(self, cfg: dict, layout: Layout, spaces: tuple | None = None, take_turns: bool = False):
+    def __init__(self, cfg: dict, layout: EnvLayout, spaces: tuple | None = None, take_turns: bool = False):
         env, self.layout = cfg["env"], layout
         self.replica = PolicyReplica(cfg, *spaces, self.rank) if spaces else None
         self.turns = self.device_turns(take_turns)
@@ -152,7 +152,7 @@ class EnvWorker(PolicyHost):
         """The envs of ``states`` (every rank's batches in global env order) regrouped into
         this layout's ranks and stages (``EnvBatch.regroup``); each rank keeps a random
         generator of the old ones (``Worker.reshard``). The same layout: ``states`` as they are."""
-        layout: Layout = args[1]
+        layout: EnvLayout = args[1]
         n = layout.envs_per_stage
         if len(states) == ranks and all(len(s["envs"]) == n for state in states for s in state["batches"]):
             return states

@@ -11,8 +11,8 @@ import torch
 
 from m2flow.engines.scoring import compute_logprobs
 from m2flow.runtime import Channel, Clock
-from m2flow.workers.lm_common import END, load_model, memory_mb, until_end
-from m2flow.workers.lm_rollout import WeightReceiver
+from m2flow.workers.lm_common import END, load_model, logprob_temperature, memory_mb, until_end
+from m2flow.workers.weights import WeightReceiver
 
 
 def holds_a_model(algorithm) -> bool:
@@ -25,7 +25,7 @@ def holds_a_model(algorithm) -> bool:
 class InferenceWorker(WeightReceiver):
     def __init__(self, cfg: dict, take_turns: bool = False, offload: bool = True):  # it moves nothing out
         a = cfg["algorithm"]
-        self.temperature = cfg["rollout"]["temperature"] or 1.0  # greedy sampling reports T=1 log-probs
+        self.temperature = logprob_temperature(cfg)
         self.max_tokens = a["max_tokens_per_micro_batch"]
         self.share_prompts = a["share_prompts"]
         self.ref = load_model(cfg, self.device)[0].requires_grad_(False) if a["kl_coef"] > 0 else None

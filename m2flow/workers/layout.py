@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Layout:
+class EnvLayout:
     env_ranks: int
     rollout_ranks: int
     actor_ranks: int
@@ -21,7 +21,7 @@ class Layout:
             raise ValueError(f"{self.envs_per_rank} envs per env rank cannot be shared by {self.actor_ranks} actor ranks")
 
     @classmethod
-    def build(cls, num_envs: int, env_ranks: int, rollout_ranks: int, actor_ranks: int, stages: int, chunk: int) -> Layout:
+    def build(cls, num_envs: int, env_ranks: int, rollout_ranks: int, actor_ranks: int, stages: int, chunk: int) -> EnvLayout:
         if num_envs % env_ranks:
             raise ValueError(f"env.num_envs={num_envs} is not divisible by the {env_ranks} env rank(s)")
         return cls(env_ranks, rollout_ranks, actor_ranks, num_envs // env_ranks, stages, chunk)

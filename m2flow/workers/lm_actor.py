@@ -47,7 +47,7 @@ from m2flow.engines.batch import SequenceBatch, concat_batches
 from m2flow.engines.trainer import Accumulated, LMTrainer, LossScale
 from m2flow.runtime import Channel, Clock, DeviceLock, Worker, dispatch
 from m2flow.runtime.files import save_tensors
-from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb, switch
+from m2flow.workers.lm_common import END, dtype_of, load_model, logprob_temperature, memory_mb, switch
 
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
 PART_COUNTS = ("loss", "tokens", "completion_tokens", "micro_batches")  # what accumulate() reports besides the stats
@@ -67,7 +67,7 @@ class LMActorWorker(Worker):
         self.trainer = LMTrainer(model, a["lr"], max_tokens_per_micro_batch=a["max_tokens_per_micro_batch"],
                                  weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"],
                                  autocast_dtype=dtype_of(cfg["model"]["autocast"]), device=self.device,
-                                 temperature=cfg["rollout"]["temperature"] or 1.0,
+                                 temperature=logprob_temperature(cfg),
                                  share_prompts=a["share_prompts"],
                                  shard=a["data_parallel"] == "fsdp")
         # Sharded, every forward takes all ranks: they train together once the step's batches

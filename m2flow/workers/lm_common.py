@@ -38,6 +38,12 @@ def dtype_of(name: str | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
+def logprob_temperature(cfg: dict) -> float:
+    """The temperature the trainers and the inference worker take log-probs at: the
+    rollout's, or 1 for greedy sampling (whose log-probs are reported at T=1)."""
+    return cfg["rollout"]["temperature"] or 1.0
+
+
 def load_model(cfg: dict, device: str, dtype: str | None = None) -> tuple[torch.nn.Module, object]:
     """``(model, tokenizer)`` of ``model.path`` on ``device``: every component loads the same
     initial weights (tiny models from the run's seed), in ``model.dtype``; ``dtype`` (e.g.

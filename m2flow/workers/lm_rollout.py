@@ -1,9 +1,5 @@
-"""LM rollout: groups of completions per prompt, streamed out as each group completes.
-
-Also the receiving side of weight sync, shared with the inference worker: the actor sends
-its weights in buckets (``push_weights``), tagged with a version; a receiver loads each
-bucket as it arrives, so no process holds a second full copy of the model.
-"""
+"""LM rollout: groups of completions per prompt, streamed out as each group completes. It
+follows the actor's weights as ``workers.weights.WeightReceiver``."""
 
 from __future__ import annotations
 
@@ -16,41 +12,11 @@ import torch
 
 from m2flow.engines import SamplingParams, build_engine
 from m2flow.engines.batch import SequenceBatch
-from m2flow.engines.weights import weights_hash
 from m2flow.runtime import Channel, Clock, dispatch, get_tracer
 from m2flow.workers.lm_common import load_model, memory_mb
-from m2flow.workers.weights import WeightFollower
+from m2flow.workers.weights import WeightReceiver
 
 NO_COUNTS = {"decode_steps": 0, "graph_replays": 0}  # the engine's counts a call reports
-
-
-class WeightReceiver(WeightFollower):
-    """A worker holding a language model that follows the actor's weights, pushed in buckets."""
-
-    def _receive_model(self) -> torch.nn.Module:
-        raise NotImplementedError
-
-    def _load_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
-        state = self._receive_model().state_dict()
-        with torch.no_grad():
-            for name, t in tensors.items():
-                state[name].copy_(t)  # in place: tied weights stay tied
-
-    def _receive(self, actor_group: str) -> int:
-        """One push: its buckets until the last (they follow each other at once)."""
-        while True:
-            message = self.broadcast(None, (actor_group, 0), self.group)
-            self._load_bucket(message["tensors"])
-            if message["last"]:
-                self.version = message["version"]
-                self._loaded(self.version)
-                return self.version
-
-    def _loaded(self, version: int) -> None:
-        """Called once a push's weights are all in."""
-
-    def weights_hash(self) -> str:
-        return weights_hash(self._receive_model())
 
 
 def engine_options(rollout: dict, shared: bool) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 from m2flow.models import build_policy
 from m2flow.runtime import Clock, dispatch
-from m2flow.workers.layout import Layout
+from m2flow.workers.layout import EnvLayout
 from m2flow.workers.weights import WeightFollower
 
 
@@ -69,7 +69,7 @@ class PolicyHost(WeightFollower):
 
 
 class RolloutWorker(PolicyHost):
-    def __init__(self, cfg: dict, layout: Layout, observation_space, action_space, take_turns: bool = False):
+    def __init__(self, cfg: dict, layout: EnvLayout, observation_space, action_space, take_turns: bool = False):
         self.layout = layout
         # Sharing devices with the actor: generate and train take turns on them.
         self.turns = self.device_turns(take_turns)
