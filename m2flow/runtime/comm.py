@@ -45,8 +45,8 @@ import ray
 import torch
 from ray import cloudpickle
 
-from m2flow.runtime import payload, shm
-from m2flow.runtime.names import NAMESPACE, free_port, shm_prefix
+from m2flow.runtime import listen, payload, shm
+from m2flow.runtime.names import NAMESPACE, shm_prefix
 from m2flow.runtime.trace import get_tracer
 
 INLINE_BYTES = 64 * 1024
@@ -479,13 +479,13 @@ class Communicator:
         return self._wait_pair(peer)
 
     def _host_pair(self, peer: tuple[str, int], actor: Any) -> None:
-        import torch.distributed as dist
-
         with self._nccl_lock:  # the main and an IO thread may both get here
             if peer in self._nccl:
                 return
-            host, port = ray.util.get_node_ip_address(), free_port()
-            store = dist.TCPStore(host, port, 2, is_master=True, wait_for_workers=False)
+            # the store listens on this node's Ray address only (``runtime/listen.py``)
+            listener = listen.bound_socket(listen.node_address())
+            host, port = listener.getsockname()[:2]
+            store = listen.host_store(listener, 2, wait_for_workers=False)
             actor._m2flow_nccl_join.remote(self.address, (host, port))  # before the group: gloo's waits for it
             self._nccl[peer] = (self._pair(store, 0), 1, store)
 
@@ -494,11 +494,9 @@ class Communicator:
         self._host_pair(peer, self.peer(peer)[0])
 
     def nccl_join(self, peer: tuple[str, int], store_addr: tuple[str, int]) -> None:
-        import torch.distributed as dist
-
         with self._nccl_lock:
             if peer not in self._nccl:
-                store = dist.TCPStore(store_addr[0], store_addr[1], 2, is_master=False)
+                store = listen.join_store(store_addr[0], store_addr[1], 2)
                 self._nccl[peer] = (self._pair(store, 1), 0, store)
 
     def _pair(self, store: Any, rank: int) -> Any:

@@ -20,10 +20,11 @@ from typing import Any, Callable
 
 import ray
 
+from m2flow.runtime import listen
 from m2flow.runtime.cluster import Device
 from m2flow.runtime.comm import Communicator, CommWork, Envelope, PeerInfo
 from m2flow.runtime.device_lock import DeviceLock
-from m2flow.runtime.names import NAMESPACE, free_port
+from m2flow.runtime.names import NAMESPACE
 from m2flow.runtime.trace import get_tracer, set_process_name
 
 # Methods in this concurrency group run on their own threads, so a worker busy in a
@@ -110,7 +111,7 @@ class Worker:
 
     # -- set-up, called by WorkerGroup --------------------------------------------
     def _m2flow_init(self, info: WorkerInfo, master: tuple[str, int], args: tuple, kwargs: dict) -> None:
-        """``master``: rank 0's address for torch.distributed's rendezvous."""
+        """``master``: rank 0's address for torch.distributed's rendezvous (``_m2flow_address``)."""
         self._m2flow_master = master
         self.group, self.rank, self.world_size = info.group, info.rank, info.world_size
         self.local_rank, self.devices = info.local_rank, info.devices
@@ -124,6 +125,9 @@ class Worker:
             MASTER_PORT=str(master[1]),
             M2FLOW_SESSION=info.session,
         )
+        # gloo's and NCCL's transports bind the interface of this node's Ray address only
+        # (loopback on an embedded Ray), not every interface
+        listen.set_interfaces(listen.node_address())
         if self.device == "cuda":
             # Ray must not overwrite the GPUs we chose; set before CUDA initialises.
             os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
@@ -146,7 +150,12 @@ class Worker:
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), free_port()
+        """Rank 0's address for its group's rendezvous store: this node's Ray address and a port
+        bound on it now and held (``init_process_group`` listens on it), so that no other process
+        takes the port meanwhile."""
+        host = listen.node_address()
+        self._m2flow_listener = listen.bound_socket(host)
+        return host, self._m2flow_listener.getsockname()[1]
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_ping(self) -> int:
@@ -258,7 +267,9 @@ class Worker:
 
     def init_process_group(self, backend: str | None = None, timeout_s: float = 120.0) -> None:
         """torch.distributed over this worker's group: gloo on CPU; on GPUs nccl for CUDA
-        tensors and gloo beside it for CPU ones (counts and statistics)."""
+        tensors and gloo beside it for CPU ones (counts and statistics). The rendezvous store
+        listens on rank 0's node's Ray address only (torch's ``tcp://`` rendezvous would listen
+        on every interface)."""
         import datetime
 
         import torch.distributed as dist
@@ -267,13 +278,14 @@ class Worker:
             return
         backend = backend or ("cpu:gloo,cuda:nccl" if self.device == "cuda" else "gloo")
         host, port = self._m2flow_master
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{host}:{port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.rank == 0:
+            # the port held since the group was made; bound again where a group formed before
+            listener = self.__dict__.pop("_m2flow_listener", None) or listen.bound_socket(host, port)
+            store = listen.host_store(listener, self.world_size, timeout)
+        else:
+            store = listen.join_store(host, port, self.world_size, timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
 
 
 class GroupTurn:
