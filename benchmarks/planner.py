@@ -6,7 +6,7 @@ Workloads (``--workloads``):
   halfcheetah  embodied/ppo_halfcheetah (2048 env steps per update)
   ant          embodied/ppo_ant
   smollm2      reasoning/grpo_arith_smollm2 with 16 prompts x 8 samples per step (64 new
-               tokens at most, as in the placement runs of docs/benchmarks.md), every row
+               tokens at most, as in the placement runs of docs/benchmark-runs.md), every row
                forwarded (``algorithm.skip_inert_rows=false``): skipping the rows of zero
                gradient makes a step's training follow that step's rewards (3-7x apart from
                step to step), which no plan changes and no few-step profile can predict

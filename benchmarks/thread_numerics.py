@@ -7,7 +7,7 @@ rounded to bfloat16 (``rollout.dtype``). A plan that gives the rollout one CPU s
 two changes just that. Prints one JSON object: per dtype, how many completions came out token
 for token the same (matched by prompt and sample index) and, for the others, the position of
 their first differing token. Not a timing: what it tells is why two on-policy runs of one
-seed in two plans part ways (docs/benchmarks.md, the asynchronous GRPO pairs).
+seed in two plans part ways (docs/async-grpo-runs.md, the asynchronous GRPO pairs).
 
     python benchmarks/thread_numerics.py                      # SmolLM2-135M-Instruct
     python benchmarks/thread_numerics.py --model tiny-llama   # fast smoke test
