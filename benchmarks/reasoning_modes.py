@@ -42,7 +42,7 @@ COMPONENTS = ("rollout", "reward", "inference", "actor")
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     from m2flow.config import load_config
-    from m2flow.runners.metrics import ReasoningMetrics
+    from m2flow.runners.reasoning import ReasoningMetrics
     from m2flow.runners.reasoning import ReasoningRunner
 
     placement, *flags = mode.split("-")

@@ -237,7 +237,7 @@ COMPONENT_KEYS = ("rollout_busy_s", "rollout_idle_s", "reward_busy_s", "reward_i
 
 
 def run_m2flow(spec: dict) -> dict:
-    from m2flow.runners.metrics import ReasoningMetrics
+    from m2flow.runners.reasoning import ReasoningMetrics
     from m2flow.runners.reasoning import ReasoningRunner
 
     mode, _, suffix = spec["variant"].removeprefix("m2flow_").partition("_")

@@ -328,7 +328,8 @@ def test_fused_rollout_matches_separate_rollout(cluster, pool, tmp_path):
 
 
 def test_success_rate_is_logged_where_envs_report_success(tmp_path):
-    from m2flow.runners.metrics import EmbodiedMetrics, RunLog
+    from m2flow.runners.embodied import EmbodiedMetrics
+    from m2flow.runners.metrics import RunLog
 
     def report(episodes):
         ranks = [{"env_steps": 10, "episodes": episodes, "env_faults": 0, "busy_s": 1.0, "idle_s": 0.0}]

@@ -223,7 +223,7 @@ def test_in_flight_updates_reach_a_running_rollout(cluster, pool, tmp_path, fuse
                  "runner.progress=false", f"runner.out_dir={tmp_path}"]
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster, pool)
     try:
-        assert runner.fused is fused and runner.refreshing() == {"rollout"}
+        assert runner.fused is fused and runner.refreshing == {"rollout"}
         history = runner.train()
     finally:
         runner.close()
@@ -252,7 +252,7 @@ def test_in_flight_streams_reach_their_own_update(cluster, pool, tmp_path):
                  "runner.progress=false", f"runner.out_dir={tmp_path}"]
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster, pool)
     try:
-        assert runner.fused and runner.layout.env_ranks == 2 and runner.refreshing() == {"rollout"}
+        assert runner.fused and runner.layout.env_ranks == 2 and runner.refreshing == {"rollout"}
         history = runner.train()
     finally:
         runner.close()

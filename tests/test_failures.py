@@ -6,6 +6,7 @@ while the reward worker waited for its first group, until the channels went firs
 
 The case that hung runs by default; the other 20 with ``-m slow`` (about 15 s each)."""
 
+import dataclasses
 import functools
 import threading
 import time
@@ -13,8 +14,7 @@ import time
 import pytest
 
 from m2flow.config import load_config
-from m2flow.runners.embodied import EmbodiedRunner
-from m2flow.runners.reasoning import ReasoningRunner
+from m2flow.runners import embodied, reasoning
 from m2flow.runtime.group import WorkerError
 
 REASONING_CALLS = {"rollout": "generate", "reward": "score", "inference": "logprobs", "actor": "train"}
@@ -58,16 +58,16 @@ def cases(flow: str, placements: dict, calls: dict, by_default: str = "") -> lis
                          + cases("embodied", EMBODIED_PLACEMENTS, EMBODIED_CALLS, by_default="disaggregated-actor"))
 def test_a_component_that_raises_fails_the_run_which_then_closes(cluster, tmp_path, flow, placement, component):
     if flow == "reasoning":
-        base, preset, calls = ReasoningRunner, "reasoning/grpo_arith_tiny", REASONING_CALLS
+        spec, preset, calls = reasoning.FLOW, "reasoning/grpo_arith_tiny", REASONING_CALLS
         length, overrides = "runner.steps=4", REASONING_PLACEMENTS[placement]
     else:
-        base, preset, calls = EmbodiedRunner, "embodied/ppo_cartpole", EMBODIED_CALLS
+        spec, preset, calls = embodied.FLOW, "embodied/ppo_cartpole", EMBODIED_CALLS
         length, overrides = "runner.total_env_steps=2048", EMBODIED_PLACEMENTS[placement]
-    runner_cls = type("Runner", (base,), {"workers": {**base.workers,
-                                                      component: failing(base.workers[component], calls[component])}})
+    spec = dataclasses.replace(spec, workers={**spec.workers, component: failing(spec.workers[component],
+                                                                                  calls[component])})
     cfg = load_config(preset, [f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.hang_timeout_s=120",
                                length, *overrides])
-    runner = runner_cls(cfg, cluster=cluster)
+    runner = spec.runner(cfg, cluster=cluster, flow=spec)
     try:
         with pytest.raises(WorkerError, match=rf"{component}-\w+ rank \d failed in {calls[component]}\(\): "
                                               rf"ValueError: {calls[component]} failed on call 2"):

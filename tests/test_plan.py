@@ -6,8 +6,8 @@ import pytest
 from m2flow.config import ConfigError, load_config
 from m2flow.flow import Plan, PlanError
 from m2flow.runners.start import plan_of
-from m2flow.runners.embodied import WORKFLOW as EMBODIED, EmbodiedRunner
-from m2flow.runners.reasoning import COMPONENTS, WORKFLOW as REASONING, ReasoningRunner
+from m2flow.runners.embodied import WORKFLOW as EMBODIED, EmbodiedRunner, plan_options as embodied_options
+from m2flow.runners.reasoning import COMPONENTS, WORKFLOW as REASONING, plan_options as reasoning_options
 
 LM = "reasoning/grpo_arith_tiny"
 NO_CRITIC = COMPONENTS[:-1]
@@ -20,12 +20,12 @@ def ranges(plan):
 
 def embodied(mode, n, *extra):
     cfg = load_config("embodied/ppo_cartpole", [f"placement.mode={mode}", *extra])
-    return plan_of(cfg, EMBODIED, n, "cpu", EMBODIED.components, **EmbodiedRunner.plan_options(cfg))
+    return plan_of(cfg, EMBODIED, n, "cpu", EMBODIED.components, **embodied_options(cfg))
 
 
 def reasoning(mode, n, kind, components=NO_CRITIC, *extra):
     cfg = load_config(LM, [f"placement.mode={mode}", *extra])
-    return plan_of(cfg, REASONING, n, kind, components, **ReasoningRunner.plan_options(cfg))
+    return plan_of(cfg, REASONING, n, kind, components, **reasoning_options(cfg))
 
 
 def test_embodied_modes():

@@ -237,23 +237,23 @@ def test_a_run_is_warm_in_a_pool_holding_every_process_it_would_start(cluster):
     missing and it would start a process anew (on GPUs the probe then leaves its first update
     out)."""
     from m2flow.flow import Plan
-    from m2flow.runners.reasoning import WORKFLOW
+    from m2flow.runners.reasoning import FLOW, WORKFLOW
     from m2flow.runtime.group import WorkerPool
 
     cfg = load_config(PRESET)
     plan = Plan.for_mode(WORKFLOW, "disaggregated", len(cluster.devices))
     placement, host = plan.placement(cluster), plan.hosts(WORKFLOW)
     pool = WorkerPool()  # holds stand-ins, never started: nothing here runs
-    assert not ReasoningRunner.warm_in(cfg, plan, cluster, pool)
+    assert not FLOW.warm_in(cfg, plan, cluster, pool)
     names = []
-    for c in ReasoningRunner.components_of(cfg):
+    for c in FLOW.components(cfg):
         if c not in host:
             for r in placement[c].ranks():
                 names.append(f"{c}-{pool.tag}:{r.rank}")
-                pool.give(names[-1], ReasoningRunner.workers[c], r.node_id, r.devices, object())
-    assert len(names) >= 3 and ReasoningRunner.warm_in(cfg, plan, cluster, pool)
+                pool.give(names[-1], FLOW.workers[c], r.node_id, r.devices, object())
+    assert len(names) >= 3 and FLOW.warm_in(cfg, plan, cluster, pool)
     pool._idle.pop(names[-1])
-    assert not ReasoningRunner.warm_in(cfg, plan, cluster, pool)
+    assert not FLOW.warm_in(cfg, plan, cluster, pool)
 
 
 @pytest.mark.slow  # 17-20 s; deferred evaluations run by default above, resumes in test_resume_reaches_the_same_weights

@@ -170,7 +170,8 @@ def test_a_steps_training_statistics_are_over_every_actor_rank():
     the completion tokens each forwarded. Rank 0's alone would have given no entropy at all.
     The loss is each rank's share of the step's (LMTrainer.train_step): their plain mean. A
     ``*_max`` is the largest any rank reports."""
-    from m2flow.runners.metrics import ReasoningMetrics, across_ranks
+    from m2flow.runners.metrics import across_ranks
+    from m2flow.runners.reasoning import ReasoningMetrics
 
     def actor(forwarded, **stats):
         return {"busy_s": 1.0, "idle_s": 0.0, "version": 1, "update_end": 0.0, "inert_rows": 8 if not forwarded else 0,

@@ -10,10 +10,10 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
     ``placement.mode=auto`` the plan is chosen first (``runners.auto``), on the cluster the
     run then uses."""
     from m2flow.runners.start import claim_out_dir, start_cluster
-    from m2flow.runners.schedule import schedule_of
+    from m2flow.runners.flow import flow_named
     from m2flow.runtime.stop import StopRequest
 
-    runner_cls = schedule_of(cfg).runner  # an unknown flow fails here, before a cluster starts
+    runner_cls = flow_named(cfg.flow).runner  # an unknown flow fails here, before a cluster starts
     cluster, replan, status = None, None, None
     # SIGINT or SIGTERM from here on: the run stops after its update in progress (before the
     # first, if it comes while the run starts), with a checkpoint

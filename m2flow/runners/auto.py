@@ -166,14 +166,14 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
         with tempfile.TemporaryDirectory(prefix="m2flow-profile-") as tmp:
             runs = probes(s, n, kind)
             for run in runs:  # every process any run needs starts now, beside the first run's
-                s.runner.prestart(s.cfg, run.plan, cluster, pool)
+                s.flow.prestart(s.cfg, run.plan, cluster, pool)
             for i, run in enumerate(runs):
                 t0 = time.perf_counter()
                 # The first run's first update is left out (warm-up); later runs find the
                 # processes warm and time every update they make, one fewer. On GPUs, where a
                 # process moves only with its devices, a later run that starts one anew leaves
                 # its first update out too: that update would pay the GPU's first use.
-                fresh = kind == "cuda" and not s.runner.warm_in(s.cfg, run.plan, cluster, pool)
+                fresh = kind == "cuda" and not s.flow.warm_in(s.cfg, run.plan, cluster, pool)
                 warm_up = int(i == 0 or fresh)
                 run_cfg = probe_config(s, run, Path(tmp), run.updates or s.probe_updates - 1 + warm_up)
                 runner = s.runner(run_cfg, cluster=cluster, pool=pool)

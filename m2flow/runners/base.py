@@ -5,8 +5,9 @@ streams launched ahead of training (``Plan.run_ahead``, ``runner.max_staleness``
 What stops a run, and how it goes on or ends, is ``Runner``'s part ``Recovery``
 (``runners/recovery.py``); what a run needs before its workers start, ``runners/start.py``.
 
-A flow subclasses ``Runner`` with its ``Workflow``, a ``{component: worker class}`` table,
-its metrics, and ``launch`` (start one step's data stream) and ``step`` (one update).
+A flow (``runners/flow.py``: ``Flow``) subclasses ``Runner`` with ``prepare`` (its data and
+metrics), ``worker_args``, ``launch`` (start one step's data stream) and ``step`` (one
+update); everything else it declares, the runner reads from its ``Flow``.
 """
 
 from __future__ import annotations
@@ -17,22 +18,22 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config.validate import ConfigError, validate
-from m2flow.flow import Plan, Workflow
+from m2flow.flow import Plan
 from m2flow.runners import checkpoint as checkpoints
+from m2flow.runners.flow import Flow, flow_named
 from m2flow.runners.metrics import RunLog
 from m2flow.runners.recovery import Recovery
 from m2flow.runners.start import claim_out_dir, gpu_slots_of, local_devices, plan_of, start_cluster
 from m2flow.runners.status import RunFailed, RunStatus
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.group import GroupHandle, WorkerDiedError, WorkerPool, start_together, wait
-from m2flow.runtime.placement import ComponentPlacement
 from m2flow.runtime.stop import StopRequest
 from m2flow.runtime.trace import get_tracer, write_chrome_trace
 from m2flow.runtime.watchdog import Watchdog
@@ -41,19 +42,15 @@ NO_SYNC = {"weight_sync_s": 0.0}
 
 
 class Runner(Recovery):
-    workflow: ClassVar[Workflow]
-    workers: ClassVar[dict[str, type]]  # component -> worker class
-    stateful: ClassVar[tuple[str, ...]] = ()  # components whose state a checkpoint holds
-    prefetch: ClassVar[dict[str, int]] = {}  # channel -> items a reader takes ahead (default: the channel's)
-    length_key: ClassVar[str]  # the config key that sets how long the run is
-    resume_keys: ClassVar[tuple[str, ...]] = ()  # config keys a resumed run must share with its checkpoint
-
-    def __init__(self, cfg: DictConfig, cluster: Cluster | None = None, pool: WorkerPool | None = None):
+    def __init__(self, cfg: DictConfig, cluster: Cluster | None = None, pool: WorkerPool | None = None,
+                 flow: Flow | None = None):
         """``cluster``: run on this one (else start or attach as the config says, and shut it
         down at ``close``); ``pool``: take worker processes from, and give them back to, a
-        ``WorkerPool`` (runs of one flow under several plans in a row)."""
+        ``WorkerPool`` (runs of one flow under several plans in a row); ``flow``: the flow's
+        declaration (default: the one ``cfg.flow`` names)."""
         self.cfg = copy.deepcopy(cfg)  # the run's own: the plan settles some of its keys
         validate(self.cfg)  # again: a config may change after it is loaded
+        self.flow = flow or flow_named(cfg.flow)
         if self.cfg.runner.resume not in (None, "auto"):  # a file that is no checkpoint fails before Ray starts
             try:
                 checkpoints.check(self.cfg.runner.resume)
@@ -69,8 +66,8 @@ class Runner(Recovery):
             raise
 
     def _setup(self, cfg: DictConfig, cluster: Cluster | None, pool: WorkerPool | None) -> None:
-        self.components = self.components_of(cfg)
-        self.workflow = self.workflow_of(cfg)
+        self.components = self.flow.components(cfg)
+        self.workflow = self.flow.workflow_of(cfg)
         # ``placement.mode=auto``: the planner's pick for n devices (set by whoever planned the
         # run), for a run that goes on after the cluster lost a node
         self.replanner: Callable[[int], Plan] | None = None
@@ -87,7 +84,7 @@ class Runner(Recovery):
             if not known:
                 self.plan = self._plan(len(self.cluster.devices), self.cluster.device_kind)
                 self.prepare()
-            self._start()
+            self._first_start()  # a worker that dies while it starts is started again (``Recovery``)
         except BaseException:
             if self._own_cluster:
                 self.cluster.shutdown()
@@ -99,7 +96,7 @@ class Runner(Recovery):
         self.ahead: deque[tuple[int, dict[str, GroupHandle], list[GroupHandle] | None]] = deque()
 
     def _plan(self, num_devices: int, kind: str) -> Plan:
-        plan = plan_of(self.cfg, self.workflow, num_devices, kind, self.components, **self.plan_options(self.cfg))
+        plan = plan_of(self.cfg, self.workflow, num_devices, kind, self.components, **self.flow.plan_options(self.cfg))
         plan.check(self.workflow, num_devices, self.components, gpu_slots=gpu_slots_of(self.cfg, kind))
         # The workers take data as old as the plan makes it (a plan file may run ahead), and
         # the rules that depend on it (rollout.partial's) hold for that.
@@ -122,60 +119,18 @@ class Runner(Recovery):
         self.lock_devices = locks.devices if locks else []
         self.groups: dict[str, WorkerGroup] = {}
         for c in processes:  # the groups start their processes in parallel
-            self.groups[c] = WorkerGroup(self.workers[c], self.placement[c], args=self.worker_args(c, turns[c]),
+            self.groups[c] = WorkerGroup(self.flow.workers[c], self.placement[c], args=self.worker_args(c, turns[c]),
                                          name=f"{c}-{names}", wait=False, pool=self.pool)
         for c, h in host.items():  # a fused component's calls go to its host's processes
             self.groups[c] = self.groups[h]
-        self.channels = {ch: Channel.create(f"{ch}-{run}", **({"prefetch": self.prefetch[ch]} if ch in self.prefetch else {}))
+        prefetch = self.flow.prefetch
+        self.channels = {ch: Channel.create(f"{ch}-{run}", **({"prefetch": prefetch[ch]} if ch in prefetch else {}))
                          for ch in self.channels_of()}
         start_together(*self.distinct_groups, channels=list(self.channels.values()), locks=locks)
 
-    @classmethod
-    def pooled_groups(cls, cfg: DictConfig, plan: Plan, cluster: Cluster,
-                      pool: WorkerPool) -> Iterator[tuple[type, ComponentPlacement, str]]:
-        """The worker groups a run of ``cfg`` under ``plan`` on ``cluster`` makes (a fused
-        component runs in its host's): each one's worker class, placement and name, as
-        ``pool``'s runs name them."""
-        placement, host = plan.placement(cluster), plan.hosts(cls.workflow)
-        for c in cls.components_of(cfg):
-            if c not in host:
-                yield cls.workers[c], placement[c], f"{c}-{pool.tag}"
-
-    @classmethod
-    def prestart(cls, cfg: DictConfig, plan: Plan, cluster: Cluster, pool: WorkerPool) -> None:
-        """Starts, in the background, the worker processes that a run of ``cfg`` under
-        ``plan`` on ``cluster`` would start."""
-        for group in cls.pooled_groups(cfg, plan, cluster, pool):
-            pool.prestart(*group)
-
-    @classmethod
-    def warm_in(cls, cfg: DictConfig, plan: Plan, cluster: Cluster, pool: WorkerPool) -> bool:
-        """Whether a run of ``cfg`` under ``plan`` would take every worker process from
-        ``pool``, starting none anew (``WorkerPool.holds``)."""
-        return all(pool.holds(*group) for group in cls.pooled_groups(cfg, plan, cluster, pool))
-
     # -- what a flow defines ------------------------------------------------------------
-    @classmethod
-    def components_of(cls, cfg: DictConfig) -> tuple[str, ...]:
-        return cls.workflow.components
-
-    @classmethod
-    def workflow_of(cls, cfg: DictConfig) -> Workflow:
-        """The flow's workflow under ``cfg`` (a config may leave a component without a model)."""
-        return cls.workflow
-
-    @staticmethod
-    def plan_options(cfg: DictConfig) -> dict[str, Any]:
-        """The flow's own settings of a named plan (``Plan.for_mode``'s keywords)."""
-        return {}
-
     def channels_of(self) -> tuple[str, ...]:
         return self.workflow.channels
-
-    @classmethod
-    def check_plan(cls, cfg: DictConfig, plan: Plan) -> None:
-        """Fails (ConfigError) unless the flow can lay its work out on ``plan`` (beyond
-        ``Plan.check``: how its data is shared out among the plan's ranks)."""
 
     def prepare(self) -> None:
         """Work done before any process starts (data, env probes); its errors stop the run early."""
@@ -191,33 +146,14 @@ class Runner(Recovery):
     def step(self, i: int, ahead: int) -> dict[str, Any]:
         raise NotImplementedError
 
-    @classmethod
-    def receivers_of(cls, cfg: DictConfig) -> list[str]:
-        """The components that take the trainer's weights."""
-        return ["rollout"]
-
-    def receivers(self) -> list[str]:
-        return self.receivers_of(self.cfg)
-
     def senders(self) -> list[int] | None:
         """The trainer ranks that send weights (None: every rank)."""
         return [0]
 
-    @classmethod
-    def refreshing_of(cls, cfg: DictConfig, plan: Plan) -> set[str]:
-        """The receivers that take the trainer's pushes themselves, as they arrive, while
-        streams run ahead (in-flight weight updates): no pull call is queued for them."""
-        return set()
-
+    @property
     def refreshing(self) -> set[str]:
-        return self.refreshing_of(self.cfg, self.plan)
-
-    @classmethod
-    def in_flight(cls, cfg: DictConfig, plan: Plan) -> bool:
-        """Every receiver takes pushes itself: a stream ahead is launched at once, after only
-        the trainer's push, not once the last stream is made (``stream``)."""
-        fresh = cls.refreshing_of(cfg, plan)
-        return bool(fresh) and fresh >= set(cls.receivers_of(cfg))
+        """The receivers that take the trainer's pushes themselves under the plan (``Flow.refreshing``)."""
+        return self.flow.refreshing(self.cfg, self.plan)
 
     def evaluate(self) -> dict[str, float]:
         return {}
@@ -266,7 +202,7 @@ class Runner(Recovery):
         last sync."""
         if self.synced == self.updates:
             return None
-        receivers = [self.groups[c] for c in self.receivers()]
+        receivers = [self.groups[c] for c in self.flow.receivers(self.cfg)]
         self.synced = self.updates
         return [self.trainer.call("push_weights", [g.name for g in receivers], ranks=self.senders()),
                 *(g.pull_weights(self.trainer.name, self.updates) for g in receivers if pull)]
@@ -294,7 +230,7 @@ class Runner(Recovery):
             sync = self.synced_report(pending)
         while len(self.ahead) < ahead:
             pending = None
-            if self.in_flight(self.cfg, self.plan):  # every receiver takes pushes itself
+            if self.flow.in_flight(self.cfg, self.plan):  # every receiver takes pushes itself
                 pending = self.send_weights(pull=False)
             else:
                 # Ray runs a threaded actor's calls in no guaranteed order: a stream's calls
@@ -336,8 +272,8 @@ class Runner(Recovery):
         self.last_rolling: Path | None = None  # the last, if taken by time: the next one replaces it
         self.stop_request = StopRequest("stopping after the update in progress" + (", with a checkpoint" * checkpoint))
         self.halted: str | None = None  # where a stop asked for ended the run, if one did
-        self.restarts, self.done = 0, 0
-        self.in_a_row = 0  # restarts since the last checkpoint: runner.max_restarts bounds them
+        self.restarts, self.done = self.start_restarts, 0  # from those while the workers started on
+        self.in_a_row = self.restarts  # restarts since the last checkpoint: runner.max_restarts bounds them
         # after a node's loss: the placement and device count the run started with, to grow back
         # to (``_grows``), and a device count its plan did not fit
         self.shrunk: tuple[DictConfig, int] | None = None
@@ -587,7 +523,7 @@ class Runner(Recovery):
         """Loads a checkpoint written by ``checkpoint``; returns the first update to run."""
         ckpt = checkpoints.load(path)
         written = OmegaConf.create(ckpt["config"])
-        for key in self.resume_keys:  # what its states' shapes (or meaning) depend on
+        for key in self.flow.resume_keys:  # what its states' shapes (or meaning) depend on
             then, now = OmegaConf.select(written, key), OmegaConf.select(self.cfg, key)
             if OmegaConf.is_config(then):
                 then, now = OmegaConf.to_container(then), OmegaConf.to_container(now)
@@ -596,8 +532,9 @@ class Runner(Recovery):
                                                    f"{key}={now}: resume with the same {key}")
         x = self.metrics.x_name
         if ckpt["done"] > self.total:
-            raise ConfigError(self.length_key, f"checkpoint {path} is {ckpt['done']} {x}s in, past the {self.total} "
-                                               f"of this run: raise {self.length_key} to continue it")
+            length = self.flow.length_key
+            raise ConfigError(length, f"checkpoint {path} is {ckpt['done']} {x}s in, past the {self.total} "
+                                      f"of this run: raise {length} to continue it")
         if ckpt["done"] == self.total:
             log.note(f"checkpoint {path} is {self.total} of {self.total} {x}s in: nothing left to train")
         states, moved = {}, []
@@ -613,7 +550,7 @@ class Runner(Recovery):
                                  f"{'fused' if group is None else 'in processes of its own'} now")
                 continue
             try:
-                states[c] = self.workers[c].reshard(saved, group.world_size, *self.worker_args(c, False))
+                states[c] = self.flow.workers[c].reshard(saved, group.world_size, *self.worker_args(c, False))
             except ValueError as e:
                 raise ConfigError("runner.resume", f"checkpoint {path}'s {c} state does not fit this placement "
                                                    f"({e})") from None
@@ -632,7 +569,7 @@ class Runner(Recovery):
     def _stateful(self) -> dict[str, WorkerGroup | None]:
         """Stateful component -> its group; None for one fused into another's processes."""
         fused = self.workflow.fusable[1] if self.fused else None
-        return {c: (None if c == fused else self.groups[c]) for c in self.stateful if c in self.groups}
+        return {c: (None if c == fused else self.groups[c]) for c in self.flow.stateful if c in self.groups}
 
     # -- the end ------------------------------------------------------------------------------
     @property

@@ -149,3 +149,9 @@ def _decode(x: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if marker == "$dict":
         return {_decode(k, tensors): _decode(v, tensors) for k, v in x["$dict"]}
     return base64.b64decode(x["$bytes"])
+
+
+def trainer_weights(ckpt: dict, key: str) -> dict[str, Any]:
+    """The actor's weights (rank 0's: every rank holds them, a sharded one in full on rank 0)."""
+    state = ckpt["states"]["actor"][0]
+    return state["trainer"]["model"] if key == "trainer" else state[key]

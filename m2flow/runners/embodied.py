@@ -6,26 +6,39 @@ hybrid, they run on devices of their own and stream to each other. A step's data
 
     env.interact --obs--> rollout.act --actions--> env ... (runner.rollout_steps per env)
     env --trajectories channel--> actor.train --weights--> rollout (next step)
+
+The file reads top to bottom: the components, the macro flow (``EmbodiedRunner``), its
+metrics, the step as the scheduler sees it, ``m2flow eval``'s scores, and ``FLOW``, which
+declares them all.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config.validate import ConfigError, check_grpo_layout, resolved
-from m2flow.envs import make_env
+from m2flow.envs import EnvBatch, make_env
 from m2flow.flow import Plan, Workflow
+from m2flow.flow.simulate import Shape
+from m2flow.models.policies import build_policy
+from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.base import Runner
-from m2flow.runners.metrics import EmbodiedMetrics, RunLog
+from m2flow.runners.flow import Flow
+from m2flow.runners.metrics import RunLog, Staleness, across_ranks
 from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.env import EnvWorker
 from m2flow.workers.layout import EnvLayout
 from m2flow.workers.rollout import RolloutWorker
 
+WORKERS = {"env": EnvWorker, "rollout": RolloutWorker, "actor": ActorWorker}
 WORKFLOW = Workflow(
     "embodied", components=("env", "rollout", "actor"), makers=("env", "rollout"), trainer="actor",
     channels=("trajectories",), fusable=("env", "rollout"), light_alone=("env",),
@@ -35,16 +48,32 @@ WORKFLOW = Workflow(
             "hybrid": ((("env",), 0.5), (("rollout",), None))})
 
 
-def env_layout(cfg: DictConfig, plan: Plan, components: tuple[str, ...]) -> EnvLayout:
+def steps_per_update(cfg: DictConfig) -> int:
+    """Env steps an update collects: every env steps ``rollout_steps`` times, ``chunk`` actions each."""
+    return cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
+
+
+def env_layout(cfg: DictConfig, plan: Plan) -> EnvLayout:
     """Which envs each env rank steps in which stage, and which rollout rank acts for them."""
     try:
-        ranks = (plan.world_size(c) for c in components)
+        ranks = (plan.world_size(c) for c in WORKFLOW.components)
         layout = EnvLayout.build(cfg.env.num_envs, *ranks, plan.stages, cfg.policy.chunk)
     except ValueError as e:  # the envs cannot be shared out among the plan's ranks and stages
         raise ConfigError("env.num_envs", str(e)) from None
     if cfg.algorithm.name == "grpo":
         check_grpo_layout(resolved(cfg), layout)
     return layout
+
+
+def refreshing(cfg: DictConfig, plan: Plan) -> set[str]:
+    """Collecting ahead with ``runner.in_flight_updates``: the rollout (fused: the env
+    workers' replica) takes new weights between env steps."""
+    return {"rollout"} if plan.run_ahead and cfg.runner.in_flight_updates else set()
+
+
+def plan_options(cfg: DictConfig) -> dict[str, Any]:
+    p = cfg.placement
+    return {"fuse": p.fuse, "trainer_devices_per_proc": p.actor_devices_per_proc, "stages": cfg.runner.stages}
 
 
 def probe_spaces(cfg: DictConfig) -> tuple[Any, Any]:
@@ -70,27 +99,10 @@ def probe_spaces(cfg: DictConfig) -> tuple[Any, Any]:
 
 
 class EmbodiedRunner(Runner):
-    workflow = WORKFLOW
-    workers = {"env": EnvWorker, "rollout": RolloutWorker, "actor": ActorWorker}
-    stateful = ("env", "rollout", "actor")
-    length_key = "runner.total_env_steps"
-    # the updates a checkpoint counts are of runner.rollout_steps x env.num_envs x policy.chunk env steps
-    resume_keys = ("algorithm.name", "env.id", "env.num_envs", "env.group_size", "env.obs_norm", "env.reward_scale",
-                   "policy.hidden", "policy.activation", "policy.chunk", "runner.rollout_steps")
-
-    @staticmethod
-    def plan_options(cfg: DictConfig) -> dict[str, Any]:
-        p = cfg.placement
-        return {"fuse": p.fuse, "trainer_devices_per_proc": p.actor_devices_per_proc, "stages": cfg.runner.stages}
-
-    @classmethod
-    def check_plan(cls, cfg: DictConfig, plan: Plan) -> None:
-        env_layout(cfg, plan, cls.components_of(cfg))
-
     def prepare(self) -> None:
         cfg = self.cfg
         self.spaces = probe_spaces(cfg)
-        self.layout = env_layout(cfg, self.plan, self.components)
+        self.layout = env_layout(cfg, self.plan)
         self.plain = OmegaConf.to_container(cfg, resolve=True)
         self.steps_per_update = steps_per_update(cfg)
         self.total = max(1, int(cfg.runner.total_env_steps) // self.steps_per_update)
@@ -101,17 +113,11 @@ class EmbodiedRunner(Runner):
             return (self.plain, self.layout, self.spaces, take_turns) if self.fused else (self.plain, self.layout)
         return self.plain, self.layout, *self.spaces, take_turns
 
-    @classmethod
-    def refreshing_of(cls, cfg: DictConfig, plan: Plan) -> set[str]:
-        """Collecting ahead with ``runner.in_flight_updates``: the rollout (fused: the env
-        workers' replica) takes new weights between env steps."""
-        return {"rollout"} if plan.run_ahead and cfg.runner.in_flight_updates else set()
-
     def launch(self, key: int, trained_by: int) -> dict[str, GroupHandle]:
         """One rollout: env and rollout step together and stream trajectories into the channel
         (taking the actor's pushes as they come, from the last sync's on, when refreshing)."""
         steps, env, rollout = self.cfg.runner.rollout_steps, self.groups["env"], self.groups["rollout"]
-        fresh = (self.trainer.name, self.synced or 0) if self.refreshing() else (None, 0)
+        fresh = (self.trainer.name, self.synced or 0) if self.refreshing else (None, 0)
         return {"env": env.interact(rollout.name, self.channels["trajectories"], steps, *fresh, key),
                 "rollout": rollout.act(env.name, steps, *fresh)}
 
@@ -140,6 +146,175 @@ class EmbodiedRunner(Runner):
                 + ("; the rollout runs in the env workers (same devices)" if self.fused else ""))
 
 
-def steps_per_update(cfg: DictConfig) -> int:
-    """Env steps an update collects: every env steps ``rollout_steps`` times, ``chunk`` actions each."""
-    return cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
+class EmbodiedMetrics:
+    """The embodied flow's rows, against env steps: every update's, as metrics.csv columns
+    and TensorBoard scalars:
+
+    env_steps            env steps so far (all envs; a chunk counts the actions it ran)
+    time_s / update_s    wall time since the start (of a resumed run: since it resumed) / of
+                         this update (incl. weight sync)
+    env_steps_per_s      env steps taken by this process / time_s: end-to-end throughput,
+                         training included
+    episode_return       mean raw (unnormalised) return of the episodes that ended in this
+                         update; the previous value when none ended
+    episode_length       their mean length; episodes: how many ended
+    env_faults           env steps in this update that raised or gave a non-finite reward or
+                         observation: each ended its episode (truncated, reward 0) and the
+                         env was made again (EnvBatch._fault)
+    success_rate         the fraction of them that reached success (the env's info["success"]
+                         at any step: ManiSkill, Meta-World); the previous value when none
+                         ended; absent for envs that report no success
+    policy_loss, value_loss, entropy, approx_kl, clip_fraction, grad_norm, epochs,
+    explained_variance   PPO statistics averaged over the minibatches and the actor's ranks
+    policy_lag           policy versions between the weights trained and the oldest that
+                         collected the data (0 on-policy; up to runner.max_staleness)
+    staleness_<j>        the share of the update's env steps whose actions came from weights j
+                         versions older than those trained (staleness_0 = 1 on-policy)
+    weight_latency_s     runner.in_flight_updates: from an update's end to the rollout taking
+                         its weights between env steps, averaged over this rollout's loads
+                         (absent when it took none)
+    weight_sync_s        actor -> rollout weight broadcast time
+    {env,rollout,actor}_busy_s / _idle_s
+                         per-component busy time (stepping, inferring, training) and idle
+                         time (waiting for actions, observations, trajectories or a device
+                         lock), averaged over the component's ranks; with the rollout
+                         fused into the env workers, rollout_busy_s is their inference time
+    """
+
+    x, y, x_name = "env_steps", "episode_return", "update"
+
+    def __init__(self, progress_total: int):
+        self.progress_total = progress_total
+        self.staleness = Staleness()
+        self.env_steps = self.start_steps = 0
+        self.last_return = self.last_success = math.nan
+
+    def state_dict(self) -> dict[str, float]:
+        return {"env_steps": self.env_steps, "last_return": self.last_return, "last_success": self.last_success}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Continues a run: throughput counts the steps this process adds."""
+        self.env_steps = self.start_steps = state["env_steps"]
+        self.last_return, self.last_success = state["last_return"], state["last_success"]
+
+    def row(self, update: int, report: dict[str, Any], update_s: float, time_s: float) -> dict[str, float]:
+        env, rollout, actor = report["env"], report["rollout"], report["actor"]
+        self.env_steps += sum(e["env_steps"] for e in env)
+        episodes = [ep for e in env for ep in e["episodes"]]
+        if episodes:
+            self.last_return = sum(r for r, _, _ in episodes) / len(episodes)
+        successes = [s for _, _, s in episodes if s is not None]
+        if successes:
+            self.last_success = sum(successes) / len(successes)
+        row: dict[str, float] = {
+            "update": update, "env_steps": self.env_steps, "time_s": time_s, "update_s": update_s,
+            "env_steps_per_s": (self.env_steps - self.start_steps) / time_s, "episode_return": self.last_return,
+            "episode_length": sum(n for _, n, _ in episodes) / len(episodes) if episodes else math.nan,
+            "episodes": len(episodes), "weight_sync_s": report["sync"]["weight_sync_s"],
+            "env_faults": sum(e["env_faults"] for e in env),
+        }
+        if not math.isnan(self.last_success):
+            row["success_rate"] = self.last_success
+        row |= across_ranks(actor, ("busy_s", "idle_s", "lock_wait_s", "step_lags", "version", "update_end"))
+        row |= self.staleness.row([r["step_lags"] for r in actor], rollout, actor)
+        for name, ranks in (("env", env), ("rollout", rollout), ("actor", actor)):
+            for k in ("busy_s", "idle_s"):
+                row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
+        return row
+
+    def summary(self, row: dict[str, float]) -> str:
+        success = "" if math.isnan(self.last_success) else f"  success {self.last_success:.2f}"
+        return f"{row['env_steps_per_s']:,.0f} steps/s  return {self.last_return:.1f}{success}"
+
+
+# -- the step as the scheduler sees it (``runners.schedule``) -------------------------------
+def shape(cfg: DictConfig, plan: Plan, fused: bool) -> Shape:
+    """The envs, in ``stages`` batches, step and act ``rollout_steps`` times; then the actor
+    trains on all of it."""
+    return Shape(("env", "rollout"), "actor", cfg.env.num_envs, plan.stages, repeats=cfg.runner.rollout_steps,
+                 samples=steps_per_update(cfg), whole_turns=("env", "rollout"), in_flight=FLOW.in_flight(cfg, plan))
+
+
+def knobs(cfg: DictConfig) -> dict[str, Any]:
+    n = cfg.env.num_envs
+    return {"stages": [s for s in (1, 2, 4) if n % s == 0 and n >= s]}
+
+
+def length(cfg: DictConfig, updates: int) -> dict[str, Any]:
+    return {"runner.total_env_steps": updates * steps_per_update(cfg), "runner.target_return": None}
+
+
+def probe_sizes(cfg: DictConfig, devices: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The step as configured; the other size is every env in one batch on one device, where
+    the first probe shares them out over all the devices (on a one-device cluster, the envs in
+    two batches, ``stages``): the envs step and act in batches of two sizes, which tells a cost
+    per call (a batched inference, an env worker's step) from a cost per env. (No probe of
+    contention: profiling, about 8% of a 1M-env-step run, has no room for another; the
+    predictions leave contention out, and the planner says so.)"""
+    return {}, {"stages": 1 if devices > 1 else 2}, {}
+
+
+# -- m2flow eval -------------------------------------------------------------------------------
+EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes start from seeds no training env used
+
+
+def score(cfg: DictConfig, ckpt: dict, episodes: int, max_steps: int = 1_000_000) -> dict[str, Any]:
+    """``m2flow eval``: ``episodes`` episodes of the config's env, the policy acting on its mean
+    action (deterministic), observations normalised with the statistics the checkpoint's first
+    env worker had; raw returns. The mean and spread of the returns, the mean length and the
+    success rate (envs that report success: ManiSkill, Meta-World)."""
+    if episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    probe_spaces(cfg)  # an env that cannot be made is a config error
+    env = cfg.env
+    n = min(episodes, env.num_envs)
+    batch = EnvBatch(env.id, n, cfg.seed + EVAL_SEED_OFFSET, obs_norm=env.obs_norm,
+                     env_kwargs=OmegaConf.to_container(env.kwargs, resolve=True))
+    batch.training = False  # the normalisation statistics stay the checkpoint's
+    env_state = ckpt["states"].get("env")
+    if env_state:  # rank 0, stage 0
+        batch.load_state_dict(env_state[0]["batches"][0]["stats"])
+    policy = build_policy(batch.observation_space, batch.action_space, OmegaConf.to_container(cfg.policy, resolve=True))
+    try:
+        policy.load_state_dict(checkpoints.trainer_weights(ckpt, "policy"))
+    except RuntimeError as e:
+        raise ConfigError("policy", f"the checkpoint's policy does not fit this config's env and policy: "
+                          f"{str(e).splitlines()[0]}") from None
+    policy.eval()
+    # Each env runs its share of the episodes (SB3's rule: no bias towards short episodes).
+    target = np.array([episodes // n + (i < episodes % n) for i in range(n)])
+    done = np.zeros(n, dtype=np.int64)
+    returns, lengths, successes = [], [], []
+    obs = batch.reset()
+    steps = 0
+    while (done < target).any():
+        with torch.inference_mode():
+            actions, _ = policy.act(torch.as_tensor(obs), deterministic=True)
+        result = batch.step_chunk(actions.numpy()) if cfg.policy.chunk > 1 else batch.step(actions.numpy())
+        obs = result.obs
+        steps += 1
+        for (i, ret), (_, length), success in zip(result.episode_returns, result.episode_lengths,
+                                                  result.episode_successes):
+            if done[i] < target[i]:
+                done[i] += 1
+                returns.append(ret)
+                lengths.append(length)
+                successes.append(success)
+        if steps * n >= max_steps:
+            raise RuntimeError(f"{int(done.sum())} of {episodes} episodes ended within {max_steps} env steps: "
+                               "give the env a time limit (env.kwargs.max_episode_steps)")
+    reported = [s for s in successes if s is not None]
+    return {"env": env.id, "episodes": len(returns), "mean_return": statistics.fmean(returns),
+            "std_return": statistics.pstdev(returns), "min_return": min(returns), "max_return": max(returns),
+            "mean_length": statistics.fmean(lengths),
+            "success_rate": statistics.fmean(reported) if reported else None}  # None: the env reports none
+
+
+FLOW = Flow(
+    "embodied", WORKFLOW, WORKERS, EmbodiedRunner, length_key="runner.total_env_steps",
+    shape=shape, knobs=knobs, length=length, probe_sizes=probe_sizes, duration="update_s", probe_updates=3,
+    stateful=("env", "rollout", "actor"),
+    # the updates a checkpoint counts are of runner.rollout_steps x env.num_envs x policy.chunk env steps
+    resume_keys=("algorithm.name", "env.id", "env.num_envs", "env.group_size", "env.obs_norm", "env.reward_scale",
+                 "policy.hidden", "policy.activation", "policy.chunk", "runner.rollout_steps"),
+    refreshing=refreshing, plan_options=plan_options, check_plan=env_layout, score=score)

@@ -12,28 +12,41 @@ values and GAE advantages. A step's data flow, each arrow a channel:
 
     rollout.generate --samples--> reward.score --scored--> inference.logprobs
         [--logprobs--> critic.train] --batches--> actor.train --weights--> rollout (next step)
+
+The file reads top to bottom: the components, the macro flow (``ReasoningRunner``), its
+metrics, the step as the scheduler sees it, ``m2flow eval``'s scores, and ``FLOW``, which
+declares them all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config.validate import ConfigError, check_importable
 from m2flow.data import PromptLoader
-from m2flow.data.prompts import load_prompts
+from m2flow.data.prompts import eval_prompts, load_prompts
+from m2flow.engines import SamplingParams, build_engine
 from m2flow.flow import Plan, Workflow
+from m2flow.flow.simulate import Shape
+from m2flow.rewards.scorer import RewardScorer
+from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.base import Runner
-from m2flow.runners.metrics import ReasoningMetrics
+from m2flow.runners.flow import Flow
+from m2flow.runners.metrics import Staleness, across_ranks
 from m2flow.runtime.group import GroupHandle, WorkerError, wait
 from m2flow.workers.inference import InferenceWorker, holds_a_model
 from m2flow.workers.lm_actor import LMActorWorker
 from m2flow.workers.lm_critic import LMCriticWorker
-from m2flow.workers.lm_rollout import LMRolloutWorker
+from m2flow.workers.lm_common import load_model
+from m2flow.workers.lm_rollout import LMRolloutWorker, engine_options
 from m2flow.workers.reward import RewardWorker
 
 COMPONENTS = ("rollout", "reward", "inference", "actor", "critic")
@@ -50,6 +63,41 @@ WORKFLOW = Workflow(
     whole_on_cpu=COMPONENTS,  # on CPU slots one rank spans its slots (its threads do)
     light=("reward",),  # holds no model: it never takes device turns
     gpu_collectives=("actor",))  # its ranks all-reduce gradients over NCCL on GPUs
+WORKERS = {"rollout": LMRolloutWorker, "reward": RewardWorker, "inference": InferenceWorker,
+           "actor": LMActorWorker, "critic": LMCriticWorker}
+
+
+def components(cfg: DictConfig) -> tuple[str, ...]:
+    """A critic only for ppo."""
+    return COMPONENTS if cfg.algorithm.name == "ppo" else COMPONENTS[:-1]
+
+
+def workflow(cfg: DictConfig) -> Workflow:
+    """The inference worker holds a model only for a KL term or recomputed log-probs: without
+    either it is light (it takes no device turns and makes no one take them)."""
+    if holds_a_model(cfg.algorithm):
+        return WORKFLOW
+    return dataclasses.replace(WORKFLOW, light=(*WORKFLOW.light, "inference"))
+
+
+def receivers(cfg: DictConfig) -> list[str]:
+    """The rollout, and the inference worker when it recomputes the old log-probs."""
+    return ["rollout"] + (["inference"] if cfg.algorithm.old_logprobs == "recompute" else [])
+
+
+def refreshing(cfg: DictConfig, plan: Plan) -> set[str]:
+    """Generating ahead: the rollout takes new weights between decode steps
+    (``rollout.partial``); the inference worker takes them before each batch when it
+    recomputes the decoupled objective's proximal log-probs (the newest weights')."""
+    if not plan.run_ahead:
+        return set()
+    a = cfg.algorithm
+    return ({"rollout"} if cfg.rollout.partial else set()) | (
+        {"inference"} if a.old_logprobs == "recompute" and a.off_policy == "decoupled" else set())
+
+
+def plan_options(cfg: DictConfig) -> dict[str, Any]:
+    return {"granularity": cfg.placement.granularity}
 
 
 def sharded(cfg: DictConfig, plan: Plan) -> bool:
@@ -58,31 +106,6 @@ def sharded(cfg: DictConfig, plan: Plan) -> bool:
 
 
 class ReasoningRunner(Runner):
-    workflow = WORKFLOW
-    workers = {"rollout": LMRolloutWorker, "reward": RewardWorker, "inference": InferenceWorker,
-               "actor": LMActorWorker, "critic": LMCriticWorker}
-    stateful = ("rollout", "actor", "critic")
-    length_key = "runner.steps"
-    resume_keys = ("algorithm.name", "model.path")
-    prefetch = {"batches": 1}  # actor ranks take batches one at a time: a rank that is free takes the next
-
-    @classmethod
-    def components_of(cls, cfg: DictConfig) -> tuple[str, ...]:
-        """A critic only for ppo."""
-        return COMPONENTS if cfg.algorithm.name == "ppo" else COMPONENTS[:-1]
-
-    @classmethod
-    def workflow_of(cls, cfg: DictConfig) -> Workflow:
-        """The inference worker holds a model only for a KL term or recomputed log-probs:
-        without either it is light (it takes no device turns and makes no one take them)."""
-        if holds_a_model(cfg.algorithm):
-            return WORKFLOW
-        return dataclasses.replace(WORKFLOW, light=(*WORKFLOW.light, "inference"))
-
-    @staticmethod
-    def plan_options(cfg: DictConfig) -> dict[str, Any]:
-        return {"granularity": cfg.placement.granularity}
-
     def channels_of(self) -> tuple[str, ...]:
         return tuple(ch for ch in WORKFLOW.channels if ch != "logprobs" or "critic" in self.components)
 
@@ -99,31 +122,15 @@ class ReasoningRunner(Runner):
     def worker_args(self, component: str, take_turns: bool) -> tuple:
         return (self.plain,) if component == "reward" else (self.plain, take_turns, self.plan.offload)
 
-    @classmethod
-    def receivers_of(cls, cfg: DictConfig) -> list[str]:
-        """The rollout, and the inference worker when it recomputes the old log-probs."""
-        return ["rollout"] + (["inference"] if cfg.algorithm.old_logprobs == "recompute" else [])
-
     def senders(self) -> list[int] | None:
         return None if self.sharded else [0]  # sharded: every actor rank helps gather the weights
-
-    @classmethod
-    def refreshing_of(cls, cfg: DictConfig, plan: Plan) -> set[str]:
-        """Generating ahead: the rollout takes new weights between decode steps
-        (``rollout.partial``); the inference worker takes them before each batch when it
-        recomputes the decoupled objective's proximal log-probs (the newest weights')."""
-        if not plan.run_ahead:
-            return set()
-        a = cfg.algorithm
-        return ({"rollout"} if cfg.rollout.partial else set()) | (
-            {"inference"} if a.old_logprobs == "recompute" and a.off_policy == "decoupled" else set())
 
     def launch(self, key: int, trained_by: int) -> dict[str, GroupHandle]:
         """One step's stream, up to the batches channel: rollout -> reward -> inference (->
         critic). Items carry the stream's key: a reader that prefetches can then never take
         items of the next step's stream, generated ahead into the same channels."""
         prompts, ch, g = next(self.loader), self.channels, self.groups
-        fresh = {c: (self.trainer.name if c in self.refreshing() else None) for c in ("rollout", "inference")}
+        fresh = {c: (self.trainer.name if c in self.refreshing else None) for c in ("rollout", "inference")}
         # a rollout that takes weights itself starts on those of the last sync at the earliest;
         # one that generates continuously is told of the stream at once, so that its prompts
         # join the decode batch while the streams before it finish (answered at once), on
@@ -197,3 +204,150 @@ class ReasoningRunner(Runner):
         # worker's current one (which the channels' end has ended), for a bounded time.
         with contextlib.suppress(TimeoutError, WorkerError):
             self.groups["reward"].close().wait(timeout=CLOSE_TIMEOUT_S)
+
+
+class ReasoningMetrics:
+    """The reasoning flow's rows (documented in docs/reasoning.md), against steps."""
+
+    x, y, x_name = "step", "eval_reward", "step"
+
+    def __init__(self, progress_total: int):
+        self.progress_total = progress_total
+        self.staleness = Staleness()
+        # step -> the prompt index of every completion trained on (a step done again after a
+        # restart from a checkpoint replaces what it trained before)
+        self.trained: dict[int, list[int]] = {}
+
+    def state_dict(self) -> dict[str, float]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        pass
+
+    def summary(self, row: dict[str, float]) -> str:
+        return f"reward {row['reward']:.3f}  {row['step_s']:.1f} s/step"
+
+    def _staleness(self, rollout: list[dict], actor: list[dict]) -> dict[str, float]:
+        return {"stale_dropped": sum(r.get("stale_dropped", 0) for r in actor)} | self.staleness.row(
+            [r.get("token_lags", {}) for r in actor], rollout, actor)
+
+    def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
+        """The metrics of step ``i + 1`` (steps count from 1; row 0 is the evaluation before training)."""
+        rollout, (reward,), (inference,), actor = report["rollout"], report["reward"], report["inference"], report["actor"]
+        row: dict[str, float] = {"step": i + 1, "time_s": time_s, "step_s": step_s}
+        row |= {k: v for k, v in reward.items() if k not in ("busy_s", "idle_s")}
+        completions = max(1, sum(r["completions"] for r in rollout))
+        row["completion_tokens"] = sum(r["completion_tokens"] for r in rollout)
+        row["completion_length"] = row["completion_tokens"] / completions
+        row["truncated"] = sum(r["truncated"] for r in rollout) / completions
+        row["rollout_tokens_per_s"] = row["completion_tokens"] / max(max(r["busy_s"] for r in rollout), 1e-9)
+        for k in ("decode_steps", "graph_replays"):  # over the rollout ranks
+            row[k] = sum(r.get(k, 0) for r in rollout)
+        row["prompts_joined_early"] = sum(r.get("joined_early", 0) for r in rollout)
+        skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
+                "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
+                "update_end", "trained_prompts", "update_busy_s")
+        row |= across_ranks(actor, skip)
+        row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
+        row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
+        row["actor_update_busy_s"] = sum(r["update_busy_s"] for r in actor) / len(actor)
+        row |= self._staleness(rollout, actor)
+        self.trained[i + 1] = [p for r in actor for p in r.get("trained_prompts", ())]
+        if "logprob_diff_max" in inference:
+            row["logprob_diff_max"] = inference["logprob_diff_max"]
+        row |= {k: report["sync"][k] if k in report["sync"] else 0.0 for k in ("weight_sync_s", "weight_mb")}
+        parts = [("rollout", rollout), ("reward", [reward]), ("inference", [inference]), ("actor", actor)]
+        if "critic" in report:
+            (critic,) = report["critic"]
+            row |= {k: v for k, v in critic.items() if k not in ("busy_s", "idle_s", "peak_memory_mb")}
+            parts.append(("critic", [critic]))
+        for name, ranks in parts:
+            for k in ("busy_s", "idle_s"):
+                row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
+            if "peak_memory_mb" in ranks[0]:
+                row[f"{name}_peak_memory_mb"] = max(r["peak_memory_mb"] for r in ranks)
+        return row
+
+
+# -- the step as the scheduler sees it (``runners.schedule``) -------------------------------
+def shape(cfg: DictConfig, plan: Plan, fused: bool) -> Shape:
+    """The rollout generates the batch, its first groups done after about one wave of
+    ``rollout.max_batch_size`` sequences; its groups go on in chunks of ``granularity``
+    through reward, inference (and critic) to the actor, which trains on each as it comes
+    unless its ranks are sharded; it skips the rows of a group whose samples all got one
+    reward."""
+    chain = ("rollout", "reward", "inference") + (("critic",) if "critic" in components(cfg) else ())
+    prompts = cfg.data.prompts_per_step
+    waves = -(-prompts * cfg.rollout.n // cfg.rollout.max_batch_size)  # of sequences decoded at once
+    return Shape(chain, "actor", prompts * cfg.rollout.n, -(-prompts // plan.granularity["samples"]),
+                 batched=("rollout",), trainer_streams=not sharded(cfg, plan), first_out=1 / waves,
+                 in_flight=FLOW.in_flight(cfg, plan), row_groups=prompts)
+
+
+def knobs(cfg: DictConfig) -> dict[str, Any]:
+    p = cfg.data.prompts_per_step  # a step in 1, 2, 4, ... 64 chunks of prompt groups
+    return {"granularities": sorted({-(-p // chunks) for chunks in (1, 2, 4, 8, 16, 32, 64)})}
+
+
+def length(cfg: DictConfig, updates: int) -> dict[str, Any]:
+    return {"runner.steps": updates}
+
+
+def probe_sizes(cfg: DictConfig, devices: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Steps of a quarter of the configured prompts (at least 4, at most all): every
+    component's time grows with the completions it handles, so the model fitted on smaller
+    steps predicts the configured one; the other size is twice as many prompts (at most all)
+    in one chunk. Peak memory is about the same at either size: the rollout decodes
+    ``rollout.max_batch_size`` sequences at a time and the trainers take micro-batches of
+    ``algorithm.max_tokens_per_micro_batch`` tokens. The other size runs on all the devices,
+    like the first: two sizes on as many devices tell a device effect per chunk (an
+    all-reduce) from one per completion (a process's threads sharing the work less well), and
+    the split probe gives the points on fewer devices."""
+    p = cfg.data.prompts_per_step
+    q = p if p <= 4 else max(4, p // 4)
+    v = min(2 * q, p)
+    return {"data.prompts_per_step": q}, {"granularity": v}, {"data.prompts_per_step": v}
+
+
+# -- m2flow eval -------------------------------------------------------------------------------
+def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> dict[str, Any]:
+    """``m2flow eval``: one greedy completion per prompt, scored by ``reward.functions``, the
+    weights rounded to ``rollout.dtype`` as in the run's own evaluations; the prompts are every
+    row of ``data.source`` when it names a file, else the generated held-out problems. The mean
+    weighted reward, each function's mean, and the accuracy: the share of prompts on which every
+    reward function scored 1 or more."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_model(plain, device, plain["rollout"]["dtype"])  # as the run's evaluations: the rollout's
+    try:
+        model.load_state_dict(checkpoints.trainer_weights(ckpt, "trainer"))  # rounded to the rollout's dtype as they load
+    except RuntimeError as e:
+        raise ConfigError("model.path", f"the checkpoint's weights do not fit {cfg.model.path}: "
+                          f"{str(e).splitlines()[0]}") from None
+    model.requires_grad_(False)
+    prompts = eval_prompts(cfg)
+    r = plain["rollout"]
+    engine = build_engine(r["backend"], model, tokenizer, **engine_options(r, False))
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=r["max_new_tokens"], stop=tuple(r["stop"]), seed=0)
+    texts: dict[int, str] = {}
+    for (c,) in engine.generate([p["token_ids"] for p in prompts], params):
+        texts[c.prompt_index] = c.text
+    completions = [texts[i] for i in range(len(prompts))]
+    with RewardScorer(dict(plain["reward"]["functions"]), timeout_s=plain["reward"]["timeout_s"]) as scorer:
+        scores = scorer.score(completions, [p["answer"] for p in prompts])
+    full = np.all(np.stack([part >= 1.0 for part in scores.parts.values()]), axis=0)
+    return {"source": cfg.data.source, "prompts": len(prompts), "accuracy": float(full.mean()),
+            "reward": float(scores.total.mean()), **{f"reward_{k.rpartition(':')[2]}": float(v.mean())
+                                                      for k, v in scores.parts.items()},
+            "timed_out": int(scores.timed_out.sum())}
+
+
+FLOW = Flow(
+    "reasoning", WORKFLOW, WORKERS, ReasoningRunner, length_key="runner.steps",
+    shape=shape, knobs=knobs, length=length, probe_sizes=probe_sizes, duration="step_s",
+    probe_updates=2,  # a step of a language model takes seconds to minutes
+    sized_on_one_device=False, overlap_probe_updates=3,
+    stateful=("rollout", "actor", "critic"), resume_keys=("algorithm.name", "model.path"),
+    prefetch={"batches": 1},  # actor ranks take batches one at a time: a rank that is free takes the next
+    components_for=components, workflow_for=workflow, receivers=receivers, refreshing=refreshing,
+    plan_options=plan_options, score=score)

@@ -1,5 +1,6 @@
 """How a run meets what stops it, as ``Runner``'s part: a worker process's death (every group
-starts again from the last checkpoint, ``runner.max_restarts`` times in a row), a node's loss
+starts again from the last checkpoint, ``runner.max_restarts`` times in a row; while the
+workers start too), a node's loss
 (the run goes on on the devices left, ``runner.on_node_loss``) and return (it grows back,
 ``runner.on_node_return``), the loss of the cluster's head, a stall (``runner.stall_warning``),
 a disk that fails and a signal; and the one paragraph each ends a run in where it cannot go on.
@@ -11,8 +12,10 @@ import contextlib
 import copy
 import errno
 import sys
+import time
 import traceback
 from collections import deque
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -22,6 +25,7 @@ from m2flow.runners.start import gpu_slots_of, plan_of
 from m2flow.runners.status import RunFailed, continue_from
 from m2flow.runtime.group import WorkerDiedError, WorkerError, death_reason
 from m2flow.runtime.head import HeadMonitor, ray_grace_s
+from m2flow.runtime import stop
 from m2flow.runtime.stop import RunStopped
 from m2flow.runtime.watchdog import Watchdog
 
@@ -59,6 +63,45 @@ class Recovery:
         if self.in_a_row >= self.cfg.runner.max_restarts:
             raise self._out_of_restarts(log, e) from e
         return e
+
+    def _first_start(self) -> None:
+        """The groups' first start (``Runner._setup``). A worker process that dies while they
+        start (killed, out of memory, a simulator that crashes in its constructor) starts every
+        group again, as a death mid-run does, counted against ``runner.max_restarts``: the run's
+        ``train`` begins with ``start_restarts`` of them. An exception a worker raises while it
+        starts (a setting it refuses, a bug) is no death: it would be raised again, and ends the
+        run at once; so does a death while a signal stops the run, and any in a pooled run
+        (profiling). With no restart left, ``RunFailed`` in one paragraph."""
+        self.start_restarts = 0
+        allowed = self.cfg.runner.max_restarts
+        while True:
+            try:
+                self._start()
+                return
+            except WorkerDiedError as e:
+                if self.pool is not None or stop.requested() is not None:
+                    raise
+                self._log_at_start(f"{e}\n\nthe worker's whole traceback:\n{e.traceback}", console=False)
+                if self.start_restarts >= allowed:
+                    deaths = ("a worker process died" if allowed == 0 else
+                              f"worker processes died {self.start_restarts + 1} times")
+                    message = (f"the run failed while it started: {deaths}, more than runner.max_restarts={allowed} "
+                               f"allows; the last: {str(e).splitlines()[0]}")
+                    self._log_at_start(message, console=False)
+                    raise RunFailed(message) from e
+                self.start_restarts += 1
+                self._log_at_start(f"restart {self.start_restarts} of at most {allowed}: {e.group} rank {e.rank} died "
+                                   f"in {e.method}() ({_first_line(e.cause)}) while the workers started; all groups "
+                                   "start again")
+                self.status.set(restarts=self.start_restarts, now=True)
+
+    def _log_at_start(self, text: str, console: bool = True) -> None:
+        """A note before the run's log is open (``train`` opens it): on the console unless not
+        ``console``, and time-stamped in ``log.txt`` as the log writes it."""
+        if console:
+            print(text, flush=True)
+        with contextlib.suppress(OSError), open(Path(self.cfg.runner.out_dir) / "log.txt", "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
 
     def _start_again(self, died: WorkerDiedError | None, point: str | None, log: RunLog) -> None:
         """Every group starts again, to continue from checkpoint ``point``: a restart after
@@ -134,7 +177,7 @@ class Recovery:
         def named(mode: str) -> Plan:
             cfg = copy.deepcopy(self.cfg)
             cfg.placement.mode, cfg.placement.plan = mode, None
-            return plan_of(cfg, self.workflow, n, kind, self.components, **self.plan_options(cfg))
+            return plan_of(cfg, self.workflow, n, kind, self.components, **self.flow.plan_options(cfg))
 
         tries = [("auto", lambda: self.replanner(n))] if p.mode == "auto" and self.replanner else []
         tries += [(m, lambda m=m: named(m)) for m in dict.fromkeys((p.mode, "collocated")) if m != "auto"]
@@ -142,7 +185,7 @@ class Recovery:
             try:
                 plan = make()
                 plan.check(self.workflow, n, self.components, gpu_slots=gpu_slots_of(self.cfg, kind))
-                self.check_plan(self.cfg, plan)
+                self.flow.check_plan(self.cfg, plan)
             except ValueError:  # PlanError, ConfigError: it does not fit
                 continue
             return plan, mode
