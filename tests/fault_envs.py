@@ -15,6 +15,8 @@ would: the run restarts from its last checkpoint, and dies there again as many s
 Slow-v0: a coin-flip task whose ``step`` takes ``step_s`` seconds: a simulator slower than
 the learner, so that the actor's updates end while a rollout runs. Lopsided-v0: Slow-v0 on
 some env ranks only, so that the others run whole rollouts ahead of them.
+DieInWorker-v0: ends its worker's process once while the worker starts (or, with ``raise_``,
+raises there every time): a worker that dies in its constructor is started again.
 """
 
 import os
@@ -126,3 +128,30 @@ gym.register("Slow-v0", entry_point=Slow, max_episode_steps=16)
 gym.register("Lopsided-v0", entry_point=Lopsided, max_episode_steps=16)
 gym.register("Faulty-v0", entry_point=Faulty)
 gym.register("Crash-v0", entry_point=Crash, max_episode_steps=16)
+
+
+class DieInWorker(_Blank):
+    """Ends its worker's process (``os._exit``) while the worker starts, once: the first time an
+    instance is made in a worker process, as a simulator that segfaults in its constructor
+    would; ``marker`` (a file it creates) tells later instances that it did. With ``raise_``, it
+    raises instead, as a constructor given a bad setting does. The driver's probe of the env is
+    made normally."""
+
+    def __init__(self, marker: str, raise_: bool = False):
+        import ray
+
+        if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None):
+            return  # the driver's probe
+        if raise_:
+            raise ValueError("no such arm: 'left'")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os._exit(1)
+
+    def step(self, action):
+        return np.zeros(2, np.float32), 1.0, False, False, {}
+
+
+gym.register("DieInWorker-v0", entry_point=DieInWorker, max_episode_steps=16)

@@ -81,3 +81,8 @@ def reassert() -> None:
     if _active and _active[0]._before and threading.current_thread() is threading.main_thread():
         for s in SIGNALS:
             signal.signal(s, _active[0]._handle)
+
+
+def requested() -> int | None:
+    """The signal the entered requests got, if one came (None: none did, or none is entered)."""
+    return _active[0].signum if _active else None
