@@ -31,7 +31,7 @@ VARIANTS = {  # name: (contention, steps that vary)
 def predict_runs(profile_path: Path, runs: list[tuple[Path, Path]]) -> dict:
     from omegaconf import OmegaConf
 
-    from m2flow.config.schema import ROOTS
+    from m2flow.config.flows import root_of
     from m2flow.flow import Plan
     from m2flow.flow.cost import CostModel, Profile, trained_rows
     from m2flow.flow.planner import layout_of
@@ -40,7 +40,7 @@ def predict_runs(profile_path: Path, runs: list[tuple[Path, Path]]) -> dict:
     from m2flow.runners.schedule import schedule_of
 
     prof = Profile.load(profile_path)
-    cfg = OmegaConf.merge(OmegaConf.structured(ROOTS[prof.config["flow"]]), prof.config)
+    cfg = OmegaConf.merge(OmegaConf.structured(root_of(prof.config["flow"])), prof.config)
     refit_hidden_costs(cfg, prof)  # the hidden costs and the contention, as the model reads them now
     model = CostModel(prof)
     s = schedule_of(cfg)

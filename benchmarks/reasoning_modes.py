@@ -70,7 +70,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             # The timed window ends once the rollout its last step started is done: a step
             # that generates ahead returns before that rollout ends, which would leave it out.
             start = time.perf_counter()
-            runner.wait_ahead()
+            runner.streams.wait_ahead()
             rows[-1]["step_s"] += time.perf_counter() - start
             runner.step(args.warmup + args.steps)  # trains on the last rollout started ahead
     finally:

@@ -260,7 +260,7 @@ def run_m2flow(spec: dict) -> dict:
                 # The timed window ends once the rollout its last step started is done: a step
                 # that generates ahead returns before that rollout ends, which would leave it out.
                 t0 = time.perf_counter()
-                runner.wait_ahead()
+                runner.streams.wait_ahead()
                 rows[-1]["step_s"] += time.perf_counter() - t0
                 runner.step(spec["warmup"] + spec["steps"])  # trains on the last rollout started ahead (untimed)
         finally:

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from safetensors.numpy import save_file
 
 from m2flow import cli
-from m2flow.config import ROOTS, ConfigError, load_config, presets, to_yaml, validate
+from m2flow.config import ConfigError, load_config, presets, root_of, shipped, to_yaml, validate
 from m2flow.config import schema
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,7 +274,7 @@ def test_the_maniskill_preset_holds_its_task_settings():
 @pytest.mark.parametrize("preset", presets())
 def test_presets_hold_only_what_differs_from_the_defaults(preset):
     delta = yaml.safe_load((ROOT / "m2flow/presets" / f"{preset}.yaml").read_text())
-    defaults = OmegaConf.to_container(OmegaConf.structured(ROOTS[delta["flow"]]))
+    defaults = OmegaConf.to_container(OmegaConf.structured(root_of(delta["flow"])))
 
     def same(d, base, path):
         for k, v in d.items():
@@ -306,7 +306,7 @@ def test_every_key_has_a_doc():
             if dataclasses.is_dataclass(hints[f.name]):
                 yield from undocumented(hints[f.name], f"{prefix}{f.name}.")
 
-    assert [k for root in ROOTS.values() for k in undocumented(root)] == []
+    assert [k for flow in shipped() for k in undocumented(root_of(flow))] == []
 
 
 def test_the_schemas_names_are_the_codes():

@@ -267,6 +267,20 @@ def aggregate(
     return per_seq.sum() / torch.as_tensor(count, dtype=loss_tokens.dtype).clamp_min(1)
 
 
+def nll_loss(
+    logp: Tensor,
+    mask: Tensor,
+    agg: str = "token-mean",
+    norm_len: float | None = None,
+    total_tokens: float | Tensor | None = None,
+    total_seqs: float | Tensor | None = None,
+) -> Tensor:
+    """Supervised fine-tuning's loss: the negative log-likelihood of the masked tokens
+    (``logp`` [B, T], the model's log-probs of the tokens taken), aggregated as ``aggregate``
+    does (its totals: for a micro-batch's share of a larger batch's loss)."""
+    return aggregate(-logp, mask, agg, norm_len, total_tokens, total_seqs)
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,

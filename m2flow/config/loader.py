@@ -21,7 +21,8 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from m2flow.config.schema import REMOVED, RENAMED, ROOTS
+from m2flow.config.flows import UnknownFlow, root_of, shipped
+from m2flow.config.schema import REMOVED, RENAMED
 from m2flow.config.validate import ConfigError, resolved, validate
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
@@ -56,9 +57,10 @@ def load_config(preset: str, overrides: list[str] | None = None, validate_config
     if not isinstance(delta, DictConfig):
         raise ConfigError("preset", f"{path} is not a mapping of sections")
     flow = delta.get("flow")
-    if flow not in ROOTS:
-        raise ConfigError("flow", f"must be {' | '.join(ROOTS)}, got {flow!r} (in {path})")
-    root = ROOTS[flow]
+    try:
+        root = root_of(flow)
+    except UnknownFlow as e:
+        raise ConfigError("flow", f"{e} (in {path})") from None
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(root), delta)
     except OmegaConfBaseException as e:
@@ -177,7 +179,7 @@ def unknown_key(root: type, key: str) -> str:
         return f"no such key; did you mean {parent + '.' if parent else ''}{close[0]}?"
     if elsewhere:
         return f"no such key; did you mean {elsewhere[0]}?"
-    other = [f for f, cls in ROOTS.items() if cls is not root and hint_at(cls, key) is not None]
+    other = [f for f in shipped() if (cls := root_of(f)) is not root and hint_at(cls, key) is not None]
     flows = f" ({key} is a key of {other[0]} configs)" if other else ""
     return f"no such key{flows}; {parent or 'the config'} has: {', '.join(known)}"
 
@@ -242,7 +244,7 @@ def to_yaml(cfg: DictConfig, docs: bool = False) -> str:
     if not docs:
         return OmegaConf.to_yaml(cfg, resolve=True)
     plain = resolved(cfg)
-    return "".join(_documented(plain, ROOTS[plain["flow"]], ""))
+    return "".join(_documented(plain, root_of(plain["flow"]), ""))
 
 
 def _documented(d: dict, cls: type, indent: str) -> list[str]:

@@ -1,8 +1,10 @@
 """The typed config: one dataclass per section, each key with its default, its one-line doc
 and, where it has one, the range or the choices it allows (checked by ``validate``).
 
-Two roots, chosen by a preset's ``flow``: ``EmbodiedConfig`` and ``ReasoningConfig``; both
-share ``name``, ``flow``, ``seed``, ``cluster`` and the common ``runner`` keys. A preset is a
+A config's root is its flow's (``config/flows.py``: the flow's ``FLOW.config``), chosen by a
+preset's ``flow``: ``EmbodiedConfig`` and ``ReasoningConfig`` here for the embodied and
+reasoning flows, a flow's own elsewhere (built from these sections); every root has ``name``,
+``flow``, ``seed``, ``cluster`` and the common ``runner`` keys. A preset is a
 delta over these defaults. ``MISSING`` (``???``) marks a key without a default: every preset
 sets it (the presets disagree on it and the code reads it without a fallback).
 ``m2flow config PRESET --docs`` prints the resolved config with each key's doc.
@@ -371,5 +373,3 @@ class ReasoningConfig(BaseConfig):
     runner: ReasoningRunnerConfig = section(ReasoningRunnerConfig, "the training loop")
     placement: ReasoningPlacementConfig = section(ReasoningPlacementConfig, "which devices each component runs on")
 
-
-ROOTS: dict[str, type] = {"embodied": EmbodiedConfig, "reasoning": ReasoningConfig}

@@ -21,7 +21,8 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from m2flow.config.schema import BUILTIN_MODELS, BUILTIN_REWARDS, ROOTS, Range
+from m2flow.config.flows import UnknownFlow, declared
+from m2flow.config.schema import BUILTIN_MODELS, BUILTIN_REWARDS, Range
 
 GROUP_FREE = ("reinforce_pp", "ppo")  # reasoning algorithms that need no group of samples per prompt
 
@@ -39,15 +40,13 @@ def validate(cfg: DictConfig | Mapping, training: bool = True) -> None:
     ``training=False``: for scoring a checkpoint on the data (``m2flow eval``), which trains
     on none of it: the data need not hold a training set beside the held-out one."""
     d = resolved(cfg)
-    flow = d.get("flow")
-    if flow not in ROOTS:
-        raise ConfigError("flow", f"must be {' | '.join(ROOTS)}, got {flow!r}")
-    check_values(d, ROOTS[flow])
+    try:
+        flow = declared(d.get("flow"))  # its config's root and rules
+    except UnknownFlow as e:
+        raise ConfigError("flow", str(e)) from None
+    check_values(d, flow.config)
     check_runner_files(d)
-    if flow == "embodied":
-        check_embodied(d)
-    else:
-        check_reasoning(d, training)
+    flow.check(d, training)
 
 
 def resolved(cfg: DictConfig | Mapping) -> dict:
@@ -120,7 +119,7 @@ def check_custom_placement(placement: Mapping, components: tuple[str, ...]) -> N
 # -------------------------------------------------------------------- embodied
 
 
-def check_embodied(d: Mapping) -> None:
+def check_embodied(d: Mapping, training: bool = True) -> None:
     env, runner = d["env"], d["runner"]
     check_custom_placement(d["placement"], ("env", "rollout", "actor"))
     if env["num_envs"] % runner["stages"]:

@@ -428,7 +428,7 @@ def plan_command(preset: str | None, overrides: list[str], profile_file: str | N
     from omegaconf.errors import OmegaConfBaseException
 
     from m2flow.config.loader import apply_override, translate
-    from m2flow.config.schema import ROOTS
+    from m2flow.config.flows import UnknownFlow, root_of
 
     for flag, value, least in (("--devices", devices, 1), ("--nodes", nodes, 1)):
         if value is not None and value < least:
@@ -446,9 +446,10 @@ def plan_command(preset: str | None, overrides: list[str], profile_file: str | N
         if preset:
             cfg = load_config(preset, overrides)
         else:  # the config the profile was measured with
-            if prof.config.get("flow") not in ROOTS:
-                raise ConfigError("--profile", f"{profile_file} holds no config of a flow: give its preset too")
-            root = ROOTS[prof.config["flow"]]
+            try:
+                root = root_of(prof.config.get("flow"))
+            except UnknownFlow:
+                raise ConfigError("--profile", f"{profile_file} holds no config of a flow: give its preset too") from None
             try:
                 cfg = OmegaConf.merge(OmegaConf.structured(root), prof.config)
             except OmegaConfBaseException as e:

@@ -17,7 +17,6 @@ import copy
 import sys
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,14 +31,12 @@ from m2flow.runners.metrics import RunLog
 from m2flow.runners.recovery import Recovery
 from m2flow.runners.start import claim_out_dir, gpu_slots_of, local_devices, plan_of, start_cluster
 from m2flow.runners.status import RunFailed, RunStatus
+from m2flow.runners.streams import Streams
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
 from m2flow.runtime.group import GroupHandle, WorkerDiedError, WorkerPool, start_together, wait
 from m2flow.runtime.stop import StopRequest
 from m2flow.runtime.trace import get_tracer, write_chrome_trace
 from m2flow.runtime.watchdog import Watchdog
-
-NO_SYNC = {"weight_sync_s": 0.0}
-
 
 class Runner(Recovery):
     def __init__(self, cfg: DictConfig, cluster: Cluster | None = None, pool: WorkerPool | None = None,
@@ -89,11 +86,6 @@ class Runner(Recovery):
             if self._own_cluster:
                 self.cluster.shutdown()
             raise
-        self.updates = 0  # steps that train (each changes the weights a sync sends)
-        self.synced: int | None = None  # ``updates`` at the last weight sync (None: never synced)
-        self.streams = 0  # data streams launched: each is keyed by its number
-        # streams launched ahead of their step: key, calls, the sync started before them (or None)
-        self.ahead: deque[tuple[int, dict[str, GroupHandle], list[GroupHandle] | None]] = deque()
 
     def _plan(self, num_devices: int, kind: str) -> Plan:
         plan = plan_of(self.cfg, self.workflow, num_devices, kind, self.components, **self.flow.plan_options(self.cfg))
@@ -127,6 +119,12 @@ class Runner(Recovery):
         self.channels = {ch: Channel.create(f"{ch}-{run}", **({"prefetch": prefetch[ch]} if ch in prefetch else {}))
                          for ch in self.channels_of()}
         start_together(*self.distinct_groups, channels=list(self.channels.values()), locks=locks)
+        # weight sync and the data streams, anew for these groups (the version and the stream
+        # keys carry on from the last groups'); the weights go out again before the next step
+        last = getattr(self, "streams", None)
+        self.streams = Streams(self.trainer, [self.groups[c] for c in self.flow.receivers(self.cfg)], self.senders(),
+                               self.flow.in_flight(self.cfg, self.plan), self.launch,
+                               updates=last.updates if last else 0, launched=last.launched if last else 0)
 
     # -- what a flow defines ------------------------------------------------------------
     def channels_of(self) -> tuple[str, ...]:
@@ -183,76 +181,6 @@ class Runner(Recovery):
     @property
     def trainer(self) -> WorkerGroup:
         return self.groups[self.workflow.trainer]
-
-    def sync_weights(self) -> dict[str, Any]:
-        """The trainer sends its weights, tagged with their version, to every rank of each
-        receiver; skipped when they have not changed since the last sync. Only receivers are
-        sent to: a message nobody takes would pin the sender's shared-memory segment."""
-        start = time.perf_counter()
-        pending = self.send_weights()
-        if pending is None:
-            return NO_SYNC
-        return self.synced_report(pending) | {"weight_sync_s": time.perf_counter() - start}
-
-    def send_weights(self, pull: bool = True) -> list[GroupHandle] | None:
-        """Starts a sync without waiting for it: the trainer's push (the weights of version
-        ``updates``) into every receiver's mailbox and, with ``pull``, each receiver's pull,
-        which takes pushes in order until it has that version (without: the receivers take
-        them themselves, ``refreshing``). None when the weights have not changed since the
-        last sync."""
-        if self.synced == self.updates:
-            return None
-        receivers = [self.groups[c] for c in self.flow.receivers(self.cfg)]
-        self.synced = self.updates
-        return [self.trainer.call("push_weights", [g.name for g in receivers], ranks=self.senders()),
-                *(g.pull_weights(self.trainer.name, self.updates) for g in receivers if pull)]
-
-    @staticmethod
-    def synced_report(pending: list[GroupHandle] | None) -> dict[str, Any]:
-        """Waits for a sync ``send_weights`` started; the trainer's report of its push."""
-        if pending is None:
-            return NO_SYNC
-        (pushed, *_), *_ = wait(*pending)
-        return {"weight_sync_s": 0.0} | (pushed if isinstance(pushed, dict) else {})
-
-    def stream(self, ahead: int) -> tuple[int, dict[str, GroupHandle], dict[str, Any]]:
-        """This step's data stream: launched ahead by an earlier step, or now after a weight
-        sync. Then streams are launched until ``ahead`` of them are in flight behind this one,
-        each once the last one launched is made, after a sync of the weights this step starts
-        from if they changed; or, when every receiver takes pushes itself (``refreshing``:
-        in-flight updates), at once, after only the trainer's push (its report comes with the
-        step that trains on that stream). Launched at step i with ``ahead = k``, stream i + k's
-        data is at most k versions old when it is trained on."""
-        if not self.ahead:
-            sync, (key, calls) = self.sync_weights(), self._launch(self.updates)
-        else:
-            key, calls, pending = self.ahead.popleft()
-            sync = self.synced_report(pending)
-        while len(self.ahead) < ahead:
-            pending = None
-            if self.flow.in_flight(self.cfg, self.plan):  # every receiver takes pushes itself
-                pending = self.send_weights(pull=False)
-            else:
-                # Ray runs a threaded actor's calls in no guaranteed order: a stream's calls
-                # are made once the last stream's are done (the same data and the same state
-                # per stream, run after run), and a pull only then.
-                wait(*(self.ahead[-1][1] if self.ahead else calls).values())
-                if self.synced != self.updates:
-                    sync = self.sync_weights()
-            self.ahead.append((*self._launch(self.updates + len(self.ahead) + 1), pending))
-        self.updates += 1  # the trainer trains on this stream: the next sync has new weights to send
-        return key, calls, sync
-
-    def _launch(self, trained_by: int) -> tuple[int, dict[str, GroupHandle]]:
-        self.streams += 1
-        return self.streams, self.launch(self.streams, trained_by)
-
-    def wait_ahead(self) -> None:
-        """Blocks until the streams launched ahead (if any) are made: what ``step(i, ahead=k)``
-        leaves running when it returns. The next steps train on them."""
-        for _, calls, pending in self.ahead:
-            self.synced_report(pending)
-            wait(*calls.values())
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self, evaluate: bool = True, checkpoint: bool = True, trace: bool = True) -> list[dict[str, float]]:
@@ -340,7 +268,7 @@ class Runner(Recovery):
         hears of each update's end. None: it stopped at a checkpoint to grow (``_grows``)."""
         r = self.cfg.runner
         first = self.resume(path, log) if path else self._from_start(log, initial)
-        self.updates = first  # the trainer's weights are version ``first``: a sync sends that version
+        self.streams.updates = first  # the trainer's weights are version ``first``: a sync sends that version
         self.done = first  # updates logged
         self.status.set(now=True, **self._position())  # a resumed run's position, at once: it may be long to the next
         self.checkpointed_at = time.perf_counter()
@@ -360,7 +288,7 @@ class Runner(Recovery):
             # (a signal, or the loss of the cluster's head), waits until those launched ahead
             # are trained on, launching no more.
             asked, headless = self.stop_request.signum is not None, self.cluster.head.lost
-            drained = len(self.ahead) <= 1
+            drained = len(self.streams.ahead) <= 1
             halting = (asked or headless) and drained
             due = asked or headless or reached or (checkpoint and bool(r.checkpoint_every_min)
                                         and t0 - self.checkpointed_at >= 60 * r.checkpoint_every_min)
@@ -390,13 +318,14 @@ class Runner(Recovery):
             if halting and not last:
                 self.halted = f"after {i + 1} of {self.total} {self.metrics.x_name}s"
             early = reached or self.stop_early(row, log)
-            if early and self.ahead and not reached:  # their env steps are taken: trained on, not lost
-                log.note(f"training on the {len(self.ahead)} {self.metrics.x_name}(s) collected ahead, then stopping")
-            reached = early and bool(self.ahead)
+            if early and self.streams.ahead and not reached:  # their env steps are taken: trained on, not lost
+                log.note(f"training on the {len(self.streams.ahead)} {self.metrics.x_name}(s) collected ahead, "
+                         "then stopping")
+            reached = early and bool(self.streams.ahead)
             stop = last or halting or (early and not reached)
             if stop:  # the last update or a halt: no stream is in flight any more
-                self.wait_ahead()
-                self.ahead.clear()
+                self.streams.wait_ahead()
+                self.streams.ahead.clear()
             wrote = (stop and checkpoint) or saving
             if wrote:  # one due by time alone is rolling
                 self.checkpoint(i + 1, log, rolling=not (stop or scheduled))
@@ -442,7 +371,7 @@ class Runner(Recovery):
                 if watchdog is not None:
                     watchdog.beat()
         if done:
-            self.synced = None  # the rollout holds saved weights now, not the trainer's
+            self.streams.synced = None  # the rollout holds saved weights now, not the trainer's
             log.note(f"evaluated the weights saved at {done} update(s) in {time.perf_counter() - start:.1f} s")
 
     def _barrier(self, i: int, checkpoint: bool, evaluate: bool) -> bool:
@@ -560,7 +489,7 @@ class Runner(Recovery):
             log.note(f"checkpoint {path} was written on another placement ({'; '.join(moved)}): its states are "
                      "spread over this one's ranks")
         wait(*(self.groups[c].load_state(state) for c, state in states.items()))
-        self.synced = None  # the loaded weights go out before the first step, whatever was synced before
+        self.streams.synced = None  # the loaded weights go out before the first step, whatever was synced before
         self.metrics.load_state_dict(ckpt["metrics"])
         self.load_extra_state(ckpt["extra"])
         log.history = [row for row in log.read_csv() if row[log.x] <= ckpt["logged_to"]]

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from m2flow.config.validate import ConfigError, check_grpo_layout, resolved
+from m2flow.config.schema import EmbodiedConfig
+from m2flow.config.validate import ConfigError, check_embodied, check_grpo_layout, resolved
 from m2flow.envs import EnvBatch, make_env
 from m2flow.flow import Plan, Workflow
 from m2flow.flow.simulate import Shape
@@ -117,7 +118,7 @@ class EmbodiedRunner(Runner):
         """One rollout: env and rollout step together and stream trajectories into the channel
         (taking the actor's pushes as they come, from the last sync's on, when refreshing)."""
         steps, env, rollout = self.cfg.runner.rollout_steps, self.groups["env"], self.groups["rollout"]
-        fresh = (self.trainer.name, self.synced or 0) if self.refreshing else (None, 0)
+        fresh = (self.trainer.name, self.streams.synced or 0) if self.refreshing else (None, 0)
         return {"env": env.interact(rollout.name, self.channels["trajectories"], steps, *fresh, key),
                 "rollout": rollout.act(env.name, steps, *fresh)}
 
@@ -129,7 +130,7 @@ class EmbodiedRunner(Runner):
         updates are in flight while the actor trains (the newest, launched now, with this
         update's starting weights: its data is k versions old when trained on, which the PPO
         ratio or ``algorithm.off_policy`` accounts for)."""
-        key, collecting, sync = self.stream(ahead)
+        key, collecting, sync = self.streams.next(ahead)
         training = self.groups["actor"].train(self.channels["trajectories"], key, i, self.total)
         env, rollout, actor = wait(collecting["env"], collecting["rollout"], training)
         return {"env": env, "rollout": rollout, "actor": actor, "sync": sync}
@@ -311,7 +312,8 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int, max_steps: int = 1_000_000
 
 
 FLOW = Flow(
-    "embodied", WORKFLOW, WORKERS, EmbodiedRunner, length_key="runner.total_env_steps",
+    "embodied", WORKFLOW, WORKERS, EmbodiedRunner, config=EmbodiedConfig, check=check_embodied,
+    length_key="runner.total_env_steps",
     shape=shape, knobs=knobs, length=length, probe_sizes=probe_sizes, duration="update_s", probe_updates=3,
     stateful=("env", "rollout", "actor"),
     # the updates a checkpoint counts are of runner.rollout_steps x env.num_envs x policy.chunk env steps

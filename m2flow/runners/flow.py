@@ -8,19 +8,20 @@ trainer's weights, who takes them in flight, the shape of a step the scheduler s
 the knobs its plans may turn. The runner, recovery, profiling and ``placement=auto`` read
 those facts here, and nowhere else.
 
-``flow_named`` finds a flow by the name a config's ``flow`` key gives: a flow shipped in this
-package by its short name, any other by its module's import path (``my_package.my_flow``).
+``flow_named`` finds a flow by the name a config's ``flow`` key gives (``config/flows.py``): a
+flow shipped in this package by its short name, any other by its module's import path
+(``my_package.my_flow``).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
+from m2flow.config.flows import UnknownFlow, declared
 from m2flow.flow import Plan, Workflow
 from m2flow.flow.simulate import Shape
 
@@ -28,9 +29,6 @@ if TYPE_CHECKING:
     from m2flow.runtime import Cluster
     from m2flow.runtime.group import WorkerPool
     from m2flow.runtime.placement import ComponentPlacement
-
-PACKAGE = "m2flow.runners"  # a shipped flow's module: PACKAGE.<name>
-
 
 def _rollout(cfg: DictConfig) -> list[str]:
     return ["rollout"]
@@ -48,6 +46,8 @@ class Flow:
     workflow: Workflow  # its components, channels and how named modes split the devices
     workers: Mapping[str, type]  # component -> worker class
     runner: type  # the macro flow: a ``runners.base.Runner`` with ``launch`` and ``step``
+    config: type  # the root section of its configs (a dataclass: ``config.schema``'s sections)
+    check: Callable[[Mapping, bool], None]  # the rules between its config's keys (resolved; training or not)
     length_key: str  # the config key that sets how long a run is
     # the scheduler's view (``runners.schedule.Schedule``): one step's shape under a plan,
     # whether its rollout runs in its env workers' processes; and the values its knobs may take
@@ -113,16 +113,9 @@ class Flow:
 
 
 def flow_named(name: str) -> Flow:
-    """The flow a config's ``flow`` key names: ``PACKAGE.<name>``'s ``FLOW`` for a shipped one,
-    else the ``FLOW`` of the module at that import path. ``ValueError`` where there is none."""
-    module = name if "." in name else f"{PACKAGE}.{name}"
-    try:
-        found = getattr(importlib.import_module(module), "FLOW", None)
-    except ModuleNotFoundError as e:
-        if e.name is None or not module.startswith(e.name):  # the flow's module is there; an import of its failed
-            raise
-        found = None
+    """The flow a config's ``flow`` key names (``config.flows.declared``): a shipped one's
+    ``FLOW``, or that of the module at that import path. ``ValueError`` where there is none."""
+    found = declared(name)
     if not isinstance(found, Flow):
-        raise ValueError(f"no flow {name!r}: a flow shipped with m2flow (embodied, reasoning) or the import path of "
-                         "a module that defines FLOW = Flow(...)")
+        raise UnknownFlow(f"{name!r} declares FLOW, but not as a m2flow.runners.flow.Flow")
     return found

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from m2flow.config.validate import ConfigError, check_importable
+from m2flow.config.schema import ReasoningConfig
+from m2flow.config.validate import ConfigError, check_importable, check_reasoning
 from m2flow.data import PromptLoader
 from m2flow.data.prompts import eval_prompts, load_prompts
 from m2flow.engines import SamplingParams, build_engine
@@ -135,7 +136,7 @@ class ReasoningRunner(Runner):
         # one that generates continuously is told of the stream at once, so that its prompts
         # join the decode batch while the streams before it finish (answered at once), on
         # weights at most one version behind those that will train on it
-        min_version = self.synced or 0
+        min_version = self.streams.synced or 0
         if fresh["rollout"] and self.cfg.rollout.continuous:
             g["rollout"].offer(prompts, key, min_version, trained_by - 1).wait()
         calls = {"rollout": g["rollout"].generate(prompts, ch["samples"], self.plan.granularity["samples"], key,
@@ -157,7 +158,7 @@ class ReasoningRunner(Runner):
         trains, the newest started with this step's starting weights once the rollout is done
         with the one before: its data is k versions old when trained on (the ratio is taken
         against the log-probs it was sampled with, or ``algorithm.off_policy`` corrects)."""
-        key, calls, sync = self.stream(ahead)
+        key, calls, sync = self.streams.next(ahead)
         calls = calls | {"actor": self.groups["actor"].train(self.channels["batches"], key)}
         return dict(zip(calls, wait(*calls.values()))) | {"sync": sync}
 
@@ -168,7 +169,7 @@ class ReasoningRunner(Runner):
 
     def evaluate(self) -> dict[str, float]:
         """Mean reward of one greedy completion per held-out prompt (accuracy, with a 0/1 reward)."""
-        self.sync_weights()
+        self.streams.sync_weights()
         return self.held_out_scores()
 
     def defers_evaluation(self) -> bool:
@@ -204,6 +205,12 @@ class ReasoningRunner(Runner):
         # worker's current one (which the channels' end has ended), for a bounded time.
         with contextlib.suppress(TimeoutError, WorkerError):
             self.groups["reward"].close().wait(timeout=CLOSE_TIMEOUT_S)
+
+
+# What an actor rank reports besides its training statistics (which ``across_ranks`` averages)
+ACTOR_BOOKKEEPING = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
+                     "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped",
+                     "token_lags", "update_end", "trained_prompts", "update_busy_s")
 
 
 class ReasoningMetrics:
@@ -244,10 +251,7 @@ class ReasoningMetrics:
         for k in ("decode_steps", "graph_replays"):  # over the rollout ranks
             row[k] = sum(r.get(k, 0) for r in rollout)
         row["prompts_joined_early"] = sum(r.get("joined_early", 0) for r in rollout)
-        skip = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
-                "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
-                "update_end", "trained_prompts", "update_busy_s")
-        row |= across_ranks(actor, skip)
+        row |= across_ranks(actor, ACTOR_BOOKKEEPING)
         row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
         row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
         row["actor_update_busy_s"] = sum(r["update_busy_s"] for r in actor) / len(actor)
@@ -343,7 +347,8 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> dict[str, Any]:
 
 
 FLOW = Flow(
-    "reasoning", WORKFLOW, WORKERS, ReasoningRunner, length_key="runner.steps",
+    "reasoning", WORKFLOW, WORKERS, ReasoningRunner, config=ReasoningConfig, check=check_reasoning,
+    length_key="runner.steps",
     shape=shape, knobs=knobs, length=length, probe_sizes=probe_sizes, duration="step_s",
     probe_updates=2,  # a step of a language model takes seconds to minutes
     sized_on_one_device=False, overlap_probe_updates=3,

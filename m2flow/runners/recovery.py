@@ -14,7 +14,6 @@ import errno
 import sys
 import time
 import traceback
-from collections import deque
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -241,7 +240,6 @@ class Recovery:
             g.kill()
         for channel in self.channels.values():
             channel.destroy()
-        self.ahead, self.synced = deque(), None
         self._start()
 
     def _failed_after(self, why: str) -> str:

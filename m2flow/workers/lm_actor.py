@@ -1,4 +1,5 @@
-"""LM actor: policy-gradient training on the batches streaming in, and weight sync out.
+"""LM actor: policy-gradient training on the batches streaming in (or, ``algorithm.name=sft``,
+supervised: the negative log-likelihood of the completions a flow chose), and weight sync out.
 
 Advantages (``algorithm.name``): ``grpo`` (group-normalised rewards), ``dr_grpo`` (not scaled
 by the group's std), ``rloo`` (leave-one-out baseline), ``reinforce_pp`` (REINFORCE++:
@@ -39,6 +40,7 @@ from m2flow.algorithms import (
     kl_shaped_rewards,
     masked_mean,
     masked_whiten,
+    nll_loss,
     policy_loss,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -52,6 +54,9 @@ from m2flow.workers.lm_common import END, dtype_of, load_model, logprob_temperat
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
 PART_COUNTS = ("loss", "tokens", "completion_tokens", "micro_batches")  # what accumulate() reports besides the stats
 ALGORITHMS = (*GROUP_LOCAL, "reinforce_pp", "ppo")
+# The negative log-likelihood of every completion that reaches the actor: for flows that choose
+# what it trains on (rejection sampling keeps each prompt's best completions)
+SUPERVISED = ("sft",)
 COLLECTIVE_TIMEOUT_S = 1800.0  # how long a rank may wait in a collective (see __init__)
 
 
@@ -72,7 +77,7 @@ class LMActorWorker(Worker):
                                  shard=a["data_parallel"] == "fsdp")
         # Sharded, every forward takes all ranks: they train together once the step's batches
         # are in, not each on a batch as it arrives.
-        self.streaming = (a["name"] in GROUP_LOCAL and a["epochs"] == 1 and a["mini_batches"] == 1
+        self.streaming = (a["name"] in (*GROUP_LOCAL, *SUPERVISED) and a["epochs"] == 1 and a["mini_batches"] == 1
                           and not self.trainer.sharded)
         self.norm_len = cfg["rollout"]["max_new_tokens"]  # Dr. GRPO's constant length
         self.shuffle = torch.Generator().manual_seed(cfg["seed"] + 1000 + self.rank)
@@ -252,6 +257,9 @@ class LMActorWorker(Worker):
             if a["name"] == "reinforce_pp" and self.world_size > 1:
                 masked_whiten(mask.float(), mask, sum_over_ranks=_sum_over_ranks)
             return
+        if a["name"] in SUPERVISED:  # every token the same weight: none is inert
+            batch.advantages = mask.float()
+            return
         if a["name"] == "ppo":
             if batch.advantages is None:
                 raise RuntimeError("algorithm.name=ppo: a batch reached the actor without advantages; the critic "
@@ -278,9 +286,12 @@ class LMActorWorker(Worker):
         a, mask = self.algo, mb.completion_mask
         totals = {"agg": a["loss_agg"], "norm_len": self.norm_len, "total_tokens": scale.tokens / scale.world_size,
                   "total_seqs": scale.sequences / scale.world_size}
-        loss, stats = policy_loss(logp, mb.old_logprobs, mb.advantages, mask, a["clip"], a["clip_high"],
-                                  a["dual_clip"], **totals, correction=a["off_policy"],
-                                  behaviour_logp=mb.behaviour_logprobs, is_cap=a["is_cap"])
+        if a["name"] in SUPERVISED:
+            loss, stats = nll_loss(logp, mask, **totals), {}
+        else:
+            loss, stats = policy_loss(logp, mb.old_logprobs, mb.advantages, mask, a["clip"], a["clip_high"],
+                                      a["dual_clip"], **totals, correction=a["off_policy"],
+                                      behaviour_logp=mb.behaviour_logprobs, is_cap=a["is_cap"])
         if a["kl_coef"] > 0 and not a["kl_in_reward"]:
             kl = kl_loss(logp, mb.ref_logprobs, mask, a["kl_kind"], **totals)
             loss = loss + a["kl_coef"] * kl
