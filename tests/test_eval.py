@@ -50,6 +50,16 @@ def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_use
           f"data.source={tmp_path / 'mine.jsonl'}", f"out={tmp_path / 'mine.json'}"])
     mine = json.loads((tmp_path / "mine.json").read_text())
     assert mine["prompts"] == 3 and 0.0 <= mine["accuracy"] <= 1.0 and "reward_digit_share" in mine
+    # and each prompt as a line of JSON beside it: the question as the model saw it, its
+    # completion, the answer and the scores, which the summary averages; the data file is
+    # left as it was
+    assert [json.loads(line) for line in (tmp_path / "mine.jsonl").read_text().splitlines()] == rows
+    examples = [json.loads(line) for line in (tmp_path / "mine.examples.jsonl").read_text().splitlines()]
+    assert [e["index"] for e in examples] == [0, 1, 2] and [e["answer"] for e in examples] == ["0", "2", "4"]
+    assert all(rows[e["index"]]["question"] in e["prompt"] and isinstance(e["completion"], str) for e in examples)
+    assert sum(e["reward"] for e in examples) / 3 == pytest.approx(mine["reward"])
+    assert sum(e["solved"] for e in examples) / 3 == pytest.approx(mine["accuracy"])
+    assert sum(e["reward_digit_share"] for e in examples) / 3 == pytest.approx(mine["reward_digit_share"])
 
 
 def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, pool, tmp_path, capsys):
@@ -73,6 +83,10 @@ def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, pool, tmp_path, c
     assert result["mean_return"] == pytest.approx(result["mean_length"])
     assert 1 <= result["min_return"] <= result["max_return"] <= 25
     assert result["success_rate"] is None  # CartPole reports no success
+    episodes = [json.loads(line) for line in (tmp_path / "eval.examples.jsonl").read_text().splitlines()]
+    assert [e["episode"] for e in episodes] == list(range(7)) and all(e["success"] is None for e in episodes)
+    assert sum(e["return"] for e in episodes) / 7 == pytest.approx(result["mean_return"])
+    assert max(e["return"] for e in episodes) == result["max_return"]
     again = tmp_path / "again.json"
     main(["eval", preset, f"checkpoint={checkpoint}", "episodes=7", f"out={again}", *overrides])
     assert json.loads(again.read_text())["mean_return"] == result["mean_return"]  # deterministic

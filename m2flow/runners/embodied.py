@@ -259,11 +259,12 @@ def probe_sizes(cfg: DictConfig, devices: int) -> tuple[dict[str, Any], dict[str
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes start from seeds no training env used
 
 
-def score(cfg: DictConfig, ckpt: dict, episodes: int, max_steps: int = 1_000_000) -> dict[str, Any]:
+def score(cfg: DictConfig, ckpt: dict, episodes: int,
+          max_steps: int = 1_000_000) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``m2flow eval``: ``episodes`` episodes of the config's env, the policy acting on its mean
     action (deterministic), observations normalised with the statistics the checkpoint's first
     env worker had; raw returns. The mean and spread of the returns, the mean length and the
-    success rate (envs that report success: ManiSkill, Meta-World)."""
+    success rate (envs that report success: ManiSkill, Meta-World); and each episode's."""
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
     probe_spaces(cfg)  # an env that cannot be made is a config error
@@ -285,7 +286,7 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int, max_steps: int = 1_000_000
     # Each env runs its share of the episodes (SB3's rule: no bias towards short episodes).
     target = np.array([episodes // n + (i < episodes % n) for i in range(n)])
     done = np.zeros(n, dtype=np.int64)
-    returns, lengths, successes = [], [], []
+    returns, lengths, successes, envs = [], [], [], []
     obs = batch.reset()
     steps = 0
     while (done < target).any():
@@ -301,14 +302,17 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int, max_steps: int = 1_000_000
                 returns.append(ret)
                 lengths.append(length)
                 successes.append(success)
+                envs.append(i)
         if steps * n >= max_steps:
             raise RuntimeError(f"{int(done.sum())} of {episodes} episodes ended within {max_steps} env steps: "
                                "give the env a time limit (env.kwargs.max_episode_steps)")
     reported = [s for s in successes if s is not None]
+    episodes_played = [{"episode": k, "env": i, "return": ret, "length": n, "success": s}
+                       for k, (i, ret, n, s) in enumerate(zip(envs, returns, lengths, successes))]
     return {"env": env.id, "episodes": len(returns), "mean_return": statistics.fmean(returns),
             "std_return": statistics.pstdev(returns), "min_return": min(returns), "max_return": max(returns),
             "mean_length": statistics.fmean(lengths),
-            "success_rate": statistics.fmean(reported) if reported else None}  # None: the env reports none
+            "success_rate": statistics.fmean(reported) if reported else None}, episodes_played  # None: none reported
 
 
 FLOW = Flow(

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config import ConfigError
 from m2flow.runners import checkpoint as checkpoints
@@ -20,7 +20,8 @@ from m2flow.runtime.files import write_text
 
 def evaluate(cfg: DictConfig, checkpoint: str | Path, episodes: int = 10, out: str | Path | None = None) -> dict:
     """Scores ``checkpoint`` under ``cfg``; writes the result as JSON to ``out`` (default: beside
-    the checkpoint, ``<name>.eval.json``) and returns it."""
+    the checkpoint, ``<name>.eval.json``), and each example scored (a prompt with its completion,
+    an episode) as a line of JSON beside it (``examples_of(out)``); returns the result."""
     checkpoint = Path(checkpoint)
     try:
         ckpt = checkpoints.load(checkpoint)
@@ -31,6 +32,10 @@ def evaluate(cfg: DictConfig, checkpoint: str | Path, episodes: int = 10, out: s
         raise ConfigError("checkpoint", f"{checkpoint} is a checkpoint of the {written['flow']} flow; the config is "
                                         f"of the {cfg.flow} flow")
     out = Path(out) if out else checkpoint.with_name(checkpoint.name.removesuffix(checkpoints.SUFFIX) + ".eval.json")
+    lines = examples_of(out)
+    source = OmegaConf.select(cfg, "data.source")
+    if source and Path(source).resolve() == lines.resolve():
+        raise ConfigError("out", f"the examples would go to {str(lines)!r}, the data file itself: choose another out")
     try:  # a file written and removed where the result will go: the result is not lost after the evaluation
         if out.is_dir():
             raise IsADirectoryError(errno.EISDIR, "a directory")
@@ -39,12 +44,18 @@ def evaluate(cfg: DictConfig, checkpoint: str | Path, episodes: int = 10, out: s
     except OSError as e:
         raise ConfigError("out", f"cannot write the result to {str(out)!r}: {e.strerror}") from None
     start = time.perf_counter()
-    result = flow_named(cfg.flow).score(cfg, ckpt, episodes)
+    result, examples = flow_named(cfg.flow).score(cfg, ckpt, episodes)
     result = {"checkpoint": str(checkpoint), "flow": cfg.flow, "trained_for": ckpt["done"], **result,
               "eval_s": round(time.perf_counter() - start, 2)}
+    write_text(lines, "".join(json.dumps(e) + "\n" for e in examples))
     write_text(out, json.dumps(result, indent=2) + "\n")
-    result["written_to"] = str(out)
+    result["written_to"], result["examples_written_to"] = str(out), str(lines)
     return result
+
+
+def examples_of(out: Path) -> Path:
+    """Where the examples of a result written to ``out`` go: ``x.json`` -> ``x.examples.jsonl``."""
+    return out.with_name(out.name.removesuffix(".json") + ".examples.jsonl")
 
 
 def table(result: dict) -> str:

@@ -58,8 +58,9 @@ class Flow:
     # of the one that sees each component at another size (``Schedule.probe_sizes``)
     probe_sizes: Callable[[DictConfig, int], tuple[dict, dict, dict]]
     # ``m2flow eval``: the scores of a checkpoint (``runners.checkpoint.load``'s) under a config,
-    # in this process; the int: episodes, for a flow that plays them
-    score: Callable[[DictConfig, dict, int], dict[str, Any]]
+    # in this process, and one row per example scored (a prompt, an episode); the int: episodes,
+    # for a flow that plays them
+    score: Callable[[DictConfig, dict, int], tuple[dict[str, Any], list[dict[str, Any]]]]
     duration: str  # the metrics' column of a step's wall time
     probe_updates: int  # updates of the first profiling run (its first left out as warm-up)
     sized_on_one_device: bool = True  # the probe at the other size runs on one device

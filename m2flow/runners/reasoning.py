@@ -314,12 +314,13 @@ def probe_sizes(cfg: DictConfig, devices: int) -> tuple[dict[str, Any], dict[str
 
 
 # -- m2flow eval -------------------------------------------------------------------------------
-def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> dict[str, Any]:
+def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``m2flow eval``: one greedy completion per prompt, scored by ``reward.functions``, the
     weights rounded to ``rollout.dtype`` as in the run's own evaluations; the prompts are every
     row of ``data.source`` when it names a file, else the generated held-out problems. The mean
     weighted reward, each function's mean, and the accuracy: the share of prompts on which every
-    reward function scored 1 or more."""
+    reward function scored 1 or more; and per prompt its text (chat-formatted, as the model saw
+    it), completion, reference answer and scores."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(plain, device, plain["rollout"]["dtype"])  # as the run's evaluations: the rollout's
@@ -340,10 +341,14 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> dict[str, Any]:
     with RewardScorer(dict(plain["reward"]["functions"]), timeout_s=plain["reward"]["timeout_s"]) as scorer:
         scores = scorer.score(completions, [p["answer"] for p in prompts])
     full = np.all(np.stack([part >= 1.0 for part in scores.parts.values()]), axis=0)
+    names = {k: f"reward_{k.rpartition(':')[2]}" for k in scores.parts}
+    examples = [{"index": i, "prompt": tokenizer.decode(p["token_ids"]), "completion": completions[i],
+                 "answer": p["answer"], "reward": float(scores.total[i]), "solved": bool(full[i]),
+                 **{names[k]: float(v[i]) for k, v in scores.parts.items()}, "timed_out": bool(scores.timed_out[i])}
+                for i, p in enumerate(prompts)]
     return {"source": cfg.data.source, "prompts": len(prompts), "accuracy": float(full.mean()),
-            "reward": float(scores.total.mean()), **{f"reward_{k.rpartition(':')[2]}": float(v.mean())
-                                                      for k, v in scores.parts.items()},
-            "timed_out": int(scores.timed_out.sum())}
+            "reward": float(scores.total.mean()), **{names[k]: float(v.mean()) for k, v in scores.parts.items()},
+            "timed_out": int(scores.timed_out.sum())}, examples
 
 
 FLOW = Flow(
