@@ -39,6 +39,10 @@ DIGESTS = {
                         "ece2e7e6974905aaf5f86a0290f7214cc8344c449ab67a55f13088a318a36165"),
 }
 TRANSFORMERS = "5.24.0"  # the release the reasoning digests are checked with (the Makefile's TRANSFORMERS_SPEC)
+# CPU kind -> the digest of an embodied run collecting one update ahead (runner.max_staleness=1,
+# env and rollout on one slot, the actor on another): recorded with the code of b5027a7, before
+# the runner's weight sync and run-ahead streams became a part of their own (runners/streams.py).
+AHEAD_DIGESTS = {"AVX512 AMD EPYC": "75d13caa65e3ebbeb984a9a008353a6a92d0ae182ee4652ce69b2789395c592a"}
 
 pytestmark = pytest.mark.skipif(not torch.__version__.endswith("+cpu"), reason="digests recorded with CPU kernels")
 
@@ -89,3 +93,24 @@ def test_reasoning_tiny_weights(cluster, pool, tmp_path):
     finally:
         runner.close()
     assert hashes == [reasoning]
+
+
+def test_embodied_cartpole_weights_one_update_ahead(cluster, pool, tmp_path):
+    """Collecting ahead without in-flight updates is as repeatable as on-policy: each stream is
+    launched once the one before it is made, on the weights synced before it."""
+    digests()  # the kinds the other digests know
+    kind = cpu_kind()
+    if kind not in AHEAD_DIGESTS:
+        pytest.skip(f"no run-ahead digest recorded for this kind of CPU ({kind})")
+    cfg = load_config("embodied/ppo_cartpole", [
+        f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.total_env_steps=2048", "env.num_envs=16",
+        "runner.max_staleness=1", "placement.mode=custom", "placement.components.env=0",
+        "placement.components.rollout=0", "placement.components.actor=1", "placement.actor_devices_per_proc=1"])
+    runner = EmbodiedRunner(cfg, cluster, pool=pool)
+    try:
+        history = runner.train()
+        states = runner.groups["actor"].call("state").wait()
+    finally:
+        runner.close()
+    assert [row["policy_lag"] for row in history] == [0, 1, 1, 1]  # 4 updates, each after the first a version behind
+    assert {weights_hash(s["policy"].items()) for s in states} == {AHEAD_DIGESTS[kind]}
