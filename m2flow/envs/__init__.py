@@ -1,4 +1,4 @@
-"""Simulator adapters: one constructor for every simulator, and a synchronous env batch."""
+"""Simulator adapters: one constructor for every simulator, a synchronous env batch and its snapshots."""
 
 from m2flow.envs.batch import ChunkResult, EnvBatch, StepResult
 from m2flow.envs.normalize import RunningMeanStd
