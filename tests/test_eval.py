@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import m2flow.engines as engines
+import m2flow.runners.reasoning as reasoning
 from m2flow.cli import main
 from m2flow.config import load_config
 from m2flow.runners.embodied import EmbodiedRunner
@@ -30,8 +30,8 @@ def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_use
                  "placement.mode=custom", *(f"placement.components.{c}=0" for c in ("rollout", "reward", "inference", "actor"))]
     history = _train(ReasoningRunner, cluster, pool, preset, overrides)
     # the dtype it generates with, seen as the engine is built (a tiny model's greedy tokens may not show it)
-    real, dtypes = engines.build_engine, []
-    monkeypatch.setattr(engines, "build_engine",
+    real, dtypes = reasoning.build_engine, []
+    monkeypatch.setattr(reasoning, "build_engine",
                         lambda backend, model, *a, **k: dtypes.append(next(model.parameters()).dtype)
                         or real(backend, model, *a, **k))
     main(["eval", preset, "checkpoint=auto", *overrides])
@@ -65,9 +65,12 @@ def test_eval_scores_a_reasoning_checkpoint_as_the_run_did_and_a_file_of_the_use
 def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, pool, tmp_path, capsys):
     preset = "embodied/ppo_cartpole"
     overrides = [f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.total_env_steps=512",
-                 "env.kwargs.max_episode_steps=25", "placement.mode=custom",
+                 "env.kwargs.max_episode_steps=25", "runner.eval_every=1", "runner.eval_episodes=7",
+                 "placement.mode=custom",
                  *(f"placement.components.{c}=0-1" for c in ("env", "rollout", "actor"))]
-    _train(EmbodiedRunner, cluster, pool, preset, overrides)
+    history = _train(EmbodiedRunner, cluster, pool, preset, overrides)
+    # evaluated during the run (runner.eval_every): before the first update, then after each
+    assert [row["env_steps"] for row in history if "eval_return" in row] == [0, 256, 512]
     # the run's trace, its last update drawn, and summed up per component
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     main(["trace", str(tmp_path)])
@@ -87,6 +90,9 @@ def test_eval_runs_episodes_of_an_embodied_checkpoint(cluster, pool, tmp_path, c
     assert [e["episode"] for e in episodes] == list(range(7)) and all(e["success"] is None for e in episodes)
     assert sum(e["return"] for e in episodes) / 7 == pytest.approx(result["mean_return"])
     assert max(e["return"] for e in episodes) == result["max_return"]
+    # the run's last evaluation played the same episodes with the same weights
+    assert history[-1]["eval_return"] == pytest.approx(result["mean_return"])
+    assert history[-1]["eval_length"] == pytest.approx(result["mean_length"])
     again = tmp_path / "again.json"
     main(["eval", preset, f"checkpoint={checkpoint}", "episodes=7", f"out={again}", *overrides])
     assert json.loads(again.read_text())["mean_return"] == result["mean_return"]  # deterministic

@@ -194,6 +194,9 @@ class EmbodiedRunnerConfig(RunnerConfig):
     target_return: Optional[float] = opt(None, "stop early once an update's mean episode return reaches it "
                                                "(collecting ahead: after training on what was collected ahead)")
     stages: int = opt(1, "elastic pipelining: env batches per env rank (1: no pipelining)", within=AT_LEAST_1)
+    eval_every: int = opt(0, "updates between evaluations of the deterministic policy on envs of their own (also "
+                             "before the first and after the last); 0: none", within=NON_NEGATIVE)
+    eval_episodes: int = opt(10, "episodes per evaluation (runner.eval_every)", within=AT_LEAST_1)
     in_flight_updates: bool = opt(False, "runner.max_staleness >= 1: new weights reach the rollout between env steps, "
                                          "each step records its version (fresher data, not reproducible run to run); "
                                          "false: a rollout ends with the weights it started with")

@@ -135,6 +135,18 @@ class EmbodiedRunner(Runner):
         env, rollout, actor = wait(collecting["env"], collecting["rollout"], training)
         return {"env": env, "rollout": rollout, "actor": actor, "sync": sync}
 
+    def evaluates(self, i: int, last: bool) -> bool:
+        """With ``runner.eval_every``: before the first update (``i == -1``), every that many and after the last."""
+        every = self.cfg.runner.eval_every
+        return bool(every) and (i == -1 or last or (i + 1) % every == 0)
+
+    def evaluate(self) -> dict[str, float]:
+        """``runner.eval_episodes`` deterministic episodes of the actor's weights (``play``)."""
+        (actor,), (env,) = wait(self.groups["actor"].call("state", ranks=[0]), self.groups["env"].call("state", ranks=[0]))
+        summary, _ = play(self.cfg, actor["policy"], env["batches"][0]["stats"], self.cfg.runner.eval_episodes)
+        return {"eval_return": summary["mean_return"], "eval_length": summary["mean_length"]} | (
+            {} if summary["success_rate"] is None else {"eval_success_rate": summary["success_rate"]})
+
     def stop_early(self, row: dict[str, float], log: RunLog) -> bool:
         target = self.cfg.runner.target_return
         if target is None or not row["episodes"] or row["episode_return"] < target:
@@ -162,6 +174,11 @@ class EmbodiedMetrics:
     env_faults           env steps in this update that raised or gave a non-finite reward or
                          observation: each ended its episode (truncated, reward 0) and the
                          env was made again (EnvBatch._fault)
+    eval_return, eval_length, eval_success_rate
+                         with runner.eval_every: the mean return, length and success of
+                         runner.eval_episodes deterministic episodes of the actor's weights
+                         on envs of their own (``play``); before the first update (a row of
+                         its own), every that many updates and after the last
     success_rate         the fraction of them that reached success (the env's info["success"]
                          at any step: ManiSkill, Meta-World); the previous value when none
                          ended; absent for envs that report no success
@@ -259,12 +276,21 @@ def probe_sizes(cfg: DictConfig, devices: int) -> tuple[dict[str, Any], dict[str
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes start from seeds no training env used
 
 
-def score(cfg: DictConfig, ckpt: dict, episodes: int,
-          max_steps: int = 1_000_000) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``m2flow eval``: ``episodes`` episodes of the config's env, the policy acting on its mean
-    action (deterministic), observations normalised with the statistics the checkpoint's first
-    env worker had; raw returns. The mean and spread of the returns, the mean length and the
-    success rate (envs that report success: ManiSkill, Meta-World); and each episode's."""
+def score(cfg: DictConfig, ckpt: dict, episodes: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``m2flow eval``: ``play`` with the checkpoint's policy and its first env worker's
+    observation statistics."""
+    env_state = ckpt["states"].get("env")  # rank 0, stage 0
+    return play(cfg, checkpoints.trainer_weights(ckpt, "policy"), env_state[0]["batches"][0]["stats"] if env_state
+                else None, episodes)
+
+
+def play(cfg: DictConfig, weights: dict[str, Any], obs_stats: dict | None, episodes: int,
+         max_steps: int = 1_000_000) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``episodes`` episodes of the config's env on envs of their own (seeds no training env
+    uses), the policy of ``weights`` acting on its mean action (deterministic), observations
+    normalised with ``obs_stats``; raw returns. The mean and spread of the returns, the mean
+    length and the success rate (envs that report success: ManiSkill, Meta-World); and each
+    episode's."""
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
     probe_spaces(cfg)  # an env that cannot be made is a config error
@@ -272,13 +298,12 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int,
     n = min(episodes, env.num_envs)
     batch = EnvBatch(env.id, n, cfg.seed + EVAL_SEED_OFFSET, obs_norm=env.obs_norm,
                      env_kwargs=OmegaConf.to_container(env.kwargs, resolve=True))
-    batch.training = False  # the normalisation statistics stay the checkpoint's
-    env_state = ckpt["states"].get("env")
-    if env_state:  # rank 0, stage 0
-        batch.load_state_dict(env_state[0]["batches"][0]["stats"])
+    batch.training = False  # the normalisation statistics stay the ones given
+    if obs_stats:
+        batch.load_state_dict(obs_stats)
     policy = build_policy(batch.observation_space, batch.action_space, OmegaConf.to_container(cfg.policy, resolve=True))
     try:
-        policy.load_state_dict(checkpoints.trainer_weights(ckpt, "policy"))
+        policy.load_state_dict(weights)
     except RuntimeError as e:
         raise ConfigError("policy", f"the checkpoint's policy does not fit this config's env and policy: "
                           f"{str(e).splitlines()[0]}") from None
