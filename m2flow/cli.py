@@ -81,7 +81,7 @@ def command(args: argparse.Namespace) -> None:
         from m2flow.config import load_config
         from m2flow.runners import run
         from m2flow.runners.status import RunFailed
-        from m2flow.runtime.group import WorkerError
+        from m2flow.runtime.errors import WorkerError
         from m2flow.runtime.watchdog import RunHung
 
         cfg = load_config(args.preset, args.overrides)

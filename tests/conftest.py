@@ -127,7 +127,7 @@ def pool(cluster, request):
     closed after a module when the next module does not ask for it, or when any test of the
     module failed. A module with a cluster of its own has a pool of its own. Tests that kill
     workers or time out on them start their own."""
-    from m2flow.runtime.group import WorkerPool
+    from m2flow.runtime.pool import WorkerPool
 
     if cluster is not _shared["cluster"]:  # the module's own cluster: a pool of its own
         own = WorkerPool()

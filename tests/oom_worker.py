@@ -23,7 +23,8 @@ os.environ["RAY_memory_monitor_refresh_ms"] = "100"
 import numpy as np  # noqa: E402 -- after the settings Ray reads at start
 
 from m2flow.runtime.cluster import Cluster  # noqa: E402
-from m2flow.runtime.group import WorkerDiedError, WorkerGroup  # noqa: E402
+from m2flow.runtime.errors import WorkerDiedError  # noqa: E402
+from m2flow.runtime.group import WorkerGroup  # noqa: E402
 from m2flow.runtime.placement import Placement  # noqa: E402
 from m2flow.runtime.worker import Worker  # noqa: E402
 

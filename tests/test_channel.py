@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from m2flow.runtime.channel import Channel, ChannelClosed, ChannelEmpty, ChannelFull
 from m2flow.runtime.channel_actor import OK, ChannelActor
-from m2flow.runtime.group import WorkerError, WorkerGroup
+from m2flow.runtime.errors import WorkerError
+from m2flow.runtime.group import WorkerGroup
 from m2flow.runtime.placement import Placement
 from m2flow.runtime.trace import get_tracer
 from m2flow.runtime.worker import Worker

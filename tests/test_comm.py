@@ -3,8 +3,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from m2flow.runtime import comm, shm
-from m2flow.runtime.group import WorkerError, WorkerGroup
+from m2flow.runtime import comm, pipes, shm
+from m2flow.runtime.errors import WorkerError
+from m2flow.runtime.group import WorkerGroup
 from m2flow.runtime.placement import Placement
 from m2flow.runtime.worker import Worker
 
@@ -57,8 +58,8 @@ class Peer(Worker):
 
     def pair_exchange(self, peer):
         """Builds the pairwise group to ``peer`` (gloo in place of NCCL) and swaps a tensor over it."""
-        self.comm.PAIR_BACKEND = "gloo"
-        pg, peer_rank, _ = self.comm._nccl_group(tuple(peer))
+        self.comm.pairs.backend = "gloo"
+        pg, peer_rank, _ = self.comm.pairs.group(tuple(peer))
         mine, theirs = torch.full((4,), float(self.rank)), torch.empty(4)
         works = [pg.send([mine], peer_rank, 0), pg.recv([theirs], peer_rank, 0)]
         for w in works:
@@ -205,9 +206,9 @@ def test_driver_pool_follows_the_cluster_session(monkeypatch):
     so each cluster's shutdown removes its own."""
     try:
         monkeypatch.setenv("M2FLOW_SESSION", "first")
-        assert comm.process_pool().prefix == "m2flow-first"
+        assert shm.process_pool().prefix == "m2flow-first"
         monkeypatch.setenv("M2FLOW_SESSION", "second")
-        ref = comm.process_pool().write([torch.ones(10)])
+        ref = shm.process_pool().write([torch.ones(10)])
         assert ref.segment.startswith("m2flow-second-")
         assert torch.equal(comm.unpack(comm.pack(torch.ones(100_000))), torch.ones(100_000))
     finally:
@@ -249,10 +250,10 @@ def test_a_pipe_nobody_reads_is_a_clear_error_not_a_hang(tmp_path):
     path = str(tmp_path / "pipe")
     os.mkfifo(path, 0o600)
     with pytest.raises(LookupError, match=r"pid 4242 cannot be reached through its pipe .*: its process is gone"):
-        comm.open_pipe(path, 4242)
+        pipes.open_pipe(path, 4242)
     reader = os.open(path, os.O_RDWR)  # as a live peer holds its own
     try:
-        fd = comm.open_pipe(path, 4242)
+        fd = pipes.open_pipe(path, 4242)
         assert os.get_blocking(fd)
         os.write(fd, b"hi")
         assert os.read(reader, 2) == b"hi"

@@ -15,7 +15,7 @@ import pytest
 
 from m2flow.config import load_config
 from m2flow.runners import embodied, reasoning
-from m2flow.runtime.group import WorkerError
+from m2flow.runtime.errors import WorkerError
 
 REASONING_CALLS = {"rollout": "generate", "reward": "score", "inference": "logprobs", "actor": "train"}
 EMBODIED_CALLS = {"env": "interact", "rollout": "act", "actor": "train"}

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from m2flow.runtime.group import WorkerDiedError, WorkerError, WorkerGroup
+from m2flow.runtime.dispatching import dispatch
+from m2flow.runtime.errors import WorkerDiedError, WorkerError
+from m2flow.runtime.group import WorkerGroup
 from m2flow.runtime.placement import Placement
-from m2flow.runtime.worker import Worker, dispatch
+from m2flow.runtime.worker import Worker
 
 
 class Echo(Worker):
@@ -290,7 +292,7 @@ def test_a_death_behind_another_ranks_error_is_raised_as_the_cause(cluster):
 def test_a_pool_reuses_processes_re_pins_them_and_drops_their_state(cluster):
     import ray
 
-    from m2flow.runtime.group import WorkerPool
+    from m2flow.runtime.pool import WorkerPool
 
     usable = sorted(os.sched_getaffinity(0))
     pool = WorkerPool()
@@ -328,7 +330,7 @@ def test_where_slots_share_cores_a_process_computes_with_its_share_of_them(clust
     pinned to both cores (slot s pins core s mod 2) but computes with one thread, as a process
     on one slot of a machine with a core per slot would; on all four, with two. Two threads
     each beside another slot's process on the same cores would wait spinning on each other."""
-    from m2flow.runtime.group import WorkerPool
+    from m2flow.runtime.pool import WorkerPool
 
     usable = sorted(os.sched_getaffinity(0))
     assert [d.core_share for d in cluster.devices] == [0.5] * 4
@@ -351,7 +353,7 @@ def test_a_pool_holds_a_group_only_where_it_would_start_no_process():
     own (a profile's probe that moves a GPU component starts processes anew, and leaves its
     first update out as the first probe does)."""
     from m2flow.runtime.cluster import Device
-    from m2flow.runtime.group import WorkerPool
+    from m2flow.runtime.pool import WorkerPool
     from m2flow.runtime.placement import ComponentPlacement
 
     def devices(kind, *indices):
@@ -386,7 +388,7 @@ def test_own_frames_skip_rays_package_and_the_executors_not_a_directory_named_ra
 
     import ray
 
-    from m2flow.runtime.group import own_frames
+    from m2flow.runtime.errors import own_frames
 
     machinery = [ray.__file__.replace("__init__.py", "_private/worker.py"), threading.__file__,
                  concurrent.futures.__file__.replace("__init__.py", "thread.py"),

@@ -69,8 +69,8 @@ class Pair(Worker):
     def exchange(self, peer, backend):
         """A pairwise group to ``peer`` (gloo in place of NCCL here), a tensor swapped over it;
         then this process's listening sockets, the pair's among them."""
-        self.comm.PAIR_BACKEND = backend
-        pg, peer_rank, _ = self.comm._nccl_group(tuple(peer))
+        self.comm.pairs.backend = backend
+        pg, peer_rank, _ = self.comm.pairs.group(tuple(peer))
         mine, theirs = torch.full((2,), float(self.rank)), torch.empty(2)
         for w in [pg.send([mine], peer_rank, 0), pg.recv([theirs], peer_rank, 0)]:
             w.wait()

@@ -238,7 +238,7 @@ def test_a_run_is_warm_in_a_pool_holding_every_process_it_would_start(cluster):
     out)."""
     from m2flow.flow import Plan
     from m2flow.runners.reasoning import FLOW, WORKFLOW
-    from m2flow.runtime.group import WorkerPool
+    from m2flow.runtime.pool import WorkerPool
 
     cfg = load_config(PRESET)
     plan = Plan.for_mode(WORKFLOW, "disaggregated", len(cluster.devices))

@@ -17,7 +17,7 @@ from m2flow.runners import status
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.status import RunFailed
 from m2flow.runtime import Cluster
-from m2flow.runtime.group import WorkerDiedError, WorkerError
+from m2flow.runtime.errors import WorkerDiedError, WorkerError
 
 TESTS = Path(__file__).resolve().parent
 

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from m2flow.runtime.channel import Channel
-from m2flow.runtime.group import WorkerDiedError, WorkerGroup
+from m2flow.runtime.errors import WorkerDiedError
+from m2flow.runtime.group import WorkerGroup
 from m2flow.runtime.placement import Placement
 from m2flow.runtime.watchdog import Watchdog
 from m2flow.runtime.worker import Worker

@@ -39,7 +39,7 @@ from m2flow.flow.simulate import Layout, Shape, simulate, step_tasks
 from m2flow.runners.start import gpu_slots_of, local_devices, start_cluster
 from m2flow.runners.schedule import Schedule, schedule_of
 from m2flow.runtime import Cluster
-from m2flow.runtime.group import WorkerPool
+from m2flow.runtime.pool import WorkerPool
 from m2flow.runtime.stop import RunStopped
 
 # Keys whose value does not change what a step costs: a profile is reused across them.

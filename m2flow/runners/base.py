@@ -33,7 +33,9 @@ from m2flow.runners.start import claim_out_dir, gpu_slots_of, local_devices, pla
 from m2flow.runners.status import RunFailed, RunStatus
 from m2flow.runners.streams import Streams
 from m2flow.runtime import Channel, Cluster, DeviceLock, WorkerGroup
-from m2flow.runtime.group import GroupHandle, WorkerDiedError, WorkerPool, start_together, wait
+from m2flow.runtime.errors import WorkerDiedError
+from m2flow.runtime.group import GroupHandle, start_together, wait
+from m2flow.runtime.pool import WorkerPool
 from m2flow.runtime.stop import StopRequest
 from m2flow.runtime.trace import get_tracer, write_chrome_trace
 from m2flow.runtime.watchdog import Watchdog

@@ -27,7 +27,7 @@ from m2flow.flow.simulate import Shape
 
 if TYPE_CHECKING:
     from m2flow.runtime import Cluster
-    from m2flow.runtime.group import WorkerPool
+    from m2flow.runtime.pool import WorkerPool
     from m2flow.runtime.placement import ComponentPlacement
 
 def _rollout(cfg: DictConfig) -> list[str]:

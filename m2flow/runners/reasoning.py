@@ -42,7 +42,8 @@ from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.base import Runner
 from m2flow.runners.flow import Flow
 from m2flow.runners.metrics import Staleness, across_ranks
-from m2flow.runtime.group import GroupHandle, WorkerError, wait
+from m2flow.runtime.errors import WorkerError
+from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.inference import InferenceWorker, holds_a_model
 from m2flow.workers.lm_actor import LMActorWorker
 from m2flow.workers.lm_critic import LMCriticWorker

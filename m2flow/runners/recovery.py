@@ -22,7 +22,7 @@ from m2flow.flow import Plan
 from m2flow.runners.metrics import RunLog
 from m2flow.runners.start import gpu_slots_of, plan_of
 from m2flow.runners.status import RunFailed, continue_from
-from m2flow.runtime.group import WorkerDiedError, WorkerError, death_reason
+from m2flow.runtime.errors import WorkerDiedError, WorkerError, death_reason
 from m2flow.runtime.head import HeadMonitor, ray_grace_s
 from m2flow.runtime import stop
 from m2flow.runtime.stop import RunStopped

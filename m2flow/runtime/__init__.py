@@ -15,11 +15,13 @@ _EXPORTS = {
     "cluster": ("Cluster", "Device"),
     "comm": ("CommWork",),
     "device_lock": ("DeviceLock", "LockTimeout"),
-    "group": ("GroupHandle", "WorkerDiedError", "WorkerError", "WorkerGroup"),
+    "dispatching": ("dispatch",),
+    "errors": ("WorkerDiedError", "WorkerError"),
+    "group": ("GroupHandle", "WorkerGroup"),
     "placement": ("ComponentPlacement", "Placement", "PlacementError"),
     "trace": ("get_tracer", "write_chrome_trace"),
     "watchdog": ("RunHung", "Watchdog"),
-    "worker": ("Worker", "dispatch"),
+    "worker": ("Worker",),
 }
 __all__ = [name for names in _EXPORTS.values() for name in names]
 
@@ -27,8 +29,10 @@ __all__ = [name for names in _EXPORTS.values() for name in names]
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from m2flow.runtime import channel, clock, cluster, comm, device_lock, group, placement, trace, watchdog, worker
+    from m2flow.runtime import (channel, clock, cluster, comm, device_lock, dispatching, errors, group, placement, trace,
+                                watchdog, worker)
 
-    for module in (channel, clock, cluster, comm, device_lock, group, placement, trace, watchdog, worker):
+    for module in (channel, clock, cluster, comm, device_lock, dispatching, errors, group, placement, trace, watchdog,
+                   worker):
         globals().update((n, getattr(module, n)) for n in _EXPORTS[module.__name__.rpartition(".")[2]])
     return globals()[name]

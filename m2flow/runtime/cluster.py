@@ -21,7 +21,7 @@ import ray
 from ray._private import ray_constants
 
 from m2flow.runtime import shm, stop
-from m2flow.runtime.comm import cleanup_pipes
+from m2flow.runtime.pipes import cleanup_pipes
 from m2flow.runtime.head import HeadMonitor, end_leftovers
 from m2flow.runtime.names import NAMESPACE, shm_prefix
 

@@ -20,18 +20,14 @@ tensors (torch keeps a shared block alive while a receiver holds it, even once t
 has let it go). NCCL needs no copy: the sender's later kernels queue behind the send.
 
 The transport used is recorded on the returned work handle, in the worker's
-``comm_log`` and in trace spans.
+``comm_log`` and in trace spans. Between workers on one node the envelope goes through the
+receiver's named pipe (``pipes.py``); the NCCL pairs are ``Pairs`` (``pairs.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
-import logging
 import os
-import pickle
-import select
-import struct
 import threading
 import time
 from collections import defaultdict, deque
@@ -43,14 +39,14 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray import cloudpickle
 
-from m2flow.runtime import listen, payload, shm
+from m2flow.runtime import payload, shm
 from m2flow.runtime.names import NAMESPACE, shm_prefix
+from m2flow.runtime.pairs import Pairs
+from m2flow.runtime.pipes import _frame, _pipe_path, open_pipe, read_pipe
 from m2flow.runtime.trace import get_tracer
 
 INLINE_BYTES = 64 * 1024
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,24 +93,6 @@ class _Mailbox:
             self.next += 1
 
 
-# -- process-wide state ----------------------------------------------------------
-_POOL: shm.ShmPool | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def process_pool() -> shm.ShmPool:
-    """This process's shared-memory pool; its segments are named after the session so
-    that the cluster can remove leftovers of crashed processes."""
-    global _POOL
-    prefix = shm_prefix(os.environ.get("M2FLOW_SESSION", "default"))
-    with _POOL_LOCK:
-        if _POOL is None or _POOL.prefix != prefix:  # a driver may run one cluster after another
-            if _POOL is not None:
-                _POOL.close()
-            _POOL = shm.ShmPool(prefix)
-        return _POOL
-
-
 def node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
@@ -124,56 +102,6 @@ def local_peer_info(pipe: str | None = None) -> PeerInfo:
     if torch.cuda.is_available():
         gpus = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
     return PeerInfo(node_id(), os.getpid(), gpus, pipe)
-
-
-# -- same-node control path: a named pipe per worker ------------------------------------
-# A Ray actor call costs ~0.7 ms here; a write to the receiver's named pipe, read by a
-# thread there, costs tens of microseconds. Frames up to PIPE_BUF are written in one
-# write(2), which the kernel keeps whole however many senders share the pipe; a larger
-# frame travels through shared memory and only its reference goes through the pipe.
-_FRAME = struct.Struct("<I")
-
-
-def _pipe_path(session: str, pid: int) -> str:
-    return os.path.join(shm.SHM_DIR, f"{shm_prefix(session)}-pipe-{pid}")
-
-
-def cleanup_pipes(prefix: str) -> None:
-    for path in glob.glob(os.path.join(shm.SHM_DIR, f"{glob.escape(prefix)}-pipe-*")):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-def _frame(message: tuple) -> bytes:
-    body = cloudpickle.dumps(message, protocol=5)  # by value where the receiver cannot import a class
-    if _FRAME.size + len(body) > select.PIPE_BUF:
-        ref = process_pool().write([torch.frombuffer(bytearray(body), dtype=torch.uint8)])
-        body = cloudpickle.dumps(("shm", ref), protocol=5)
-    return _FRAME.pack(len(body)) + body
-
-
-def open_pipe(path: str, pid: int) -> int:
-    """The write end of a peer's pipe, blocking. A live peer holds its read end open from the
-    start (``O_RDWR``); a pipe nobody reads (its process killed, the file left) would block
-    a plain open for good, so the open does not wait: ``LookupError`` at once."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError as e:  # ENXIO: no reader; ENOENT: no pipe
-        raise LookupError(f"pid {pid} cannot be reached through its pipe {path} ({e.strerror}): its process is "
-                          "gone") from None
-    os.set_blocking(fd, True)
-    return fd
-
-
-def _read_exactly(fd: int, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = os.read(fd, n)
-        if not chunk:
-            raise EOFError("pipe closed")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
 
 
 # -- packing -----------------------------------------------------------------------
@@ -208,7 +136,7 @@ def _pack_cpu(skeleton: Any, tensors: list[torch.Tensor], same_node: bool, reade
     if nbytes < INLINE_BYTES:
         return Packed(skeleton, "rpc", [_as_array(t) for t in tensors], nbytes)
     if same_node:
-        return Packed(skeleton, "shm", process_pool().write(tensors, readers=readers), nbytes)
+        return Packed(skeleton, "shm", shm.process_pool().write(tensors, readers=readers), nbytes)
     return Packed(skeleton, "object_store", [ray.put(t.contiguous()) for t in tensors], nbytes)
 
 
@@ -295,8 +223,7 @@ class Communicator:
         self._mail: dict[tuple, _Mailbox] = defaultdict(_Mailbox)
         self._sent: dict[tuple, int] = defaultdict(int)  # next sequence number per (receiver, tag)
         self._mail_cv = threading.Condition()
-        self._nccl: dict[tuple[str, int], Any] = {}
-        self._nccl_lock = threading.Lock()
+        self.pairs = Pairs(address, self.peer)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="m2flow-comm")
         self._pipes: dict[str, int] = {}  # write ends of peers' pipes
         self._pipe_lock = threading.Lock()
@@ -310,7 +237,8 @@ class Communicator:
         os.mkfifo(pipe, 0o600)
         self._pipe_fd = os.open(pipe, os.O_RDWR)
         self.info = local_peer_info(pipe)
-        threading.Thread(target=self._read_pipe, name="m2flow-pipe", daemon=True).start()
+        threading.Thread(target=read_pipe, args=(self._pipe_fd, self.deliver, self.address), name="m2flow-pipe",
+                         daemon=True).start()
 
     # -- peers -----------------------------------------------------------------
     def peer(self, address: tuple[str, int]) -> tuple[Any, PeerInfo]:
@@ -344,7 +272,7 @@ class Communicator:
         packed = self._pack_for(flat, info)
         refs = self._post(actor, info, Envelope(self.address, tag, packed, start, self._next_seq(dst, tag)))
         if packed.transport == "nccl":
-            self._nccl_send(dst, flat[1])
+            self.pairs.send(dst, flat[1])
         self._record("send", dst, packed, start)
         return CommWork(packed.transport, refs=refs)
 
@@ -379,7 +307,7 @@ class Communicator:
                 packed, reader = self._pack_for(flat, info), 0
             refs += self._post(actor, info, Envelope(src, btag, packed, start, self._next_seq(d, btag)), reader)
             if packed.transport == "nccl":
-                self._nccl_send(d, flat[1])
+                self.pairs.send(d, flat[1])
             self._record("broadcast", d, packed, start)
         ray.get(refs, timeout=timeout)
         return obj
@@ -399,20 +327,6 @@ class Communicator:
         except BrokenPipeError:
             raise LookupError(f"worker {env.src} cannot reach pid {info.pid}: its process is gone") from None
         return []
-
-    def _read_pipe(self) -> None:
-        while True:
-            try:
-                frame = _read_exactly(self._pipe_fd, _FRAME.unpack(_read_exactly(self._pipe_fd, _FRAME.size))[0])
-            except (EOFError, OSError):
-                return  # closed
-            try:  # a frame is read whole, so one that fails to unpack leaves the next ones intact
-                message = pickle.loads(frame)
-                if message[0] == "shm":
-                    message = pickle.loads(shm.open_tensors(message[1])[0].numpy().tobytes())
-                self.deliver(*message)
-            except Exception:
-                logger.exception("%s:%s dropped a message it could not unpack", *self.address)
 
     def _next_seq(self, dst: tuple[str, int], tag: Hashable) -> int:
         seq = self._sent[(dst, tag)]
@@ -434,7 +348,7 @@ class Communicator:
                 raise TimeoutError(f"{self.address[0]}:{self.address[1]} got nothing from {src[0]}:{src[1]} (tag {tag!r}) in {timeout}s")
             env, reader = box.ready.popleft()
         packed = env.packed
-        nccl = self._nccl_recv(tuple(src), packed.data) if packed.transport == "nccl" else None
+        nccl = self.pairs.recv(tuple(src), packed.data) if packed.transport == "nccl" else None
         obj = unpack(packed, reader, nccl)
         self._record("recv", tuple(src), packed, start)
         return obj
@@ -458,86 +372,10 @@ class Communicator:
         get_tracer().record(f"{op} {peer[0]}:{peer[1]}", start, end, cat="recv" if op == "recv" else "send",
                             transport=packed.transport, bytes=packed.nbytes)
 
-    # -- NCCL between two GPUs ----------------------------------------------------
-    PAIR_BACKEND = "nccl"  # the pairwise groups' backend; tests build the same pairs with gloo
-
-    def _nccl_group(self, peer: tuple[str, int]):
-        """A two-rank process group for this pair, outside torch.distributed's world so that
-        any two workers of any groups can pair up: (group, peer's rank in it, store).
-
-        The lower address of the pair always hosts the store and is rank 0, whichever side
-        needs the pair first: two peers that first send to each other at the same moment
-        still build one pair, not two half-built ones waiting for each other.
-        """
-        if peer in self._nccl:
-            return self._nccl[peer]
-        actor, _ = self.peer(peer)
-        if self.address < peer:
-            self._host_pair(peer, actor)
-        else:  # ask the lower side to host; it calls back our nccl_join
-            actor._m2flow_nccl_open.remote(self.address)
-        return self._wait_pair(peer)
-
-    def _host_pair(self, peer: tuple[str, int], actor: Any) -> None:
-        with self._nccl_lock:  # the main and an IO thread may both get here
-            if peer in self._nccl:
-                return
-            # the store listens on this node's Ray address only (``runtime/listen.py``)
-            listener = listen.bound_socket(listen.node_address())
-            host, port = listener.getsockname()[:2]
-            store = listen.host_store(listener, 2, wait_for_workers=False)
-            actor._m2flow_nccl_join.remote(self.address, (host, port))  # before the group: gloo's waits for it
-            self._nccl[peer] = (self._pair(store, 0), 1, store)
-
-    def nccl_open(self, peer: tuple[str, int]) -> None:
-        """The higher side of a pair asks this worker to host it."""
-        self._host_pair(peer, self.peer(peer)[0])
-
-    def nccl_join(self, peer: tuple[str, int], store_addr: tuple[str, int]) -> None:
-        with self._nccl_lock:
-            if peer not in self._nccl:
-                store = listen.join_store(store_addr[0], store_addr[1], 2)
-                self._nccl[peer] = (self._pair(store, 1), 0, store)
-
-    def _pair(self, store: Any, rank: int) -> Any:
-        import torch.distributed as dist
-
-        prefixed = dist.PrefixStore("m2flow-p2p", store)
-        if self.PAIR_BACKEND == "gloo":
-            return dist.ProcessGroupGloo(prefixed, rank, 2)
-        return dist.ProcessGroupNCCL(prefixed, rank, 2)
-
-    def _wait_pair(self, peer: tuple[str, int], timeout: float = 60.0):
-        deadline = time.monotonic() + timeout
-        while peer not in self._nccl:  # the other side's request may still be in flight
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {self.PAIR_BACKEND} pair with {peer} after {timeout:.0f} s")
-            time.sleep(0.001)
-        return self._nccl[peer]
-
-    def _nccl_send(self, dst: tuple[str, int], tensors: list[torch.Tensor]) -> None:
-        pg, peer_rank, _ = self._nccl_group(dst)
-        for t in tensors:
-            if t.is_cuda:
-                pg.send([t.contiguous()], peer_rank, 0).wait()
-
-    def _nccl_recv(self, src: tuple[str, int], meta: list) -> list[torch.Tensor]:
-        pg, peer_rank, _ = self._nccl_group(src)
-        out = []
-        for shape, dtype in meta:
-            t = torch.empty(shape, dtype=dtype, device="cuda")
-            pg.recv([t], peer_rank, 0).wait()
-            out.append(t)
-        return out
-
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         for fd in self._pipes.values():
             os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.info.pipe)
-        global _POOL
-        with _POOL_LOCK:
-            if _POOL is not None:
-                _POOL.close()
-                _POOL = None  # a process re-initialised for another rank (``WorkerPool``) makes a new one
+        shm.close_process_pool()

@@ -16,55 +16,27 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import re
 import time
 import types
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
 import ray
-import torch
-from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError, OutOfMemoryError, RayActorError,
-                            RayTaskError)
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.exceptions import GetTimeoutError, RayTaskError
 
-from m2flow.runtime.names import NAMESPACE
+from m2flow.runtime.dispatching import _gather, _split
+from m2flow.runtime.errors import _ANSI, _DIED, WorkerDiedError, WorkerError, _death_among, death_reason, own_frames
 from m2flow.runtime.placement import ComponentPlacement
-from m2flow.runtime.worker import CALL_PREFIX, WorkerInfo, actor_class, callable_methods
+from m2flow.runtime.pool import WorkerPool, _new_actor
+from m2flow.runtime.worker import CALL_PREFIX, WorkerInfo, callable_methods
 
 if TYPE_CHECKING:
     from m2flow.runtime.channel import Channel
     from m2flow.runtime.device_lock import DeviceLock
 
-# Every worker gets a sliver of a CPU: Ray must not refuse to place the third actor on a
-# 2-core node; the real CPU share is the slot the worker pins itself to.
-ACTOR_CPUS = 0.01
-# Arguments sent to several ranks above this size go through the object store once.
-_SHARE_BYTES = 100 * 1024
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # How long an error waits for a death among the calls waited on with it (Ray notices a killed
 # process within about a second; the peers that talked to it fail at once).
 DEATH_GRACE_S = 5.0
-# Ray's memory monitor kills a worker when the node runs low on memory: a death, told as OutOfMemoryError.
-_DIED = (ActorDiedError, ActorUnavailableError, RayActorError, OutOfMemoryError)
-
-
-class WorkerError(RuntimeError):
-    """A rank's call failed. Its message is one paragraph: the group, the rank, the method,
-    the exception and the last frames of the code it ran (not Ray's); ``traceback`` holds
-    the whole remote traceback (a run writes it to its ``log.txt``)."""
-
-    def __init__(self, group: str, rank: int, method: str, detail: str, cause: BaseException | None = None,
-                 traceback: str = ""):
-        super().__init__(f"{group} rank {rank} failed in {method}(): {detail}")
-        self.group, self.rank, self.method, self.cause = group, rank, method, cause
-        self.traceback = traceback or detail
-
-
-class WorkerDiedError(WorkerError):
-    pass
 
 
 class GroupHandle:
@@ -131,67 +103,6 @@ class GroupHandle:
         raise TimeoutError(f"{self.group.name}.{self.method}() not finished after {timeout}s on rank(s) {sorted(ranks)}")
 
 
-def death_reason(e: BaseException) -> str:
-    """Ray's error for a worker's death, in a line where it runs to a page (the memory
-    monitor's report: object store statistics, the processes it considered)."""
-    text = _ANSI.sub("", str(e)).strip()
-    if isinstance(e, OutOfMemoryError):
-        used = re.search(r"was (\S+ used / \S+ limit)", text)
-        reason = re.search(r"OOM kill reason: (.+)", text)
-        # The monitor kills the newest calls first, not the largest process: name that one too.
-        top = re.search(r"Top \d+ memory users:.*\n(\d+)\s+([\d.]+)\s+(\S+)", text)
-        largest = f"; the largest process then: {top[3]} (pid {top[1]}, {top[2]} GB)" if top else ""
-        return ("Ray's memory monitor killed it, the node running low on memory ("
-                + "; ".join(m.group(1).strip() for m in (used, reason) if m) + f"{largest}): give the run more "
-                "memory, or its components less (fewer envs or rows per process)")
-    return text
-
-
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
-# Frames of these files are the machinery a call passes through, not the code it ran: Ray's
-# package and the standard library's executors (any directory named ray, e.g. the home of
-# Ray's own images, /home/ray, holds code of the user's).
-_MACHINERY = re.compile(r"[/\\](site|dist)-packages[/\\]ray[/\\]|[/\\]python3(\.\d+)?[/\\](concurrent|asyncio)[/\\]"
-                        r"|[/\\]python3(\.\d+)?[/\\]threading\.py$|^<")
-
-
-def own_frames(traceback: str, last: int = 3) -> list[str]:
-    """The ``last`` frames of a traceback's text outside Ray and the standard library's
-    executors, as ``file:line in function: code``."""
-    lines = traceback.splitlines()
-    frames = []
-    for i, line in enumerate(lines):
-        m = _FRAME.match(line)
-        if m is None or _MACHINERY.search(m["file"]):
-            continue
-        code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
-        rel = os.path.relpath(m["file"])
-        path = m["file"] if rel.startswith("..") else rel
-        frames.append(f"{path}:{m['line']} in {m['func']}" + (f": {code}" if code else ""))
-    return frames[-last:]
-
-
-def _death_among(refs: list, grace_s: float) -> tuple[Any, BaseException] | None:
-    """The first of the calls ``refs`` whose worker process died, with Ray's error, given
-    ``grace_s`` seconds to show it; None when none did by then (those that finish otherwise
-    are passed over)."""
-    deadline = time.monotonic() + grace_s
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            return None
-        try:
-            ray.get(ready[0])
-        except RayTaskError:  # the call's own error (checked first: it may also be an instance of _DIED)
-            continue
-        except _DIED as e:
-            return ready[0], e
-        except Exception:  # noqa: BLE001 -- any other outcome is not a death
-            continue
-    return None
-
-
 def start_together(*groups: WorkerGroup, channels: Sequence[Channel] = (), locks: DeviceLock | None = None) -> None:
     """Waits until every rank of ``groups`` (made with ``wait=False``) is constructed, then
     until the actors of ``channels`` and ``locks``, which start in the background too, are
@@ -237,88 +148,6 @@ def wait(*handles: GroupHandle, timeout: float | None = None) -> list:
                     owner[died[0]].wait()  # raises its WorkerDiedError
                 raise
     return [h.wait() for h in handles]
-
-
-class WorkerPool:
-    """Worker processes kept between worker groups of the same names, for a driver that runs
-    one flow under several plans in a row (profiling): a group made with the pool takes the
-    process of each rank from it when that rank (group name and rank, worker class, node, and
-    on GPUs the same devices) ran before, and re-initialises it, instead of starting a process
-    and importing everything anew; its ``shutdown`` gives the processes back with their
-    state dropped. ``close`` ends them."""
-
-    def __init__(self) -> None:
-        self.tag = uuid.uuid4().hex[:6]  # the runs that share the pool name their groups alike
-        self._idle: dict[str, tuple[type, str, tuple, Any]] = {}  # actor name -> (class, node, devices, actor)
-
-    def take(self, name: str, cls: type, node_id: str, devices: tuple) -> Any | None:
-        got = self._idle.pop(name, None)
-        if got is None:
-            return None
-        if _fits(got, cls, node_id, devices):
-            return got[3]
-        _kill_named(name, got[3])  # its name is the new rank's
-        return None
-
-    def holds(self, cls: type, placement: ComponentPlacement, name: str) -> bool:
-        """Whether a group to be made (``placement``, named ``name``) would take every rank's
-        process from the pool, starting none anew (on GPUs a process moves only with its
-        devices)."""
-        return all((got := self._idle.get(f"{name}:{r.rank}")) is not None and _fits(got, cls, r.node_id, r.devices)
-                   for r in placement.ranks())
-
-    def give(self, name: str, cls: type, node_id: str, devices: tuple, actor: Any) -> None:
-        self._idle[name] = (cls, node_id, devices, actor)
-
-    def prestart(self, cls: type, placement: ComponentPlacement, name: str) -> None:
-        """Starts the processes of a group to be made later (the ranks the pool lacks), in
-        the background: they start beside whatever runs now, not one group after another."""
-        for r in placement.ranks():
-            if f"{name}:{r.rank}" not in self._idle:
-                self.give(f"{name}:{r.rank}", cls, r.node_id, r.devices, _new_actor(cls, f"{name}:{r.rank}", r.node_id))
-
-    def ready(self) -> None:
-        """Waits until every idle process is up (a prestarted one may still be importing)."""
-        ray.get([actor._m2flow_ping.remote() for _, _, _, actor in self._idle.values()])
-
-    def trim(self, group: str, world_size: int) -> None:
-        """Ends the idle processes of ``group``'s ranks beyond ``world_size``: a group's size
-        is read off the names of its running ranks."""
-        for name in [n for n in self._idle if n.rpartition(":")[0] == group and int(n.rpartition(":")[2]) >= world_size]:
-            _kill_named(name, self._idle.pop(name)[3])
-
-    def close(self) -> None:
-        """Ends the idle processes; returns once their names are free, so that the pool's
-        next runs start processes named as these were."""
-        for name, (_, _, _, actor) in self._idle.items():
-            _kill_named(name, actor)
-        self._idle.clear()
-
-
-def _fits(idle: tuple[type, str, tuple, Any], cls: type, node_id: str, devices: tuple) -> bool:
-    """Whether an idle process (class, node, devices, actor) can be a rank of ``cls`` on
-    ``node_id`` with ``devices``: a CPU worker re-pins itself, a GPU one keeps its GPUs."""
-    same_devices = idle[2] == devices or all(d.kind == "cpu" for d in devices)
-    return idle[0] is cls and idle[1] == node_id and same_devices
-
-
-def _new_actor(cls: type, name: str, node_id: str) -> Any:
-    """A worker process (its class's module imported; ``_m2flow_init`` not yet called)."""
-    return actor_class(cls).options(name=name, namespace=NAMESPACE, num_cpus=ACTOR_CPUS,
-                                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-
-
-def _kill_named(name: str, actor: Any, timeout_s: float = 10.0) -> None:
-    """Kills an actor and waits until its name is free."""
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"worker {name} still registered {timeout_s}s after it was killed")
 
 
 class WorkerGroup:
@@ -451,56 +280,3 @@ def _group_method(name: str, method: Callable) -> Callable:
         params.insert(next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params)), _RANKS)
     call.__signature__ = signature.replace(parameters=params, return_annotation="GroupHandle")
     return call
-
-
-# -- split and gather ---------------------------------------------------------------
-def _split(args: tuple, kwargs: dict, n: int, mode: str) -> list[tuple[tuple, dict]]:
-    if mode == "all":
-        if n > 1:  # one copy in the object store instead of one per rank
-            args = tuple(_share(a) for a in args)
-            kwargs = {k: _share(v) for k, v in kwargs.items()}
-        return [(args, kwargs)] * n
-    if mode == "per_rank":
-        for v in (*args, *kwargs.values()):
-            if not isinstance(v, Sequence) or len(v) != n:
-                raise ValueError(f"per_rank dispatch needs one entry per called rank ({n}), got {type(v).__name__}")
-        return [(tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()}) for i in range(n)]
-    chunks_a = [_chunks(a, n) for a in args]
-    chunks_k = {k: _chunks(v, n) for k, v in kwargs.items()}
-    return [(tuple(c[i] for c in chunks_a), {k: c[i] for k, c in chunks_k.items()}) for i in range(n)]
-
-
-def _share(value: Any) -> Any:
-    nbytes = value.nbytes if isinstance(value, (torch.Tensor, np.ndarray)) else 0
-    return ray.put(value) if nbytes > _SHARE_BYTES else value
-
-
-def _chunks(value: Any, n: int) -> list:
-    if isinstance(value, torch.Tensor):
-        return list(torch.tensor_split(value, n))
-    if isinstance(value, np.ndarray):
-        return np.array_split(value, n)
-    if isinstance(value, (list, tuple)):
-        bounds = np.linspace(0, len(value), n + 1).round().astype(int)
-        return [value[bounds[i] : bounds[i + 1]] for i in range(n)]
-    if isinstance(value, dict):
-        per_key = {k: _chunks(v, n) for k, v in value.items()}
-        return [{k: c[i] for k, c in per_key.items()} for i in range(n)]
-    return [value] * n
-
-
-def _gather(results: list, mode: str) -> Any:
-    if mode == "list":
-        return results
-    if mode == "first":
-        return results[0]
-    first = results[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(results)
-    if isinstance(first, np.ndarray):
-        return np.concatenate(results)
-    if isinstance(first, (list, tuple)):
-        return type(first)(x for r in results for x in r)
-    if isinstance(first, dict):
-        return {k: _gather([r[k] for r in results], "concat") for k in first}
-    raise TypeError(f"cannot concatenate results of type {type(first).__name__}")

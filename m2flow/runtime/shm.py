@@ -30,6 +30,8 @@ from functools import cache
 import numpy as np
 import torch
 
+from m2flow.runtime.names import shm_prefix
+
 SHM_DIR = "/dev/shm"
 HEADER = 4096  # one page: the data starts page-aligned
 ALIGN = 64
@@ -162,6 +164,33 @@ class ShmPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# -- this process's pool ------------------------------------------------------------
+_POOL: ShmPool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def process_pool() -> ShmPool:
+    """This process's shared-memory pool; its segments are named after the session so
+    that the cluster can remove leftovers of crashed processes."""
+    global _POOL
+    prefix = shm_prefix(os.environ.get("M2FLOW_SESSION", "default"))
+    with _POOL_LOCK:
+        if _POOL is None or _POOL.prefix != prefix:  # a driver may run one cluster after another
+            if _POOL is not None:
+                _POOL.close()
+            _POOL = ShmPool(prefix)
+        return _POOL
+
+
+def close_process_pool() -> None:
+    """Closes this process's pool (its communicator's close)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None:
+            _POOL.close()
+            _POOL = None  # a process re-initialised for another rank (``WorkerPool``) makes a new one
 
 
 # A session's files on a node (segments, pipes: ``<prefix>-...``) outlive a process killed

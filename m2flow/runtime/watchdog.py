@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from m2flow.runtime.device_lock import lock_state
-from m2flow.runtime.group import own_frames
+from m2flow.runtime.errors import own_frames
 
 if TYPE_CHECKING:
     from m2flow.runtime.channel import Channel
@@ -47,7 +47,8 @@ class RunHung(RuntimeError):
 
 # Where a rank's innermost frames of its own code are, and what that means it is doing.
 _WAITS = (("m2flow/runtime/channel", "waiting on a channel"), ("m2flow/runtime/device_lock", "waiting for a device lock"),
-          ("m2flow/runtime/comm", "waiting for a message from another rank"))
+          ("m2flow/runtime/comm", "waiting for a message from another rank"),
+          ("m2flow/runtime/pairs", "waiting for a message from another rank"))
 
 
 class Watchdog:

@@ -44,31 +44,6 @@ class WorkerInfo:
     group_devices: tuple[int, ...]  # the device indices of every rank of the group
 
 
-def dispatch(split: str = "all", gather: str = "list", immediate: bool = False) -> Callable:
-    """Declares how a group call splits its inputs across ranks and gathers outputs.
-
-    split: ``"all"`` (every rank gets the same arguments), ``"scatter"`` (tensors, arrays,
-    lists and dicts of them are cut into one contiguous chunk per rank along the first
-    dimension; other arguments go to every rank) or ``"per_rank"`` (each argument is a
-    sequence with one entry per rank).
-    gather: ``"list"`` (one result per rank), ``"concat"`` (results joined in rank
-    order) or ``"first"`` (the first called rank's result).
-    immediate: the method runs on the worker's IO threads, at once, even while a long call
-    of the worker's is in progress (it must be quick and share state with the main thread
-    only through what is thread-safe).
-    """
-    if split not in ("all", "scatter", "per_rank"):
-        raise ValueError(f"unknown split {split!r}")
-    if gather not in ("list", "concat", "first"):
-        raise ValueError(f"unknown gather {gather!r}")
-
-    def mark(fn: Callable) -> Callable:
-        fn._m2flow_dispatch = (split, gather)
-        return ray.method(concurrency_group=IO_GROUP)(fn) if immediate else fn
-
-    return mark
-
-
 def visible_gpus(devices: tuple[Device, ...]) -> str:
     """``CUDA_VISIBLE_DEVICES`` for a process on ``devices``: each GPU once, in order (the
     slots of one GPU are that GPU)."""
@@ -209,11 +184,11 @@ class Worker:
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_nccl_join(self, peer: tuple[str, int], store_addr: tuple[str, int]) -> None:
-        self.comm.nccl_join(peer, store_addr)
+        self.comm.pairs.join(peer, store_addr)
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_nccl_open(self, peer: tuple[str, int]) -> None:
-        self.comm.nccl_open(peer)
+        self.comm.pairs.open(peer)
 
     # -- communication ------------------------------------------------------------
     def send(self, obj: Any, dst_group: str, dst_rank: int, tag: Hashable = 0, timeout: float | None = None) -> str:
