@@ -44,8 +44,8 @@ from m2flow.runtime.stop import RunStopped
 
 # Keys whose value does not change what a step costs: a profile is reused across them.
 RUN_KEYS = ("total_env_steps", "steps", "out_dir", "resume", "progress", "checkpoint_every", "checkpoint_every_min",
-            "target_return", "eval_every", "eval_deferred", "max_staleness", "stages", "hang_timeout_s",
-            "max_restarts", "on_node_loss", "on_node_return", "stall_warning")
+            "target_return", "eval_every", "eval_episodes", "eval_deferred", "max_staleness", "stages",
+            "hang_timeout_s", "max_restarts", "on_node_loss", "on_node_return", "stall_warning")
 
 
 # Off-policy corrections that cost nothing beyond the loss's own arithmetic (the decoupled
