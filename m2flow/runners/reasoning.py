@@ -109,7 +109,7 @@ def sharded(cfg: DictConfig, plan: Plan) -> bool:
 
 class ReasoningRunner(Runner):
     def channels_of(self) -> tuple[str, ...]:
-        return tuple(ch for ch in WORKFLOW.channels if ch != "logprobs" or "critic" in self.components)
+        return tuple(ch for ch in self.workflow.channels if ch != "logprobs" or "critic" in self.components)
 
     def prepare(self) -> None:
         check_importable(self.cfg)

@@ -1,13 +1,12 @@
 """Rejection-sampling fine-tuning (best-of-n, expert iteration): the rollout samples
 ``rollout.n`` completions per prompt, the reward worker scores them, the select worker keeps
 each prompt's best ``select.keep`` that reach ``select.min_reward``, and the actor takes a
-supervised step on those alone (``algorithm.name=sft``: their negative log-likelihood).
+supervised step on those alone (``algorithm.name=sft``: their negative log-likelihood):
 
-    rollout.generate --samples--> reward.score --scored--> select.best --batches--> actor.train
-        --weights--> rollout (next step)
+    rollout --samples--> reward --scored--> select --batches--> actor --weights--> rollout
 
-The reasoning flow's runner serves it (data, evaluation, checkpoints of the data order): only
-the stream it launches and the metrics row are its own. docs/flows.md walks through this file.
+The reasoning flow's runner serves it (data, evaluation, checkpoints of the data order); the
+stream it launches and its metrics row are its own. docs/flows.md walks through this file.
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ class RejectionConfig(ReasoningConfig):
     placement: RejectionPlacementConfig = section(RejectionPlacementConfig, "which devices each component runs on")
 
 
-def check(d: Mapping, training: bool = True) -> None:
-    """The rules between keys, on the resolved config."""
+def check(d: Mapping, training: bool = True) -> None:  # the rules between keys, on the resolved config
     check_model(d["model"]["path"])
     check_rewards(d["reward"]["functions"])
     check_data(d["data"], training)
@@ -94,9 +92,6 @@ class SelectWorker(Worker):
 
 
 class RejectionRunner(reasoning.ReasoningRunner):
-    def channels_of(self) -> tuple[str, ...]:
-        return "samples", "scored", "batches"
-
     def prepare(self) -> None:
         super().prepare()
         self.metrics = RejectionMetrics(self.total)
@@ -114,9 +109,9 @@ class RejectionRunner(reasoning.ReasoningRunner):
 
 
 class RejectionMetrics(reasoning.ReasoningMetrics):
-    """A step's row: ``reward`` (of every completion), ``kept`` (the share of them trained on),
-    ``completion_length``, the actor's ``loss`` (the kept tokens' mean negative log-likelihood),
-    ``grad_norm`` and ``policy_lag``, and each component's busy and idle seconds."""
+    """A step's row: ``reward`` (of every completion), ``kept`` (the share trained on), ``loss``
+    (their tokens' mean negative log-likelihood), ``grad_norm``, ``policy_lag``, ``completion_length``,
+    and each component's busy and idle seconds."""
 
     def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
         rollout, (reward,), (select,), actor = report["rollout"], report["reward"], report["select"], report["actor"]
@@ -133,8 +128,7 @@ class RejectionMetrics(reasoning.ReasoningMetrics):
 
 
 def shape(cfg: DictConfig, plan: Plan, fused: bool) -> Shape:
-    """The rollout's groups go on in chunks of ``granularity`` through reward and select to
-    the actor, which trains on each as it comes (as in the reasoning flow)."""
+    """As the reasoning flow's: the groups stream in chunks through reward and select to the actor."""
     prompts = cfg.data.prompts_per_step
     waves = -(-prompts * cfg.rollout.n // cfg.rollout.max_batch_size)  # of sequences decoded at once
     return Shape(("rollout", "reward", "select"), "actor", prompts * cfg.rollout.n,
