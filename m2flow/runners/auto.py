@@ -449,7 +449,8 @@ def plan_command(preset: str | None, overrides: list[str], profile_file: str | N
             try:
                 root = root_of(prof.config.get("flow"))
             except UnknownFlow:
-                raise ConfigError("--profile", f"{profile_file} holds no config of a flow: give its preset too") from None
+                raise ConfigError("--profile", f"{profile_file} holds no config of a flow: give its preset "
+                                               "too") from None
             try:
                 cfg = OmegaConf.merge(OmegaConf.structured(root), prof.config)
             except OmegaConfBaseException as e:

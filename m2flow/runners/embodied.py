@@ -142,7 +142,7 @@ class EmbodiedRunner(Runner):
 
     def evaluate(self) -> dict[str, float]:
         """``runner.eval_episodes`` deterministic episodes of the actor's weights (``play``)."""
-        (actor,), (env,) = wait(self.groups["actor"].call("state", ranks=[0]), self.groups["env"].call("state", ranks=[0]))
+        (actor,), (env,) = wait(*(self.groups[c].call("state", ranks=[0]) for c in ("actor", "env")))
         summary, _ = play(self.cfg, actor["policy"], env["batches"][0]["stats"], self.cfg.runner.eval_episodes)
         return {"eval_return": summary["mean_return"], "eval_length": summary["mean_length"]} | (
             {} if summary["success_rate"] is None else {"eval_success_rate": summary["success_rate"]})
@@ -342,9 +342,8 @@ def play(cfg: DictConfig, weights: dict[str, Any], obs_stats: dict | None, episo
 
 FLOW = Flow(
     "embodied", WORKFLOW, WORKERS, EmbodiedRunner, config=EmbodiedConfig, check=check_embodied,
-    length_key="runner.total_env_steps",
+    length_key="runner.total_env_steps", stateful=("env", "rollout", "actor"),
     shape=shape, knobs=knobs, length=length, probe_sizes=probe_sizes, duration="update_s", probe_updates=3,
-    stateful=("env", "rollout", "actor"),
     # the updates a checkpoint counts are of runner.rollout_steps x env.num_envs x policy.chunk env steps
     resume_keys=("algorithm.name", "env.id", "env.num_envs", "env.group_size", "env.obs_norm", "env.reward_scale",
                  "policy.hidden", "policy.activation", "policy.chunk", "runner.rollout_steps"),

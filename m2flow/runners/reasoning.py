@@ -14,8 +14,7 @@ values and GAE advantages. A step's data flow, each arrow a channel:
         [--logprobs--> critic.train] --batches--> actor.train --weights--> rollout (next step)
 
 The file reads top to bottom: the components, the macro flow (``ReasoningRunner``), its
-metrics, the step as the scheduler sees it, ``m2flow eval``'s scores, and ``FLOW``, which
-declares them all.
+metrics, the step as the scheduler sees it, ``m2flow eval``'s scores, and ``FLOW``.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from m2flow.runners.metrics import Staleness, across_ranks
 from m2flow.runtime.errors import WorkerError
 from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.inference import InferenceWorker, holds_a_model
-from m2flow.workers.lm_actor import LMActorWorker
+from m2flow.workers.lm_actor import BOOKKEEPING, LMActorWorker
 from m2flow.workers.lm_critic import LMCriticWorker
 from m2flow.workers.lm_common import load_model
 from m2flow.workers.lm_rollout import LMRolloutWorker, engine_options
@@ -208,12 +207,6 @@ class ReasoningRunner(Runner):
             self.groups["reward"].close().wait(timeout=CLOSE_TIMEOUT_S)
 
 
-# What an actor rank reports besides its training statistics (which ``across_ranks`` averages)
-ACTOR_BOOKKEEPING = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
-                     "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped",
-                     "token_lags", "update_end", "trained_prompts", "update_busy_s")
-
-
 class ReasoningMetrics:
     """The reasoning flow's rows (documented in docs/reasoning.md), against steps."""
 
@@ -227,17 +220,13 @@ class ReasoningMetrics:
         self.trained: dict[int, list[int]] = {}
 
     def state_dict(self) -> dict[str, float]:
-        return {}
+        return {}  # nothing runs on from one step to the next
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         pass
 
     def summary(self, row: dict[str, float]) -> str:
         return f"reward {row['reward']:.3f}  {row['step_s']:.1f} s/step"
-
-    def _staleness(self, rollout: list[dict], actor: list[dict]) -> dict[str, float]:
-        return {"stale_dropped": sum(r.get("stale_dropped", 0) for r in actor)} | self.staleness.row(
-            [r.get("token_lags", {}) for r in actor], rollout, actor)
 
     def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
         """The metrics of step ``i + 1`` (steps count from 1; row 0 is the evaluation before training)."""
@@ -252,11 +241,12 @@ class ReasoningMetrics:
         for k in ("decode_steps", "graph_replays"):  # over the rollout ranks
             row[k] = sum(r.get(k, 0) for r in rollout)
         row["prompts_joined_early"] = sum(r.get("joined_early", 0) for r in rollout)
-        row |= across_ranks(actor, ACTOR_BOOKKEEPING)
+        row |= across_ranks(actor, BOOKKEEPING)
         row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
         row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
         row["actor_update_busy_s"] = sum(r["update_busy_s"] for r in actor) / len(actor)
-        row |= self._staleness(rollout, actor)
+        row["stale_dropped"] = sum(r.get("stale_dropped", 0) for r in actor)
+        row |= self.staleness.row([r.get("token_lags", {}) for r in actor], rollout, actor)
         self.trained[i + 1] = [p for r in actor for p in r.get("trained_prompts", ())]
         if "logprob_diff_max" in inference:
             row["logprob_diff_max"] = inference["logprob_diff_max"]
@@ -299,15 +289,12 @@ def length(cfg: DictConfig, updates: int) -> dict[str, Any]:
 
 
 def probe_sizes(cfg: DictConfig, devices: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Steps of a quarter of the configured prompts (at least 4, at most all): every
-    component's time grows with the completions it handles, so the model fitted on smaller
-    steps predicts the configured one; the other size is twice as many prompts (at most all)
-    in one chunk. Peak memory is about the same at either size: the rollout decodes
-    ``rollout.max_batch_size`` sequences at a time and the trainers take micro-batches of
-    ``algorithm.max_tokens_per_micro_batch`` tokens. The other size runs on all the devices,
-    like the first: two sizes on as many devices tell a device effect per chunk (an
-    all-reduce) from one per completion (a process's threads sharing the work less well), and
-    the split probe gives the points on fewer devices."""
+    """Steps of a quarter of the configured prompts (at least 4, at most all): a component's
+    time grows with the completions it handles, so a model fitted on smaller steps predicts the
+    configured one (peak memory is about the same: the rollout decodes ``max_batch_size``
+    sequences at a time, the trainers take micro-batches by tokens). The other size, twice as
+    many prompts (at most all) in one chunk, runs on all the devices too: it tells a cost per
+    chunk (an all-reduce) from one per completion; the split probe sees fewer devices."""
     p = cfg.data.prompts_per_step
     q = p if p <= 4 else max(4, p // 4)
     v = min(2 * q, p)
@@ -326,7 +313,7 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(plain, device, plain["rollout"]["dtype"])  # as the run's evaluations: the rollout's
     try:
-        model.load_state_dict(checkpoints.trainer_weights(ckpt, "trainer"))  # rounded to the rollout's dtype as they load
+        model.load_state_dict(checkpoints.trainer_weights(ckpt, "trainer"))  # rounded to the rollout's dtype
     except RuntimeError as e:
         raise ConfigError("model.path", f"the checkpoint's weights do not fit {cfg.model.path}: "
                           f"{str(e).splitlines()[0]}") from None
@@ -354,8 +341,7 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any
 
 FLOW = Flow(
     "reasoning", WORKFLOW, WORKERS, ReasoningRunner, config=ReasoningConfig, check=check_reasoning,
-    length_key="runner.steps",
-    shape=shape, knobs=knobs, length=length, probe_sizes=probe_sizes, duration="step_s",
+    length_key="runner.steps", shape=shape, knobs=knobs, length=length, probe_sizes=probe_sizes, duration="step_s",
     probe_updates=2,  # a step of a language model takes seconds to minutes
     sized_on_one_device=False, overlap_probe_updates=3,
     stateful=("rollout", "actor", "critic"), resume_keys=("algorithm.name", "model.path"),

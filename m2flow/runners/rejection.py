@@ -27,6 +27,7 @@ from m2flow.runners.flow import Flow
 from m2flow.runners.metrics import across_ranks
 from m2flow.runtime import Channel, Clock, Worker
 from m2flow.runtime.group import GroupHandle
+from m2flow.workers.lm_actor import BOOKKEEPING
 from m2flow.workers.lm_common import END, until_end
 
 COMPONENTS = ("rollout", "reward", "select", "actor")
@@ -97,7 +98,6 @@ class RejectionRunner(reasoning.ReasoningRunner):
         self.metrics = RejectionMetrics(self.total)
 
     def launch(self, key: int, trained_by: int) -> dict[str, GroupHandle]:
-        """One step's stream, up to the batches channel: rollout -> reward -> select."""
         prompts, ch, g = next(self.loader), self.channels, self.groups
         return {"rollout": g["rollout"].generate(prompts, ch["samples"], self.plan.granularity["samples"], key,
                                                  None, self.streams.synced or 0),
@@ -119,7 +119,7 @@ class RejectionMetrics(reasoning.ReasoningMetrics):
         row = {"step": i + 1, "time_s": time_s, "step_s": step_s, "reward": reward["reward"],
                "kept": select["kept"] / completions, "weight_sync_s": report["sync"]["weight_sync_s"],
                "completion_length": sum(r["completion_tokens"] for r in rollout) / completions}
-        row |= across_ranks(actor, reasoning.ACTOR_BOOKKEEPING)
+        row |= across_ranks(actor, BOOKKEEPING)
         self.trained[i + 1] = [p for r in actor for p in r.get("trained_prompts", ())]
         for name, ranks in (("rollout", rollout), ("reward", [reward]), ("select", [select]), ("actor", actor)):
             for k in ("busy_s", "idle_s"):

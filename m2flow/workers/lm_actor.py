@@ -54,6 +54,11 @@ from m2flow.workers.lm_common import END, dtype_of, load_model, logprob_temperat
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
 PART_COUNTS = ("loss", "tokens", "completion_tokens", "micro_batches")  # what accumulate() reports besides the stats
 ALGORITHMS = (*GROUP_LOCAL, "reinforce_pp", "ppo")
+# What a rank's ``train`` reports besides its training statistics (which a flow's metrics average
+# over the ranks: ``runners.metrics.across_ranks``)
+BOOKKEEPING = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
+               "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
+               "update_end", "trained_prompts", "update_busy_s")
 # The negative log-likelihood of every completion that reaches the actor: for flows that choose
 # what it trains on (rejection sampling keeps each prompt's best completions)
 SUPERVISED = ("sft",)
