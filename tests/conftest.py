@@ -33,6 +33,25 @@ for _name, _var in (("home", "HOME"), ("cache", "M2FLOW_CACHE_DIR"), ("xdg-cache
 os.chdir(WORK)
 CHECKOUT_AT_START = checkout_state()
 
+def cluster_importing_tests(tmp_path_factory):
+    """A module's own local Ray (2 CPUs, two CPU slots) whose processes import from the tests
+    folder (``fault_envs``, ``pixel_env``), as they would a user's env module: it goes on their
+    Python path, and on the driver's (which makes one env too, to read its spaces)."""
+    from m2flow.runtime.cluster import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    tests = str(Path(__file__).resolve().parent)
+    patch = pytest.MonkeyPatch()
+    patch.syspath_prepend(tests)
+    with pytest.MonkeyPatch.context() as env:  # Ray's processes inherit it when it starts
+        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+        c = Cluster(num_cpus=2, cpu_slots=2, run_dir=tmp_path_factory.mktemp("run"))
+    yield c
+    c.shutdown()
+    patch.undo()
+
+
 # Worker classes defined in test modules travel to Ray workers by value: the workers
 # cannot import the test modules by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -3,14 +3,11 @@ the MuJoCo and ManiSkill presets, each shrunk to two short updates through the r
 
 import contextlib
 import math
-import os
 import re
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import torch
 
 from m2flow.config import load_config
@@ -18,27 +15,18 @@ from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners import status
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.status import RunFailed
-from m2flow.runtime import Cluster
 from m2flow.runtime.watchdog import RunHung
 
-TESTS = Path(__file__).resolve().parent
+from conftest import cluster_importing_tests
+
 PIXEL_TASK = "pixel_env:BrightSide-v0"  # tests/pixel_env.py
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two CPU slots. The env workers import pixel_env by name, as they would a user's env
-    module: the tests folder goes on the Python path of Ray's worker processes."""
-    if ray.is_initialized():
-        ray.shutdown()
-    patch = pytest.MonkeyPatch()
-    patch.syspath_prepend(str(TESTS))  # the driver makes one env too, to read its spaces
-    with pytest.MonkeyPatch.context() as env:  # Ray's processes inherit it when it starts
-        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-        c = Cluster(num_cpus=2, cpu_slots=2, run_dir=tmp_path_factory.mktemp("run"))
-    yield c
-    c.shutdown()
-    patch.undo()
+    module."""
+    yield from cluster_importing_tests(tmp_path_factory)
 
 
 def train(cluster, pool, preset, overrides, out_dir):

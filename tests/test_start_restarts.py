@@ -5,36 +5,23 @@ exception a worker raises while it starts ends the run at once. The env workers 
 ``fault_envs`` by name, as they would a user's env module: the tests folder goes on the Python
 path of Ray's worker processes."""
 
-import os
 import re
-from pathlib import Path
 
 import pytest
-import ray
 
 from m2flow.config import load_config
 from m2flow.runners import status
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.status import RunFailed
-from m2flow.runtime import Cluster
 from m2flow.runtime.errors import WorkerDiedError, WorkerError
 
-TESTS = Path(__file__).resolve().parent
+from conftest import cluster_importing_tests
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Two CPU slots, the tests folder on the Python path of Ray's processes."""
-    if ray.is_initialized():
-        ray.shutdown()
-    patch = pytest.MonkeyPatch()
-    patch.syspath_prepend(str(TESTS))  # the driver makes one env too, to read its spaces
-    with pytest.MonkeyPatch.context() as env:  # Ray's processes inherit it when it starts
-        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-        c = Cluster(num_cpus=2, cpu_slots=2, run_dir=tmp_path_factory.mktemp("run"))
-    yield c
-    c.shutdown()
-    patch.undo()
+    """Two CPU slots, the tests folder on the Python path of Ray's processes (fault_envs)."""
+    yield from cluster_importing_tests(tmp_path_factory)
 
 
 def _start_overrides(tmp_path, *more):
