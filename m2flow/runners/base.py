@@ -1,6 +1,7 @@
 """What every flow shares: its Plan, cluster, worker groups, channels and device locks; the
-train loop with progress, metrics, evaluation, checkpoints and resume; weight sync; and the
-streams launched ahead of training (``Plan.run_ahead``, ``runner.max_staleness``).
+train loop with progress, metrics, evaluation, checkpoints and resume. Weight sync and the
+streams launched ahead of training (``Plan.run_ahead``, ``runner.max_staleness``) are the
+runner's part ``Streams`` (``runners/streams.py``), made anew with each start of its groups.
 
 What stops a run, and how it goes on or ends, is ``Runner``'s part ``Recovery``
 (``runners/recovery.py``); what a run needs before its workers start, ``runners/start.py``.
@@ -39,6 +40,7 @@ from m2flow.runtime.pool import WorkerPool
 from m2flow.runtime.stop import StopRequest
 from m2flow.runtime.trace import get_tracer, write_chrome_trace
 from m2flow.runtime.watchdog import Watchdog
+
 
 class Runner(Recovery):
     def __init__(self, cfg: DictConfig, cluster: Cluster | None = None, pool: WorkerPool | None = None,

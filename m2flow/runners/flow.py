@@ -1,12 +1,13 @@
 """What a flow declares, and where a flow is found by its name.
 
-A flow is one module (``runners/embodied.py``, ``runners/reasoning.py``, or a user's own) that
-ends with ``FLOW = Flow(...)``: its components and worker classes, its macro flow (the
-``Runner`` subclass with ``launch`` and ``step``, which makes the flow's metrics rows), and the facts the shared
-machinery asks of it, each a plain function of the config (and the plan): who receives the
-trainer's weights, who takes them in flight, the shape of a step the scheduler simulates and
-the knobs its plans may turn. The runner, recovery, profiling and ``placement=auto`` read
-those facts here, and nowhere else.
+A flow is one module (``runners/embodied.py``, ``reasoning.py``, ``rejection.py``, or a user's
+own) that ends with ``FLOW = Flow(...)``: its components and worker classes, its macro flow
+(the ``Runner`` subclass with ``launch`` and ``step``, which makes the flow's metrics rows),
+its config root and checks, and the facts the shared machinery asks of it, each a plain
+function of the config (and the plan): who receives the trainer's weights, who takes them in
+flight, the shape of a step the scheduler simulates and the knobs its plans may turn, what
+``m2flow eval`` reports. The runner, recovery, profiling, ``placement=auto`` and eval read
+those facts here, and nowhere else (docs/flows.md writes a flow step by step).
 
 ``flow_named`` finds a flow by the name a config's ``flow`` key gives (``config/flows.py``): a
 flow shipped in this package by its short name, any other by its module's import path
