@@ -142,8 +142,9 @@ class EmbodiedRunner(Runner):
 
     def evaluate(self) -> dict[str, float]:
         """``runner.eval_episodes`` deterministic episodes of the actor's weights (``play``)."""
-        (actor,), (env,) = wait(*(self.groups[c].call("state", ranks=[0]) for c in ("actor", "env")))
-        summary, _ = play(self.cfg, actor["policy"], env["batches"][0]["stats"], self.cfg.runner.eval_episodes)
+        (weights,), (stats,) = wait(self.groups["actor"].call("policy_weights", ranks=[0]),
+                                    self.groups["env"].call("normalization", ranks=[0]))
+        summary, _ = play(self.cfg, weights, stats, self.cfg.runner.eval_episodes)
         return {"eval_return": summary["mean_return"], "eval_length": summary["mean_length"]} | (
             {} if summary["success_rate"] is None else {"eval_success_rate": summary["success_rate"]})
 
@@ -277,8 +278,7 @@ EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes start from seeds no training
 
 
 def score(cfg: DictConfig, ckpt: dict, episodes: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``m2flow eval``: ``play`` with the checkpoint's policy and its first env worker's
-    observation statistics."""
+    """``m2flow eval``: ``play`` with the checkpoint's policy and its first env worker's statistics."""
     env_state = ckpt["states"].get("env")  # rank 0, stage 0
     return play(cfg, checkpoints.trainer_weights(ckpt, "policy"), env_state[0]["batches"][0]["stats"] if env_state
                 else None, episodes)

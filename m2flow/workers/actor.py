@@ -54,6 +54,10 @@ class ActorWorker(Worker):
             self.broadcast({"weights": self.policy.state_dict(), "version": self.version}, (self.group, self.rank), group)
         return {"version": self.version, "weight_sync_s": time.perf_counter() - start}
 
+    def policy_weights(self) -> dict[str, Any]:
+        """The policy's weights alone (an evaluation's: ``state`` holds the optimizer's too)."""
+        return self.policy.state_dict()
+
     def state(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,
                 "shuffle": self.shuffle.get_state()}

@@ -133,6 +133,11 @@ class EnvWorker(PolicyHost):
             raise RuntimeError(f"{self.group}:{self.rank} hosts no rollout: launch a RolloutWorker group")
         return self.inference
 
+    def normalization(self) -> dict[str, Any]:
+        """Its first env batch's normalisation statistics (``EnvBatch.state_dict``): what an
+        evaluation normalises observations with (``state`` snapshots every simulator too)."""
+        return self.batches[0].state_dict()
+
     def state(self) -> dict[str, Any]:
         """Everything needed to continue this rank's simulation exactly (checkpoints)."""
         return {"batches": [b.snapshot() for b in self.batches], "obs": [o.copy() for o in self.obs],
