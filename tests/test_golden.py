@@ -60,18 +60,23 @@ def digests() -> tuple[str, str]:
     return found
 
 
-def test_embodied_cartpole_weights(cluster, pool, tmp_path):
-    embodied, _ = digests()
+def embodied_run(cluster, pool, tmp_path, *overrides) -> tuple[list[dict], set[str]]:
+    """A seeded CartPole run's rows and the digests of its actor ranks' weights."""
     cfg = load_config("embodied/ppo_cartpole", [f"runner.out_dir={tmp_path}", "runner.progress=false",
-                                                 "runner.total_env_steps=1024", "env.num_envs=16"])  # 2 updates
+                                                 "env.num_envs=16", *overrides])
     runner = EmbodiedRunner(cfg, cluster, pool=pool)
     try:
         history = runner.train()
         states = runner.groups["actor"].call("state").wait()
     finally:
         runner.close()
+    return history, {weights_hash(s["policy"].items()) for s in states}
+
+
+def test_embodied_cartpole_weights(cluster, pool, tmp_path):
+    embodied, _ = digests()
+    history, found = embodied_run(cluster, pool, tmp_path, "runner.total_env_steps=1024")  # 2 updates
     assert len(history) == 2
-    found = {weights_hash(s["policy"].items()) for s in states}
     assert len(found) == 1  # every actor rank holds the same weights
     assert found.pop() == embodied
 
@@ -102,15 +107,9 @@ def test_embodied_cartpole_weights_one_update_ahead(cluster, pool, tmp_path):
     kind = cpu_kind()
     if kind not in AHEAD_DIGESTS:
         pytest.skip(f"no run-ahead digest recorded for this kind of CPU ({kind})")
-    cfg = load_config("embodied/ppo_cartpole", [
-        f"runner.out_dir={tmp_path}", "runner.progress=false", "runner.total_env_steps=2048", "env.num_envs=16",
-        "runner.max_staleness=1", "placement.mode=custom", "placement.components.env=0",
-        "placement.components.rollout=0", "placement.components.actor=1", "placement.actor_devices_per_proc=1"])
-    runner = EmbodiedRunner(cfg, cluster, pool=pool)
-    try:
-        history = runner.train()
-        states = runner.groups["actor"].call("state").wait()
-    finally:
-        runner.close()
+    history, found = embodied_run(
+        cluster, pool, tmp_path, "runner.total_env_steps=2048", "runner.max_staleness=1", "placement.mode=custom",
+        "placement.components.env=0", "placement.components.rollout=0", "placement.components.actor=1",
+        "placement.actor_devices_per_proc=1")
     assert [row["policy_lag"] for row in history] == [0, 1, 1, 1]  # 4 updates, each after the first a version behind
-    assert {weights_hash(s["policy"].items()) for s in states} == {AHEAD_DIGESTS[kind]}
+    assert found == {AHEAD_DIGESTS[kind]}
