@@ -30,7 +30,7 @@ def replay(result: dict, profile: dict) -> dict:
     from m2flow.flow import Plan
     from m2flow.flow.cost import CostModel, Profile
     from m2flow.flow.planner import layout_of, predicted, preference, priced
-    from m2flow.runners.auto import refit_hidden_costs
+    from m2flow.runners.profiling import refit_hidden_costs
     from m2flow.runners.schedule import schedule_of
 
     cfg = load_config(result["preset"], result["overrides"])

@@ -36,7 +36,7 @@ def predict_runs(profile_path: Path, runs: list[tuple[Path, Path]]) -> dict:
     from m2flow.flow.cost import CostModel, Profile, trained_rows
     from m2flow.flow.planner import layout_of
     from m2flow.flow.simulate import predict
-    from m2flow.runners.auto import refit_hidden_costs
+    from m2flow.runners.profiling import refit_hidden_costs
     from m2flow.runners.schedule import schedule_of
 
     prof = Profile.load(profile_path)

@@ -100,7 +100,7 @@ def command(args: argparse.Namespace) -> None:
         print(to_yaml(load_config(args.preset, args.overrides), docs=args.docs), end="")
     elif args.command == "profile":
         from m2flow.config import load_config
-        from m2flow.runners.auto import load_or_profile
+        from m2flow.runners.profiling import load_or_profile
         from m2flow.runtime.stop import StopRequest
 
         with StopRequest("stopping after the probe's update in progress"):

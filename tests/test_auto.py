@@ -11,8 +11,8 @@ import yaml
 from m2flow.config import ConfigError, load_config
 from m2flow.flow import Plan
 from m2flow.flow.cost import Profile, ProfileError
-from m2flow.runners import auto, run, status
-from m2flow.runners.auto import refit_hidden_costs
+from m2flow.runners import auto, profiling, run, status
+from m2flow.runners.profiling import refit_hidden_costs
 
 
 def lines_of(capsys):
@@ -111,7 +111,7 @@ def test_embodied_probes_step_the_envs_in_batches_of_two_sizes():
     # per env (with one size, every cost reads as per env, and a fused worker's one batch of
     # 8 envs was predicted like two of 4).
     from m2flow.flow.planner import layout_of
-    from m2flow.runners.auto import probes
+    from m2flow.runners.probes import probes
     from m2flow.runners.schedule import schedule_of
 
     cfg = load_config("embodied/ppo_halfcheetah", ["cluster.cpu_slots=2"])
@@ -130,7 +130,7 @@ def test_reasoning_probes_on_gpu_slots_keep_one_actor_rank_per_gpu():
     """On two GPUs the collocated probe has an actor rank per GPU; on one GPU made two devices
     (cluster.gpu_slots=2) two ranks would share it (NCCL refuses), so the probe's actor is one
     rank over both devices; the split probe puts rollout and actor on a device each."""
-    from m2flow.runners.auto import probes
+    from m2flow.runners.probes import probes
     from m2flow.runners.schedule import schedule_of
 
     def shapes(*overrides):
@@ -150,8 +150,8 @@ def test_contention_is_read_off_the_overlap_probes_busy_times():
     2.67 s alone), update 1 6.67 s beside stream 2, update 2 6 s alone; 19.33 s over 3
     updates. The fit gives the trainer 0.2 and the rollout, as fast as alone, none."""
     from m2flow.flow.cost import Point
+    from m2flow.flow.hidden_costs import Probe, fit_contention
     from m2flow.flow.simulate import Layout, Shape
-    from m2flow.runners.auto import Probe, fit_contention
 
     prof = Profile("k", {}, [Point("r", "work", 1, 1, 4.0), Point("t", "train", 1, 1, 6.0)])
     shape = Shape(chain=("r",), trainer="t", items=1, chunks=1, receivers=("r",))
@@ -172,7 +172,7 @@ def test_contention_is_read_off_the_overlap_probes_busy_times():
     ("cuda", 2, ["collocated", "sized", "split"]),
 ])
 def test_the_overlap_probe_runs_the_split_plan_ahead_where_contention_is_measured(kind, staleness, roles):
-    from m2flow.runners.auto import probes
+    from m2flow.runners.probes import probes
     from m2flow.runners.schedule import schedule_of
 
     s = schedule_of(load_config("reasoning/grpo_arith_tiny", [f"runner.max_staleness={staleness}"]))
@@ -192,7 +192,7 @@ def test_an_asynchronous_variant_shares_its_on_policy_configs_profile():
     on-policy, or on CPU one ahead, where the profile is made again for its contention), so
     the on-policy preset and its async variant share a key; what changes a step's work does
     not: the decoupled objective's recomputed log-probs, another model, another batch."""
-    from m2flow.runners.auto import key_of
+    from m2flow.runners.profiling import key_of
 
     def key(*overrides):
         return key_of(load_config("reasoning/grpo_arith_tiny", list(overrides)))
@@ -213,13 +213,13 @@ def test_a_stored_profile_that_does_not_load_is_measured_again(tmp_path, monkeyp
     path = tmp_path / "profile.json"
     cfg = load_config("embodied/ppo_cartpole", ["cluster.cpu_slots=2", f"placement.profile={path}"])
     fresh = Profile(key="k", hardware={"cpu": "x"}, points=[], profiling_s=1.5)
-    monkeypatch.setattr(auto, "profile", lambda cfg, cluster, log: dataclasses.replace(fresh))
+    monkeypatch.setattr(profiling, "profile", lambda cfg, cluster, log: dataclasses.replace(fresh))
     for text in ('{"key": "k", "hardware": {"cp', '{"points": 3}', "[]"):
         path.write_text(text)
         with pytest.raises(ProfileError, match="profile.json holds no profile"):
             Profile.load(path)
         said = []
-        prof, where = auto.load_or_profile(cfg, None, log=said.append)
+        prof, where = profiling.load_or_profile(cfg, None, log=said.append)
         assert where == path and prof.profiling_s == 1.5
         assert "holds no profile" in said[0] and said[0].endswith("profiling again"), said
         assert Profile.load(path).key == "k"  # the new one, written whole

@@ -32,8 +32,9 @@ stream ahead absorbs a long update only as far as it is ahead.
 
 ``Profile.contention``: how much slower each component works while another process computes
 beside it on the node (a fraction; a CPU profile of a flow that may run ahead measures it, see
-``runners.auto``); the simulator slows overlapping tasks by it. A profile without it (one of
-an earlier version, or of a GPU node) leaves it out: every task is priced as if it ran alone.
+``runners.probes`` and ``flow.hidden_costs``); the simulator slows overlapping tasks by it. A
+profile without it (one of an earlier version, or of a GPU node) leaves it out: every task is
+priced as if it ran alone.
 """
 
 from __future__ import annotations

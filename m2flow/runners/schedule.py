@@ -2,7 +2,8 @@
 (``flow.simulate.Shape``) under a plan, the knobs its plans may turn, a run of a few updates
 for profiling, and the checks a plan must pass before the flow can lay its work out on it.
 Each flow declares these in its own file (``runners/flow.py``: ``Flow``); this is the one
-view ``runners/auto.py`` and the benchmarks take of any of them."""
+view profiling (``runners/probes.py``, ``runners/profiling.py``), ``placement=auto``
+(``runners/auto.py``) and the benchmarks take of any of them."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class Schedule:
         # does): see ``probe_sizes``.
         self.sized_on_one_device = self.flow.sized_on_one_device
         # Updates of the probe that runs the split plan one version ahead, its components
-        # computing at once, to measure how much they slow each other (``runners.auto``); 0: none.
+        # computing at once, to measure how much they slow each other (``runners.probes``); 0: none.
         self.overlap_probe_updates = self.flow.overlap_probe_updates
 
     def shape(self, plan: Plan, fused: bool) -> Shape:
