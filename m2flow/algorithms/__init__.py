@@ -21,7 +21,6 @@ from m2flow.algorithms.tokens import (
     masked_mean,
     masked_sum,
     masked_whiten,
-    nll_loss,
     overlong_penalty,
     policy_loss,
     reinforce_pp_advantages,
@@ -33,5 +32,5 @@ from m2flow.algorithms.tokens import (
 __all__ = ["episode_group_advantages", "episode_mask", "gae", "group_normalized", "next_values", "normalize",
            "PPO_STATS", "ppo_minibatch_loss", "ppo_policy_loss", "value_loss"]
 __all__ += ["aggregate", "broadcast_to_tokens", "dynamic_sampling_keep", "grpo_advantages", "inert_rows", "kl_loss",
-            "kl_penalty", "kl_shaped_rewards", "masked_mean", "masked_sum", "masked_whiten", "nll_loss",
-            "overlong_penalty", "policy_loss", "reinforce_pp_advantages", "rloo_advantages", "token_gae", "value_loss_tokens"]
+            "kl_penalty", "kl_shaped_rewards", "masked_mean", "masked_sum", "masked_whiten", "overlong_penalty",
+            "policy_loss", "reinforce_pp_advantages", "rloo_advantages", "token_gae", "value_loss_tokens"]

@@ -250,6 +250,9 @@ def aggregate(
     the mini-batch's counts, ``total_tokens`` / ``total_seqs``, so that the micro-batch
     losses add up to the mini-batch loss. (Where data-parallel gradients are averaged over W
     ranks, pass the global count divided by W.)
+
+    Supervised fine-tuning's loss, the negative log-likelihood of the masked tokens, is
+    ``aggregate(-logp, mask, ...)`` (``logp`` [B, T]: the model's log-probs of the tokens taken).
     """
     m = mask.bool()
     if agg == "token-mean":
@@ -265,20 +268,6 @@ def aggregate(
         raise ValueError(f"unknown aggregation {agg!r}; expected one of {AGG_MODES}")
     count = per_seq.shape[0] if total_seqs is None else total_seqs
     return per_seq.sum() / torch.as_tensor(count, dtype=loss_tokens.dtype).clamp_min(1)
-
-
-def nll_loss(
-    logp: Tensor,
-    mask: Tensor,
-    agg: str = "token-mean",
-    norm_len: float | None = None,
-    total_tokens: float | Tensor | None = None,
-    total_seqs: float | Tensor | None = None,
-) -> Tensor:
-    """Supervised fine-tuning's loss: the negative log-likelihood of the masked tokens
-    (``logp`` [B, T], the model's log-probs of the tokens taken), aggregated as ``aggregate``
-    does (its totals: for a micro-batch's share of a larger batch's loss)."""
-    return aggregate(-logp, mask, agg, norm_len, total_tokens, total_seqs)
 
 
 def policy_loss(

@@ -40,7 +40,6 @@ from m2flow.algorithms import (
     kl_shaped_rewards,
     masked_mean,
     masked_whiten,
-    nll_loss,
     policy_loss,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -292,7 +291,7 @@ class LMActorWorker(Worker):
         totals = {"agg": a["loss_agg"], "norm_len": self.norm_len, "total_tokens": scale.tokens / scale.world_size,
                   "total_seqs": scale.sequences / scale.world_size}
         if a["name"] in SUPERVISED:
-            loss, stats = nll_loss(logp, mask, **totals), {}
+            loss, stats = aggregate(-logp, mask, **totals), {}  # the negative log-likelihood
         else:
             loss, stats = policy_loss(logp, mb.old_logprobs, mb.advantages, mask, a["clip"], a["clip_high"],
                                       a["dual_clip"], **totals, correction=a["off_policy"],
