@@ -68,6 +68,9 @@ hybrid/collocated steps/s. The machine's fp32 matmul speed is measured at the st
         --modes collocated hybrid [--sb3-configs dummy-t1 subproc2-t1] [--hparams peers|tuned|zoo] \
         [--quick] [--override cluster.cpu_slots=3 ...]
 
+``--no-sb3`` runs m2flow's modes only (no SB3 side, no ratio against it, SB3 not needed):
+for comparing m2flow with itself, as ``benchmarks/versions.py`` does (two commits' code).
+
 ``disaggregated`` needs three devices: on a 2-core machine add ``--override cluster.cpu_slots=3``.
 
 Prints one JSON object on stdout (everything else goes to stderr). Needs
@@ -387,15 +390,16 @@ def run_m2flow(spec: dict) -> dict:
 def summarise(results: dict[str, dict[int, dict]], sb3_configs: list[str], modes: list[str], seeds: list[int]) -> dict:
     sps = lambda side, seed: results[side][seed]["env_steps_per_s"]  # noqa: E731
     sb3_sides = [f"sb3/{c}" for c in sb3_configs]
-    best = {seed: max(sb3_sides, key=lambda side: sps(side, seed)) for seed in seeds}
     out: dict = {
         "env_steps_per_s": {side: spread([r["env_steps_per_s"] for r in runs.values()], 1) for side, runs in results.items()},
         "final_return": {side: spread([r["final_return"] for r in runs.values()], 1) for side, runs in results.items()},
-        "sb3_best": {str(seed): {"config": best[seed].removeprefix("sb3/"), "env_steps_per_s": round(sps(best[seed], seed), 1)}
-                     for seed in seeds},
-        "m2flow_over_sb3_best": {}, "m2flow_over_sb3_config": {},
     }
-    for mode in modes:
+    if sb3_sides:
+        best = {seed: max(sb3_sides, key=lambda side: sps(side, seed)) for seed in seeds}
+        out |= {"sb3_best": {str(seed): {"config": best[seed].removeprefix("sb3/"),
+                                         "env_steps_per_s": round(sps(best[seed], seed), 1)} for seed in seeds},
+                "m2flow_over_sb3_best": {}, "m2flow_over_sb3_config": {}}
+    for mode in modes if sb3_sides else []:  # ratios against SB3, where it ran
         ratios = [sps(mode, seed) / sps(best[seed], seed) for seed in seeds]
         out["m2flow_over_sb3_best"][mode] = {"per_seed": [round(r, 3) for r in ratios], "spread": spread(ratios, 3)}
         out["m2flow_over_sb3_config"][mode] = {}
@@ -418,6 +422,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["collocated", "hybrid"], choices=list(MODES))
     p.add_argument("--sb3-configs", nargs="+", default=list(SB3_CONFIGS), choices=list(SB3_CONFIGS),
                    help="SB3's configurations to run (default: all); ratios are against the fastest of them")
+    p.add_argument("--no-sb3", action="store_true", help="m2flow's modes only: no SB3 side and no ratio against it")
     p.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                    help="extra m2flow config overrides for every mode (e.g. cluster.cpu_slots=3); SB3 is unaffected")
     p.add_argument("--hparams", default="peers", choices=sorted(HPARAMS), help="the hyperparameter set of both systems")
@@ -436,19 +441,25 @@ def main() -> None:
         p.error(f"--steps must be positive, got {args.steps}")
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds must be distinct, got {args.seeds}")
-    sb3_configs, modes = list(dict.fromkeys(args.sb3_configs)), list(dict.fromkeys(args.modes))
+    sb3_configs, modes = [] if args.no_sb3 else list(dict.fromkeys(args.sb3_configs)), list(dict.fromkeys(args.modes))
     if args.quick:
         args.steps, args.seeds = 20_000, args.seeds[:1]
     hp = HPARAMS[args.hparams] | ({"normalize": True} if args.normalize else {})
     per_update = hp["n_envs"] * hp["n_steps"]
     steps = max(1, args.steps // per_update) * per_update  # both systems run whole updates
-    import_sb3()  # fail before anything runs
+    if sb3_configs:
+        import_sb3()  # fail before anything runs
     out_root = Path(args.out or tempfile.mkdtemp(prefix="m2flow-embodied-vs-sb3-"))
 
     import gymnasium
     import ray
-    import stable_baselines3
     import torch
+
+    versions = {"torch": torch.__version__, "ray": ray.__version__, "gymnasium": gymnasium.__version__}
+    if sb3_configs:
+        import stable_baselines3
+
+        versions["stable_baselines3"] = stable_baselines3.__version__
 
     bench = Run()
     sides = [("sb3", c) for c in sb3_configs] + [("m2flow", m) for m in modes]
@@ -480,8 +491,7 @@ def main() -> None:
         "runs": {side: {str(s): r for s, r in runs.items()} for side, runs in results.items()},
         "summary": summarise(results, sb3_configs, modes, args.seeds),
         "m2flow_out": str(out_root),
-        **bench.finish(torch=torch.__version__, ray=ray.__version__, gymnasium=gymnasium.__version__,
-                       stable_baselines3=stable_baselines3.__version__),
+        **bench.finish(**versions),
     }
     print(json.dumps(json_safe(report), indent=1, default=float))
 

@@ -56,6 +56,9 @@ configuration of that round and against each one, with their spread over rounds.
     python benchmarks/reasoning_vs_trl.py                                   # the full protocol
     python benchmarks/reasoning_vs_trl.py --model tiny-llama --rounds 2 --steps 1 --max-new-tokens 8  # smoke test
 
+``--variants`` of m2flow only run no TRL side and give no ratio, m2flow's step times alone: for
+comparing m2flow with itself, as ``benchmarks/versions.py`` does (two commits' code).
+
 Prints one JSON object on stdout; progress goes to stderr. Needs TRL, a benchmark-only
 dependency (``pip install -e ".[bench]"``).
 """
@@ -288,6 +291,8 @@ def ratio_table(runs: dict[str, dict[str, list[dict]]], rounds: int) -> dict:
     out = {}
     for key, per in runs.items():
         trls = [v for v in per if v.startswith("trl")]
+        if not trls:  # m2flow's variants alone: nothing to divide by
+            continue
         fastest = [min(trls, key=lambda v: per[v][r]["step_s"]) for r in range(rounds)]
         out[key] = {"fastest_trl": fastest}
         for m in (v for v in per if v.startswith("m2flow")):
@@ -308,7 +313,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     p.add_argument("--betas", type=float, nargs="+", default=[0.0, 0.04])
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
-                   help="at least one TRL variant; ratios are against the fastest TRL variant of each round")
+                   help="ratios are against the fastest TRL variant of each round (m2flow's variants alone: "
+                        "step times, no ratio)")
     p.add_argument("--model", default="smollm2", help="smollm2, or tiny-llama for a smoke test")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="the protocol's 64; less for a smoke test")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="TRL's torch threads (m2flow: one slot per core)")
@@ -320,8 +326,6 @@ def main() -> None:
         Path(spec["result"]).write_text(json.dumps(result))
         return
     variants = list(dict.fromkeys(args.variants))
-    if not any(v.startswith("trl") for v in variants):
-        p.error(f"--variants needs a TRL variant to compare with, got {' '.join(variants)}")
     for name in ("rounds", "steps", "max_new_tokens", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -332,7 +336,12 @@ def main() -> None:
     import ray
     import torch
     import transformers
-    import trl  # fail before anything runs
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "ray": ray.__version__}
+    if any(v.startswith("trl") for v in variants):
+        import trl  # fail before anything runs
+
+        versions["trl"] = trl.__version__
 
     root = Path(tempfile.mkdtemp(prefix="m2flow-reasoning-vs-trl-"))
     bench = Run()
@@ -378,8 +387,7 @@ def main() -> None:
         "seconds_per_step": seconds,
         "ratios_trl_over_m2flow": ratio_table(runs, args.rounds),
         "runs": runs,
-        **bench.finish(torch=torch.__version__, transformers=transformers.__version__, ray=ray.__version__,
-                       trl=trl.__version__),
+        **bench.finish(**versions),
     }
     print(json.dumps(json_safe(report), indent=1))
 
