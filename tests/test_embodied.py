@@ -330,10 +330,12 @@ def test_fused_rollout_matches_separate_rollout(cluster, pool, tmp_path):
 def test_success_rate_is_logged_where_envs_report_success(tmp_path):
     from m2flow.runners.embodied import EmbodiedMetrics
     from m2flow.runners.metrics import RunLog
+    from m2flow.workers.reports import EnvReport, RolloutReport, TrainReport, WeightSync
 
     def report(episodes):
-        ranks = [{"env_steps": 10, "episodes": episodes, "env_faults": 0, "busy_s": 1.0, "idle_s": 0.0}]
-        return {"env": ranks, "rollout": ranks, "actor": [{"busy_s": 1.0, "idle_s": 0.0, "step_lags": {0: 10}}], "sync": {"weight_sync_s": 0.0}}
+        env = [EnvReport(env_steps=10, episodes=episodes, env_faults=0, busy_s=1.0, idle_s=0.0)]
+        return {"env": env, "rollout": [RolloutReport(busy_s=1.0, idle_s=0.0)],
+                "actor": [TrainReport(busy_s=1.0, idle_s=0.0, lags={0: 10})], "sync": WeightSync(weight_sync_s=0.0)}
 
     metrics, log = EmbodiedMetrics(30), RunLog(tmp_path / "with", 30, x="env_steps", y="episode_return", progress=False)
     rows = [log.record(metrics.row(u, report(eps), 1.0, u + 1.0), "")

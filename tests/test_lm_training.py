@@ -698,7 +698,7 @@ def test_the_actors_loss_is_the_steps_whether_streamed_or_gathered():
         def get(self, key=None):
             return self.items.pop(0)
 
-    def actor(streaming: bool) -> dict:
+    def actor(streaming: bool):
         worker = LMActorWorker.__new__(LMActorWorker)
         worker.group, worker.rank, worker.world_size, worker.device = "actor", 0, 1, "cpu"
         LMActorWorker.__init__(worker, cfg)
@@ -706,10 +706,10 @@ def test_the_actors_loss_is_the_steps_whether_streamed_or_gathered():
         return worker.train(Items([batch.select(torch.arange(4)), batch.select(torch.arange(4, 8)), END]))
 
     streamed, gathered = actor(True), actor(False)
-    assert streamed["optimizer_steps"] == gathered["optimizer_steps"] == 1
-    assert streamed["loss"] == pytest.approx(gathered["loss"], rel=1e-5)
-    assert streamed["ratio_max"] == pytest.approx(gathered["ratio_max"], rel=1e-5)
-    assert streamed["grad_norm"] == pytest.approx(gathered["grad_norm"], rel=1e-4)
+    assert streamed.optimizer_steps == gathered.optimizer_steps == 1
+    assert streamed.stats["loss"] == pytest.approx(gathered.stats["loss"], rel=1e-5)
+    assert streamed.stats["ratio_max"] == pytest.approx(gathered.stats["ratio_max"], rel=1e-5)
+    assert streamed.stats["grad_norm"] == pytest.approx(gathered.stats["grad_norm"], rel=1e-4)
 
 
 def test_a_max_statistic_is_the_largest_over_micro_batches():

@@ -172,22 +172,30 @@ def test_a_steps_training_statistics_are_over_every_actor_rank():
     ``*_max`` is the largest any rank reports."""
     from m2flow.runners.metrics import across_ranks
     from m2flow.runners.reasoning import ReasoningMetrics
+    from m2flow.workers.reports import GenerateReport, InferenceReport, LMTrainReport, RewardReport, WeightSync
 
     def actor(forwarded, **stats):
         return {"busy_s": 1.0, "idle_s": 0.0, "version": 1, "update_end": 0.0, "inert_rows": 8 if not forwarded else 0,
                 "optimizer_steps": 1, "completion_tokens": 80, "token_lags": {0: 80}, "forwarded_tokens": forwarded,
                 "update_busy_s": 0.1, "grad_norm": 2.0} | stats
 
+    def typed(ranks):  # the ranks above as LMActorWorker.train reports them
+        fields = {"busy_s", "idle_s", "version", "update_end", "inert_rows", "optimizer_steps", "forwarded_tokens",
+                  "update_busy_s", "policy_lag"}
+        return [LMTrainReport(**{k: v for k, v in r.items() if k in fields}, lags=r["token_lags"],
+                              stats={k: v for k, v in r.items() if k not in fields | {"token_lags", "completion_tokens"}})
+                for r in ranks]
+
     idle = actor(0, loss=0.0)
-    report = {"rollout": [{"completions": 16, "completion_tokens": 160, "truncated": 0, "busy_s": 1.0, "idle_s": 0.0}],
-              "reward": [{"reward": 0.25, "busy_s": 0.1, "idle_s": 0.0}], "inference": [{"busy_s": 0.1, "idle_s": 0.0}],
-              "sync": {}}
-    row = ReasoningMetrics(4).row(0, report | {"actor": [idle, actor(30, loss=0.5, entropy=0.6, approx_kl=0.01)]},
+    report = {"rollout": [GenerateReport(completions=16, completion_tokens=160, truncated=0, busy_s=1.0, idle_s=0.0)],
+              "reward": [RewardReport(reward=0.25, busy_s=0.1, idle_s=0.0)],
+              "inference": [InferenceReport(busy_s=0.1, idle_s=0.0)], "sync": WeightSync()}
+    row = ReasoningMetrics(4).row(0, report | {"actor": typed([idle, actor(30, loss=0.5, entropy=0.6, approx_kl=0.01)])},
                                   1.0, 1.0)
     assert (row["entropy"], row["loss"], row["approx_kl"], row["grad_norm"]) == (0.6, 0.25, 0.01, 2.0)
     assert row["inert_rows"] == 8 and "forwarded_tokens" not in row
     lagged = [actor(10, policy_lag=2), actor(30, policy_lag=1)]  # the oldest of any rank, not a mean
-    assert ReasoningMetrics(4).row(0, report | {"actor": lagged}, 1.0, 1.0)["policy_lag"] == 2
+    assert ReasoningMetrics(4).row(0, report | {"actor": typed(lagged)}, 1.0, 1.0)["policy_lag"] == 2
     both = across_ranks([actor(10, entropy=0.2, loss=1.0, ratio_max=5.0),
                          actor(30, entropy=0.6, loss=0.0, ratio_max=1.5)], ("busy_s",))
     assert both["entropy"] == pytest.approx(0.5) and both["loss"] == pytest.approx(0.5) and "busy_s" not in both

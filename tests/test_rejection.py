@@ -68,7 +68,7 @@ def test_select_keeps_each_groups_best_above_the_floor():
     report = worker.best(In(), out, readers=2)
     kept, *ends = out.items
     assert kept.extras["reward"].tolist() == [pytest.approx(0.9)] and kept.extras["prompt_index"] == [0]
-    assert ends == ["end-of-step", "end-of-step"] and (report["groups"], report["kept"]) == (2, 1)
+    assert ends == ["end-of-step", "end-of-step"] and (report.groups, report.kept) == (2, 1)
     worker.keep, worker.min_reward = 2, 0.0
     out.items, In.queue = [], [batch, "end-of-step"]
     worker.best(In(), out, readers=1)

@@ -220,5 +220,5 @@ def test_a_steps_completions_whose_scoring_timed_out_are_counted():
         report = worker.score(Channel([batch]), out, num_groups=2)
     finally:
         worker.close()
-    assert report["reward_timeouts"] == 1 and report["reward"] == 0.75
+    assert report.reward_timeouts == 1 and report.reward == 0.75
     assert out.put_items[0].extras["reward"].tolist() == [1.0, 0.0, 1.0, 1.0] and out.put_items[-1] is END

@@ -500,7 +500,7 @@ def test_the_rollout_sleeps_only_when_its_device_is_shared(fake_vllm):
     alone = rollout_worker(False)
     assert sync(alone, perturbed(load_lm("tiny-llama")[0], 3), 1) == 1
     stats = alone.generate(prompts, FakeChannel(), 1)
-    assert stats["groups"] == 3 and stats["completions"] == 6
+    assert stats.groups == 3 and stats.completions == 6
     assert alone.complete(prompts, 0.0) == ["s0"] * 3
     assert alone.engine.llm.calls == []  # a GPU of its own: never asleep
     with pytest.raises(RuntimeError, match="enable_sleep_mode=False"):
@@ -515,7 +515,7 @@ def test_the_rollout_sleeps_only_when_its_device_is_shared(fake_vllm):
     out = FakeChannel()
     stats = shared.generate(prompts, out, 2)
     assert llm.calls[3:] == [("wake_up", None), ("sleep", 1)]  # awake for its turn only
-    assert [w for _, _, w in out.items] == [2, 1] and stats["truncated"] == 6
+    assert [w for _, _, w in out.items] == [2, 1] and stats.truncated == 6
     batch = out.items[0][0]
     assert batch.extras["version"] == 1 and batch.old_logprobs[0, 3:5].tolist() == [-0.25, -0.5]
     assert shared.complete(prompts, 0.0) == ["s0"] * 3

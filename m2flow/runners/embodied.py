@@ -32,7 +32,7 @@ from m2flow.models.policies import build_policy
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.base import Runner
 from m2flow.runners.flow import Flow
-from m2flow.runners.metrics import RunLog, Staleness, across_ranks
+from m2flow.runners.metrics import RunLog, Staleness, component_times, trained_stats
 from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.env import EnvWorker
@@ -218,8 +218,8 @@ class EmbodiedMetrics:
 
     def row(self, update: int, report: dict[str, Any], update_s: float, time_s: float) -> dict[str, float]:
         env, rollout, actor = report["env"], report["rollout"], report["actor"]
-        self.env_steps += sum(e["env_steps"] for e in env)
-        episodes = [ep for e in env for ep in e["episodes"]]
+        self.env_steps += sum(e.env_steps for e in env)
+        episodes = [ep for e in env for ep in e.episodes]
         if episodes:
             self.last_return = sum(r for r, _, _ in episodes) / len(episodes)
         successes = [s for _, _, s in episodes if s is not None]
@@ -229,17 +229,13 @@ class EmbodiedMetrics:
             "update": update, "env_steps": self.env_steps, "time_s": time_s, "update_s": update_s,
             "env_steps_per_s": (self.env_steps - self.start_steps) / time_s, "episode_return": self.last_return,
             "episode_length": sum(n for _, n, _ in episodes) / len(episodes) if episodes else math.nan,
-            "episodes": len(episodes), "weight_sync_s": report["sync"]["weight_sync_s"],
-            "env_faults": sum(e["env_faults"] for e in env),
+            "episodes": len(episodes), "weight_sync_s": report["sync"].weight_sync_s,
+            "env_faults": sum(e.env_faults for e in env),
         }
         if not math.isnan(self.last_success):
             row["success_rate"] = self.last_success
-        row |= across_ranks(actor, ("busy_s", "idle_s", "lock_wait_s", "step_lags", "version", "update_end"))
-        row |= self.staleness.row([r["step_lags"] for r in actor], rollout, actor)
-        for name, ranks in (("env", env), ("rollout", rollout), ("actor", actor)):
-            for k in ("busy_s", "idle_s"):
-                row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
-        return row
+        row |= trained_stats(actor) | self.staleness.row(rollout, actor)
+        return row | component_times({"env": env, "rollout": rollout, "actor": actor})
 
     def summary(self, row: dict[str, float]) -> str:
         success = "" if math.isnan(self.last_success) else f"  success {self.last_success:.2f}"

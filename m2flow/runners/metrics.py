@@ -1,7 +1,8 @@
 """Per-update metrics: a progress bar, CSV, TensorBoard, and a learning curve at the end.
 
 ``RunLog`` writes the rows; each flow's metrics class (in the flow's own file) turns a step's
-reports into a row, with ``across_ranks`` and ``Staleness`` from here.
+reports (``workers.reports``) into a row, with ``trained_stats``, ``component_times`` and
+``Staleness`` from here.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ import csv
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from m2flow.runtime.files import write_whole
+
+if TYPE_CHECKING:
+    from m2flow.workers.reports import Report, RolloutReport, TrainReport
 
 
 def _number(text: str) -> float:
@@ -198,6 +202,28 @@ def across_ranks(ranks: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> dic
     return out
 
 
+def trained_stats(trainer: list[TrainReport]) -> dict[str, Any]:
+    """The trainer ranks' statistics as one row (``across_ranks``, each rank weighted by its
+    ``forwarded_tokens`` where it reports them), with ``policy_lag``: the oldest data any
+    rank trained on."""
+    return across_ranks([{**r.stats, "policy_lag": r.policy_lag}
+                         | ({} if r.forwarded_tokens is None else {"forwarded_tokens": r.forwarded_tokens})
+                         for r in trainer])
+
+
+def component_times(components: dict[str, list[Report]], memory: bool = False) -> dict[str, float]:
+    """``<component>_busy_s`` and ``<component>_idle_s``: each component's seconds averaged
+    over its ranks' reports; with ``memory``, ``<component>_peak_memory_mb`` too, the largest
+    of its ranks', for the components that measure it."""
+    row: dict[str, float] = {}
+    for name, ranks in components.items():
+        row[f"{name}_busy_s"] = sum(r.busy_s for r in ranks) / len(ranks)
+        row[f"{name}_idle_s"] = sum(r.idle_s for r in ranks) / len(ranks)
+        if memory and ranks[0].peak_memory_mb is not None:
+            row[f"{name}_peak_memory_mb"] = max(r.peak_memory_mb for r in ranks)
+    return row
+
+
 class Staleness:
     """How old the trained data was, and how soon new weights reached the rollout: the share
     of what a step trained on (tokens, env steps) j versions behind the weights trained
@@ -208,21 +234,19 @@ class Staleness:
     def __init__(self) -> None:
         self.update_ends: dict[int, float] = {}  # weights version -> when the update that made it ended
 
-    def row(self, lags: list[dict[int, int]], rollout: list[dict], actor: list[dict]) -> dict[str, float]:
-        """``lags``: per actor rank, how many trained items were j versions old; ``rollout``
-        reports carry ``weight_loads`` (version, time), ``actor`` reports ``version`` (the
-        weights the update made) and ``update_end``."""
+    def row(self, rollout: list[RolloutReport], actor: list[TrainReport]) -> dict[str, float]:
+        """From the rollout ranks' ``weight_loads`` (version, time) and the actor ranks' ``lags``
+        (how many trained items were j versions old), ``version`` (the weights the update
+        made) and ``update_end``."""
         total: dict[int, int] = {}
-        for counts in lags:
-            for lag, n in counts.items():
+        for r in actor:
+            for lag, n in r.lags.items():
                 total[lag] = total.get(lag, 0) + n
         n = sum(total.values())
         out = {f"staleness_{lag}": c / n for lag, c in sorted(total.items())} if n else {}
-        delays = [t - self.update_ends[v] for r in rollout for v, t in r.get("weight_loads", ())
-                  if v in self.update_ends]
+        delays = [t - self.update_ends[v] for r in rollout for v, t in r.weight_loads if v in self.update_ends]
         if delays:
             out["weight_latency_s"] = sum(delays) / len(delays)
         for r in actor:
-            if "update_end" in r:
-                self.update_ends[r["version"]] = max(self.update_ends.get(r["version"], 0.0), r["update_end"])
+            self.update_ends[r.version] = max(self.update_ends.get(r.version, 0.0), r.update_end)
         return out

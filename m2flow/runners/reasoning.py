@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +39,11 @@ from m2flow.rewards.scorer import RewardScorer
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.base import Runner
 from m2flow.runners.flow import Flow
-from m2flow.runners.metrics import Staleness, across_ranks
+from m2flow.runners.metrics import Staleness, component_times, trained_stats
 from m2flow.runtime.errors import WorkerError
 from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.inference import InferenceWorker, holds_a_model
-from m2flow.workers.lm_actor import BOOKKEEPING, LMActorWorker
+from m2flow.workers.lm_actor import LMActorWorker
 from m2flow.workers.lm_critic import LMCriticWorker
 from m2flow.workers.lm_common import load_model
 from m2flow.workers.lm_rollout import LMRolloutWorker, engine_options
@@ -231,37 +230,32 @@ class ReasoningMetrics:
     def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
         """The metrics of step ``i + 1`` (steps count from 1; row 0 is the evaluation before training)."""
         rollout, (reward,), (inference,), actor = report["rollout"], report["reward"], report["inference"], report["actor"]
-        row: dict[str, float] = {"step": i + 1, "time_s": time_s, "step_s": step_s}
-        row |= {k: v for k, v in reward.items() if k not in ("busy_s", "idle_s")}
-        completions = max(1, sum(r["completions"] for r in rollout))
-        row["completion_tokens"] = sum(r["completion_tokens"] for r in rollout)
+        row: dict[str, float] = {"step": i + 1, "time_s": time_s, "step_s": step_s, "reward": reward.reward,
+                                 "reward_std": reward.reward_std, "groups_kept": reward.groups_kept,
+                                 "groups": reward.groups, "reward_timeouts": reward.reward_timeouts, **reward.parts}
+        completions = max(1, sum(r.completions for r in rollout))
+        row["completion_tokens"] = sum(r.completion_tokens for r in rollout)
         row["completion_length"] = row["completion_tokens"] / completions
-        row["truncated"] = sum(r["truncated"] for r in rollout) / completions
-        row["rollout_tokens_per_s"] = row["completion_tokens"] / max(max(r["busy_s"] for r in rollout), 1e-9)
-        for k in ("decode_steps", "graph_replays"):  # over the rollout ranks
-            row[k] = sum(r.get(k, 0) for r in rollout)
-        row["prompts_joined_early"] = sum(r.get("joined_early", 0) for r in rollout)
-        row |= across_ranks(actor, BOOKKEEPING)
-        row["optimizer_steps"] = actor[0]["optimizer_steps"] if "optimizer_steps" in actor[0] else math.nan
-        row["inert_rows"] = sum(r["inert_rows"] if "inert_rows" in r else 0 for r in actor)
-        row["actor_update_busy_s"] = sum(r["update_busy_s"] for r in actor) / len(actor)
-        row["stale_dropped"] = sum(r.get("stale_dropped", 0) for r in actor)
-        row |= self.staleness.row([r.get("token_lags", {}) for r in actor], rollout, actor)
-        self.trained[i + 1] = [p for r in actor for p in r.get("trained_prompts", ())]
-        if "logprob_diff_max" in inference:
-            row["logprob_diff_max"] = inference["logprob_diff_max"]
-        row |= {k: report["sync"][k] if k in report["sync"] else 0.0 for k in ("weight_sync_s", "weight_mb")}
-        parts = [("rollout", rollout), ("reward", [reward]), ("inference", [inference]), ("actor", actor)]
+        row["truncated"] = sum(r.truncated for r in rollout) / completions
+        row["rollout_tokens_per_s"] = row["completion_tokens"] / max(max(r.busy_s for r in rollout), 1e-9)
+        row["decode_steps"] = sum(r.decode_steps for r in rollout)  # over the rollout ranks
+        row["graph_replays"] = sum(r.graph_replays for r in rollout)
+        row["prompts_joined_early"] = sum(r.joined_early for r in rollout)
+        row |= trained_stats(actor)
+        row["optimizer_steps"] = actor[0].optimizer_steps
+        row["inert_rows"] = sum(r.inert_rows for r in actor)
+        row["actor_update_busy_s"] = sum(r.update_busy_s for r in actor) / len(actor)
+        row["stale_dropped"] = sum(r.stale_dropped for r in actor)
+        row |= self.staleness.row(rollout, actor)
+        self.trained[i + 1] = [p for r in actor for p in r.trained_prompts]
+        if inference.logprob_diff_max is not None:
+            row["logprob_diff_max"] = inference.logprob_diff_max
+        row |= {"weight_sync_s": report["sync"].weight_sync_s, "weight_mb": report["sync"].weight_mb or 0.0}
+        parts = {"rollout": rollout, "reward": [reward], "inference": [inference], "actor": actor}
         if "critic" in report:
-            (critic,) = report["critic"]
-            row |= {k: v for k, v in critic.items() if k not in ("busy_s", "idle_s", "peak_memory_mb")}
-            parts.append(("critic", [critic]))
-        for name, ranks in parts:
-            for k in ("busy_s", "idle_s"):
-                row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
-            if "peak_memory_mb" in ranks[0]:
-                row[f"{name}_peak_memory_mb"] = max(r["peak_memory_mb"] for r in ranks)
-        return row
+            (critic,) = parts["critic"] = report["critic"]
+            row |= critic.stats
+        return row | component_times(parts, memory=True)
 
 
 # -- the step as the scheduler sees it (``runners.schedule``) -------------------------------

@@ -24,11 +24,11 @@ from m2flow.flow import Plan, Workflow
 from m2flow.flow.simulate import Shape
 from m2flow.runners import reasoning
 from m2flow.runners.flow import Flow
-from m2flow.runners.metrics import across_ranks
+from m2flow.runners.metrics import component_times, trained_stats
 from m2flow.runtime import Channel, Clock, Worker
 from m2flow.runtime.group import GroupHandle
-from m2flow.workers.lm_actor import BOOKKEEPING
 from m2flow.workers.lm_common import END, until_end
+from m2flow.workers.reports import SelectReport
 
 COMPONENTS = ("rollout", "reward", "select", "actor")
 
@@ -73,7 +73,7 @@ class SelectWorker(Worker):
     def __init__(self, cfg: dict):
         self.keep, self.min_reward = cfg["select"]["keep"], cfg["select"]["min_reward"]
 
-    def best(self, scored_in: Channel, batches_out: Channel, readers: int, key: int = 0) -> dict:
+    def best(self, scored_in: Channel, batches_out: Channel, readers: int, key: int = 0) -> SelectReport:
         """Each group's best ``keep`` completions that reach ``min_reward``, on to the actor's
         ``readers`` ranks (each takes what it can; each gets the end marker)."""
         clock, groups, kept = Clock(), 0, 0
@@ -89,7 +89,7 @@ class SelectWorker(Worker):
         for _ in range(readers):
             batches_out.put(END, key)
         batches_out.flush()
-        return {"groups": groups, "kept": kept} | clock.report()
+        return SelectReport(**clock.report(), groups=groups, kept=kept)
 
 
 class RejectionRunner(reasoning.ReasoningRunner):
@@ -105,7 +105,7 @@ class RejectionRunner(reasoning.ReasoningRunner):
                 "select": g["select"].best(ch["scored"], ch["batches"], g["actor"].world_size, key)}
 
     def worker_args(self, component: str, take_turns: bool) -> tuple:
-        return (self.plain,) if component in ("reward", "select") else (self.plain, take_turns, self.plan.offload)
+        return (self.plain,) if component == "select" else super().worker_args(component, take_turns)
 
 
 class RejectionMetrics(reasoning.ReasoningMetrics):
@@ -115,16 +115,13 @@ class RejectionMetrics(reasoning.ReasoningMetrics):
 
     def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
         rollout, (reward,), (select,), actor = report["rollout"], report["reward"], report["select"], report["actor"]
-        completions = max(1, sum(r["completions"] for r in rollout))
-        row = {"step": i + 1, "time_s": time_s, "step_s": step_s, "reward": reward["reward"],
-               "kept": select["kept"] / completions, "weight_sync_s": report["sync"]["weight_sync_s"],
-               "completion_length": sum(r["completion_tokens"] for r in rollout) / completions}
-        row |= across_ranks(actor, BOOKKEEPING)
-        self.trained[i + 1] = [p for r in actor for p in r.get("trained_prompts", ())]
-        for name, ranks in (("rollout", rollout), ("reward", [reward]), ("select", [select]), ("actor", actor)):
-            for k in ("busy_s", "idle_s"):
-                row[f"{name}_{k}"] = sum(r[k] for r in ranks) / len(ranks)
-        return row
+        completions = max(1, sum(r.completions for r in rollout))
+        row = {"step": i + 1, "time_s": time_s, "step_s": step_s, "reward": reward.reward,
+               "kept": select.kept / completions, "weight_sync_s": report["sync"].weight_sync_s,
+               "completion_length": sum(r.completion_tokens for r in rollout) / completions}
+        row |= trained_stats(actor)
+        self.trained[i + 1] = [p for r in actor for p in r.trained_prompts]
+        return row | component_times({"rollout": rollout, "reward": [reward], "select": [select], "actor": actor})
 
 
 def shape(cfg: DictConfig, plan: Plan, fused: bool) -> Shape:

@@ -9,15 +9,14 @@ its receivers hold at the least)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from m2flow.runtime import WorkerGroup
 from m2flow.runtime.group import GroupHandle, wait
-
-NO_SYNC = {"weight_sync_s": 0.0}
+from m2flow.workers.reports import WeightSync
 
 
 class Streams:
@@ -38,15 +37,15 @@ class Streams:
         # streams launched ahead of their step: key, calls, the sync started before them (or None)
         self.ahead: deque[tuple[int, dict[str, GroupHandle], list[GroupHandle] | None]] = deque()
 
-    def sync_weights(self) -> dict[str, Any]:
+    def sync_weights(self) -> WeightSync:
         """The trainer sends its weights, tagged with their version, to every rank of each
         receiver; skipped when they have not changed since the last sync. Only receivers are
         sent to: a message nobody takes would pin the sender's shared-memory segment."""
         start = time.perf_counter()
         pending = self.send_weights()
         if pending is None:
-            return NO_SYNC
-        return self.synced_report(pending) | {"weight_sync_s": time.perf_counter() - start}
+            return WeightSync()
+        return dataclasses.replace(self.synced_report(pending), weight_sync_s=time.perf_counter() - start)
 
     def send_weights(self, pull: bool = True) -> list[GroupHandle] | None:
         """Starts a sync without waiting for it: the trainer's push (the weights of version
@@ -60,14 +59,15 @@ class Streams:
                 *(g.pull_weights(self.trainer.name, self.updates) for g in self.receivers if pull)]
 
     @staticmethod
-    def synced_report(pending: list[GroupHandle] | None) -> dict[str, Any]:
-        """Waits for a sync ``send_weights`` started; the trainer's report of its push."""
+    def synced_report(pending: list[GroupHandle] | None) -> WeightSync:
+        """Waits for a sync ``send_weights`` started; the trainer's report of its push (its
+        first sender's)."""
         if pending is None:
-            return NO_SYNC
+            return WeightSync()
         (pushed, *_), *_ = wait(*pending)
-        return {"weight_sync_s": 0.0} | (pushed if isinstance(pushed, dict) else {})
+        return pushed or WeightSync()
 
-    def next(self, ahead: int) -> tuple[int, dict[str, GroupHandle], dict[str, Any]]:
+    def next(self, ahead: int) -> tuple[int, dict[str, GroupHandle], WeightSync]:
         """This step's data stream (its key, its calls, the sync report before it): launched
         ahead by an earlier step, or now after a weight sync. Then streams are launched until
         ``ahead`` of them are in flight behind this one, each once the last one launched is

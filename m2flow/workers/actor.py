@@ -19,6 +19,7 @@ from m2flow.algorithms import PPO_STATS, episode_group_advantages, gae, next_val
 from m2flow.models import build_policy, flatten_parameters
 from m2flow.runtime import Channel, Clock, Worker, dispatch
 from m2flow.workers.layout import EnvLayout
+from m2flow.workers.reports import TrainReport, WeightSync
 
 
 class ActorWorker(Worker):
@@ -47,12 +48,12 @@ class ActorWorker(Worker):
             self.init_process_group("gloo")  # the policy and its gradients live on the CPU
 
     # -- weights ----------------------------------------------------------------------
-    def push_weights(self, groups: list[str]) -> dict:
+    def push_weights(self, groups: list[str]) -> WeightSync:
         """Broadcasts the current weights, tagged with their version, to every rank of each group."""
         start = time.perf_counter()
         for group in groups:
             self.broadcast({"weights": self.policy.state_dict(), "version": self.version}, (self.group, self.rank), group)
-        return {"version": self.version, "weight_sync_s": time.perf_counter() - start}
+        return WeightSync(weight_sync_s=time.perf_counter() - start)
 
     def policy_weights(self) -> dict[str, Any]:
         """The policy's weights alone (an evaluation's: ``state`` holds the optimizer's too)."""
@@ -79,7 +80,7 @@ class ActorWorker(Worker):
         return weights_hash(self.policy)
 
     # -- training ---------------------------------------------------------------------
-    def train(self, trajectories_in: Channel, stream: int, update: int, total_updates: int) -> dict:
+    def train(self, trajectories_in: Channel, stream: int, update: int, total_updates: int) -> TrainReport:
         """One update on stream ``stream``'s trajectories: a part from every env rank."""
         clock = Clock(busy_unless_idle=True)
         with clock.idle():
@@ -108,9 +109,8 @@ class ActorWorker(Worker):
                 self._proximal(batch)
             stats |= self._optimize(batch)
         self.version += 1
-        return stats | clock.report(lock_wait=True) | {
-            "policy_lag": int(lags.max()), "step_lags": dict(zip(lags.tolist(), counts.tolist())),
-            "version": self.version, "update_end": time.time()}
+        return TrainReport(**clock.report(lock_wait=True), stats=stats, policy_lag=int(lags.max()),
+                           lags=dict(zip(lags.tolist(), counts.tolist())), version=self.version, update_end=time.time())
 
     def _advantages(self, d: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
         gamma, lam = self.algo["gamma"], self.algo["gae_lambda"]

@@ -22,6 +22,7 @@ import torch
 from m2flow.envs import EnvBatch
 from m2flow.runtime import Channel, Clock, dispatch
 from m2flow.workers.layout import EnvLayout
+from m2flow.workers.reports import EnvReport, RolloutReport
 from m2flow.workers.rollout import PolicyHost, PolicyReplica
 
 
@@ -34,7 +35,7 @@ class EnvWorker(PolicyHost):
         env, self.layout = cfg["env"], layout
         self.replica = PolicyReplica(cfg, *spaces, self.rank) if spaces else None
         self.turns = self.device_turns(take_turns)
-        self.inference = {"busy_s": 0.0, "idle_s": 0.0, "lock_wait_s": 0.0}  # the fused rollout's last report
+        self.inference = RolloutReport()  # the fused rollout's last report
         self.stages = layout.stages
         n = layout.envs_per_stage
         group = env["group_size"]
@@ -53,7 +54,7 @@ class EnvWorker(PolicyHost):
         self.loads = []  # fused: the pushes the replica took during a rollout
 
     def interact(self, policy: str, trajectories_out: Channel, steps: int, weights_from: str | None = None,
-                 min_version: int = 0, stream: int = 0) -> dict:
+                 min_version: int = 0, stream: int = 0) -> EnvReport:
         """One rollout of ``steps`` steps per env: observations go to this rank's rollout
         worker of group ``policy`` (point to point), or to the hosted replica when fused;
         the trajectory goes to the actor ranks, under the key ``(stream, actor rank)``: with
@@ -100,7 +101,8 @@ class EnvWorker(PolicyHost):
                 with clock.busy():
                     episodes += self._next_window()
         inference.waited(clock.lock_wait_s)  # the fused rollout waited for the same turn
-        self.inference = inference.report(lock_wait=True) | {"weight_loads": self.take_loads() if self.replica else []}
+        self.inference = RolloutReport(**inference.report(lock_wait=True),
+                                       weight_loads=self.take_loads() if self.replica else [])
         # GRPO: last_obs is then the next window's first observation, which it never reads.
         trajectory = _Recorder.merge(records, self.obs)
         if self.grpo:
@@ -115,7 +117,7 @@ class EnvWorker(PolicyHost):
         trajectories_out.flush()
         faults = sum(b.faults for b in self.batches)
         self.faults_reported, faults = faults, faults - self.faults_reported
-        return clock.report() | {"episodes": episodes, "env_steps": executed, "env_faults": faults}
+        return EnvReport(**clock.report(), episodes=episodes, env_steps=executed, env_faults=faults)
 
     def _next_window(self) -> list[tuple[float, int, bool | None]]:
         """GRPO: cuts the episodes still running (their partial returns are reported as
@@ -126,7 +128,7 @@ class EnvWorker(PolicyHost):
             self.obs[s] = batch.reset()
         return cut
 
-    def act(self, envs: str, steps: int, weights_from: str | None = None, min_version: int = 0) -> dict:
+    def act(self, envs: str, steps: int, weights_from: str | None = None, min_version: int = 0) -> RolloutReport:
         """The fused rollout's report: its inference (and its weight loads) ran inside
         ``interact``, which Ray has finished by now (one actor runs its calls in order)."""
         if self.replica is None:

@@ -12,6 +12,7 @@ import torch
 from m2flow.engines.scoring import compute_logprobs
 from m2flow.runtime import Channel, Clock
 from m2flow.workers.lm_common import END, load_model, logprob_temperature, memory_mb, until_end
+from m2flow.workers.reports import InferenceReport
 from m2flow.workers.weights import WeightReceiver
 
 
@@ -38,7 +39,7 @@ class InferenceWorker(WeightReceiver):
         return self.policy
 
     def logprobs(self, scored_in: Channel, batches_out: Channel, readers: int, key: int = 0,
-                 weights_from: str | None = None) -> dict:
+                 weights_from: str | None = None) -> InferenceReport:
         """Adds ``ref_logprobs`` / ``old_logprobs`` to each batch and passes it on, to the actor
         ranks (which take batches as they become free) or the critic. Then one end marker per
         reader of ``batches_out``. In and out under ``key``, the stream's channel key.
@@ -75,10 +76,9 @@ class InferenceWorker(WeightReceiver):
         for _ in range(readers):  # after every batch: a rank that takes one has nothing left to take
             batches_out.put(END, key)
         batches_out.flush()
-        out = clock.report() | {"peak_memory_mb": memory_mb(self.device)}
-        if diffs:  # sampling vs recomputed log-probs of the same weights: should be round-off
-            out["logprob_diff_max"] = max(diffs)
-        return out
+        # sampling vs recomputed log-probs of the same weights: should be round-off
+        return InferenceReport(**clock.report(), peak_memory_mb=memory_mb(self.device),
+                               logprob_diff_max=max(diffs) if diffs else None)
 
 
 def _sampled_by(batch, version: int) -> bool:

@@ -49,15 +49,14 @@ from m2flow.engines.trainer import Accumulated, LMTrainer, LossScale
 from m2flow.runtime import Channel, Clock, DeviceLock, Worker, dispatch
 from m2flow.runtime.files import save_tensors
 from m2flow.workers.lm_common import END, dtype_of, load_model, logprob_temperature, memory_mb, switch
+from m2flow.workers.reports import LMTrainReport, WeightSync
 
 GROUP_LOCAL = ("grpo", "dr_grpo", "rloo")
 PART_COUNTS = ("loss", "tokens", "completion_tokens", "micro_batches")  # what accumulate() reports besides the stats
 ALGORITHMS = (*GROUP_LOCAL, "reinforce_pp", "ppo")
-# What a rank's ``train`` reports besides its training statistics (which a flow's metrics average
-# over the ranks: ``runners.metrics.across_ranks``)
-BOOKKEEPING = ("busy_s", "idle_s", "lock_wait_s", "time_s", "peak_memory_mb", "version", "tokens", "micro_batches",
-               "completion_tokens", "optimizer_steps", "skipped_steps", "inert_rows", "stale_dropped", "token_lags",
-               "update_end", "trained_prompts", "update_busy_s")
+# What ``LMTrainer.train_step`` reports besides the training statistics (``LMTrainReport.stats``)
+TRAINER_COUNTS = ("tokens", "completion_tokens", "micro_batches", "optimizer_steps", "skipped_steps", "inert_rows",
+                  "peak_memory_mb", "time_s")
 # The negative log-likelihood of every completion that reaches the actor: for flows that choose
 # what it trains on (rejection sampling keeps each prompt's best completions)
 SUPERVISED = ("sft",)
@@ -97,17 +96,17 @@ class LMActorWorker(Worker):
             self.trainer.offload_optimizer()  # until its first turn
 
     # -- weights ----------------------------------------------------------------------
-    def push_weights(self, groups: list[str], bucket_mb: float = 256.0) -> dict:
+    def push_weights(self, groups: list[str], bucket_mb: float = 256.0) -> WeightSync | None:
         """Sends the weights, in buckets of about ``bucket_mb``, tagged with their version, to
         every rank of each group in ``groups`` (``WeightReceiver.pull_weights``). Rank 0
         sends; sharded (``algorithm.data_parallel=fsdp``), every rank is called and helps
         gather the weights. A bucket goes as soon as it is full: gathered weights are never
-        all held at once."""
+        all held at once. Rank 0 reports the push (the others None)."""
         start = time.perf_counter()
         if self.rank != 0:
             for _ in self.trainer.named_weights():
                 pass
-            return {}
+            return None
         sent = {"buckets": 0, "bytes": 0}
 
         def send(bucket: dict[str, torch.Tensor], last: bool) -> None:
@@ -126,8 +125,8 @@ class LMActorWorker(Worker):
             bucket[name] = t
             size += t.nbytes
         send(bucket, last=True)
-        return {"weight_sync_s": time.perf_counter() - start, "weight_buckets": sent["buckets"],
-                "weight_mb": sent["bytes"] / 2**20, "weight_transport": self.comm.last_transport}
+        return WeightSync(weight_sync_s=time.perf_counter() - start, weight_buckets=sent["buckets"],
+                          weight_mb=sent["bytes"] / 2**20, weight_transport=self.comm.last_transport)
 
     def weights_hash(self) -> str:
         return self.trainer.weights_hash()
@@ -143,7 +142,7 @@ class LMActorWorker(Worker):
         save_tensors(path, {name: t.detach().to("cpu").contiguous() for name, t in self.trainer.named_weights()})
 
     # -- training ---------------------------------------------------------------------
-    def train(self, batches_in: Channel, key: int = 0) -> dict:
+    def train(self, batches_in: Channel, key: int = 0) -> LMTrainReport:
         """One policy update from the step's batches (channel key ``key``); with several ranks,
         each trains on the batches it takes (``batches_in`` must hand out one item per get:
         prefetch 1)."""
@@ -198,22 +197,21 @@ class LMActorWorker(Worker):
             update_start = time.perf_counter()
             switch(self.trainer.onload_optimizer, self.offloads)
             if self.streaming:
-                result = self._finish_streamed(stats, tokens, seqs, loss_sum) | {"inert_rows": inert_rows,
-                                                                       "forwarded_tokens": forwarded}
+                result = self._finish_streamed(stats, tokens, seqs, loss_sum) | {"inert_rows": inert_rows}
             else:
                 result = self._train_gathered(batches)
-                result["forwarded_tokens"] = result.get("completion_tokens", 0)
+                forwarded = result.get("completion_tokens", 0)
             peak = memory_mb(self.device)
             switch(self.trainer.offload_optimizer, self.offloads)  # context switching: the rollout gets room
             # streamed: the step's update apart from the batches' forward and backward (the
             # profiler tells a cost per step from one per batch by it); gathered: all of it
             update_s = time.perf_counter() - update_start
         self.version += 1
-        return result | clock.report() | {"peak_memory_mb": peak, "version": self.version, "time_s": clock.elapsed(),
-                                          "update_busy_s": update_s,
-                                          "policy_lag": policy_lag, "stale_dropped": stale_dropped,
-                                          "token_lags": token_lags, "update_end": time.time(),
-                                          "trained_prompts": trained}
+        return LMTrainReport(**clock.report(), peak_memory_mb=peak, version=self.version, update_busy_s=update_s,
+                             stats={k: v for k, v in result.items() if k not in TRAINER_COUNTS},
+                             forwarded_tokens=forwarded, optimizer_steps=result["optimizer_steps"],
+                             inert_rows=result.get("inert_rows", 0), policy_lag=policy_lag, stale_dropped=stale_dropped,
+                             lags=token_lags, update_end=time.time(), trained_prompts=trained)
 
     def _finish_streamed(self, stats: Accumulated, tokens: int, seqs: int, loss_sum: float) -> dict:
         """The step's optimizer step; ``loss``, as ``LMTrainer.train_step`` reports it, is this

@@ -28,6 +28,7 @@ from m2flow.engines.batch import SequenceBatch, concat_batches
 from m2flow.engines.trainer import LossScale
 from m2flow.runtime import Channel, Clock, Worker, dispatch
 from m2flow.workers.lm_common import END, dtype_of, load_model, memory_mb, switch, until_end
+from m2flow.workers.reports import CriticReport
 
 
 def add_gae(batch: SequenceBatch, values: torch.Tensor, algo: dict) -> None:
@@ -69,7 +70,7 @@ class LMCriticWorker(Worker):
         if self.offloads:
             self.trainer.offload_optimizer()  # until its first turn
 
-    def train(self, batches_in: Channel, batches_out: Channel, actor_ranks: int, key: int = 0) -> dict:
+    def train(self, batches_in: Channel, batches_out: Channel, actor_ranks: int, key: int = 0) -> CriticReport:
         """Adds values, advantages (whitened over the step) and returns to the step's batches
         and passes them on to the actor; trains the critic on them, then sends one end marker
         per actor rank, all under ``key``, the stream's channel key. Returns the critic's
@@ -97,7 +98,7 @@ class LMCriticWorker(Worker):
         for _ in range(actor_ranks):
             batches_out.put(END, key)
         batches_out.flush()
-        return stats | clock.report() | {"peak_memory_mb": peak}
+        return CriticReport(**clock.report(), peak_memory_mb=peak, stats=stats)
 
     def _update(self, batches: list[SequenceBatch]) -> dict[str, float]:
         batch = concat_batches(batches, pad_id=self.tokenizer.pad_token_id or 0)

@@ -3,6 +3,7 @@ follows the actor's weights as ``workers.weights.WeightReceiver``."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -14,6 +15,7 @@ from m2flow.engines import SamplingParams, build_engine
 from m2flow.engines.batch import SequenceBatch
 from m2flow.runtime import Channel, Clock, dispatch, get_tracer
 from m2flow.workers.lm_common import load_model, memory_mb
+from m2flow.workers.reports import GenerateReport
 from m2flow.workers.weights import WeightReceiver
 
 NO_COUNTS = {"decode_steps": 0, "graph_replays": 0}  # the engine's counts a call reports
@@ -58,7 +60,7 @@ class LMRolloutWorker(WeightReceiver):
         self.session_done = 0  # of its prompts, those whose group is out
         self.session_counted = NO_COUNTS  # its engine counts already reported by earlier calls
         self.running: int | None = None  # the key of the generate call in progress
-        self.streams: dict[int, dict] = {}  # key -> its groups out, chunk pending and counts
+        self.streams: dict[int, dict] = {}  # key -> its chunk pending and its report so far (groups out, counts)
         self._offload()  # until its first turn
 
     def _load_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -124,13 +126,13 @@ class LMRolloutWorker(WeightReceiver):
                 return []
             self.offers.popleft()
         if key != self.running:  # it starts while an earlier stream's call generates
-            self.streams.setdefault(key, self._new_stream())["stats"]["joined_early"] += len(prompts)
+            self.streams.setdefault(key, self._new_stream())["report"].joined_early += len(prompts)
         self.session_prompts.extend((key, p) for p in prompts)
         return [p["token_ids"] for p in prompts]
 
     @dispatch(split="scatter")
     def generate(self, prompts: list[dict], samples_out: Channel, granularity: int, key: int = 0,
-                 weights_from: str | None = None, min_version: int = 0) -> dict:
+                 weights_from: str | None = None, min_version: int = 0) -> GenerateReport:
         """Generates ``rollout.n`` completions per prompt; every ``granularity`` completed groups
         go out as one ``SequenceBatch`` (``extras``: prompt index, answers, texts, finish
         reasons, group size and the oldest policy version of its tokens; ``old_logprobs``: the
@@ -175,23 +177,20 @@ class LMRolloutWorker(WeightReceiver):
             peak = memory_mb(self.device)
             self._offload()  # context switching: the KV cache (and on a GPU the weights) make room
         del self.streams[key]
-        stats = stream["stats"] | counts
-        return stats | clock.report(lock_wait=True) | {
-            "peak_memory_mb": peak, "tokens_per_s": stats["completion_tokens"] / max(clock.busy_s, 1e-9),
-            "time_s": clock.elapsed(), "weight_loads": self.loads}
+        return dataclasses.replace(stream["report"], **counts, **clock.report(lock_wait=True), peak_memory_mb=peak,
+                                   weight_loads=self.loads)
 
     @staticmethod
     def _new_stream() -> dict:
-        return {"pending": [], "stats": {"groups": 0, "completions": 0, "completion_tokens": 0, "truncated": 0,
-                                         "joined_early": 0}}
+        return {"pending": [], "report": GenerateReport()}
 
     def _route(self, stream: dict, key: int, group: tuple[dict, list], samples_out: Channel, granularity: int) -> None:
         """Counts a completed group of stream ``key``; every ``granularity`` go out together."""
-        stats, completions = stream["stats"], group[1]
-        stats["groups"] += 1
-        stats["completions"] += len(completions)
-        stats["completion_tokens"] += sum(len(c.token_ids) for c in completions)
-        stats["truncated"] += sum(c.finish_reason == "length" for c in completions)
+        report, completions = stream["report"], group[1]
+        report.groups += 1
+        report.completions += len(completions)
+        report.completion_tokens += sum(len(c.token_ids) for c in completions)
+        report.truncated += sum(c.finish_reason == "length" for c in completions)
         stream["pending"].append(group)
         if len(stream["pending"]) == granularity:
             self._put(stream, key, samples_out)
@@ -218,7 +217,7 @@ class LMRolloutWorker(WeightReceiver):
         out; the engine's decode forwards (and graph replays) meanwhile."""
         stream = self.streams[key]
         counts = dict(NO_COUNTS)
-        while stream["stats"]["groups"] < groups:
+        while stream["report"].groups < groups:
             if self.session is None:  # a new engine call, numbering its prompts from 0
                 self.session = self.engine.generate([], self.params, between=between, more=self._more)
             try:
@@ -228,7 +227,7 @@ class LMRolloutWorker(WeightReceiver):
                 self._end_session("the engine's call ended")  # its prompts all done: the next numbers anew
                 with self.offer_lock:
                     if not any(offered[0] == key for offered in self.offers):
-                        raise RuntimeError(f"stream {key}: {stream['stats']['groups']} of {groups} groups out and "
+                        raise RuntimeError(f"stream {key}: {stream['report'].groups} of {groups} groups out and "
                                            "none in flight or offered") from None
                 continue
             k, prompt = self.session_prompts[completions[0].prompt_index]

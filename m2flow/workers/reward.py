@@ -15,6 +15,7 @@ from m2flow.algorithms import dynamic_sampling_keep, overlong_penalty
 from m2flow.rewards import RewardScorer
 from m2flow.runtime import Channel, Clock, Worker
 from m2flow.workers.lm_common import END
+from m2flow.workers.reports import RewardReport
 
 
 class RewardWorker(Worker):
@@ -27,7 +28,7 @@ class RewardWorker(Worker):
         self.overlong = (r["overlong_buffer"], r["overlong_factor"])
         self.dynamic_sampling = cfg["algorithm"]["dynamic_sampling"]
 
-    def score(self, samples_in: Channel, scored_out: Channel, num_groups: int, key: int = 0) -> dict:
+    def score(self, samples_in: Channel, scored_out: Channel, num_groups: int, key: int = 0) -> RewardReport:
         """Scores the step's ``num_groups`` groups (channel key ``key``), then sends the end marker."""
         clock = Clock()
         seen = kept = timed_out = 0
@@ -63,10 +64,9 @@ class RewardWorker(Worker):
         scored_out.put(END, key)
         scored_out.flush()
         rewards = np.concatenate(rewards_all)
-        return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()), "groups_kept": kept,
-                "groups": seen, "reward_timeouts": timed_out,
-                **{f"reward_{_short(k)}": float(np.concatenate(v).mean()) for k, v in parts_all.items()},
-                **clock.report()}
+        return RewardReport(**clock.report(), reward=float(rewards.mean()), reward_std=float(rewards.std()),
+                            groups_kept=kept, groups=seen, reward_timeouts=timed_out,
+                            parts={f"reward_{_short(k)}": float(np.concatenate(v).mean()) for k, v in parts_all.items()})
 
     def score_texts(self, texts: list[str], answers: list[str]) -> dict:
         """Mean scores of finished texts (evaluation)."""

@@ -14,6 +14,7 @@ import torch
 from m2flow.models import build_policy
 from m2flow.runtime import Clock, dispatch
 from m2flow.workers.layout import EnvLayout
+from m2flow.workers.reports import RolloutReport
 from m2flow.workers.weights import WeightFollower
 
 
@@ -84,14 +85,14 @@ class RolloutWorker(PolicyHost):
     def load_state(self, state: dict) -> None:
         torch.set_rng_state(state["rng"])
 
-    def act(self, envs: str, steps: int, weights_from: str | None = None, min_version: int = 0) -> dict:
+    def act(self, envs: str, steps: int, weights_from: str | None = None, min_version: int = 0) -> RolloutReport:
         """Answers ``steps`` observations per stage of each env rank of group ``envs`` that
         it serves, batching those env ranks into one inference. With ``weights_from`` (the
         actor's group), the actor's pushes are taken as they arrive, between env steps."""
         clock = Clock()
         with clock.turn(self.turns):
             self._serve(envs, steps, clock, weights_from, min_version)
-        return clock.report(lock_wait=True) | {"weight_loads": self.take_loads()}
+        return RolloutReport(**clock.report(lock_wait=True), weight_loads=self.take_loads())
 
     def _serve(self, envs: str, steps: int, clock: Clock, weights_from: str | None, min_version: int) -> None:
         for _ in range(steps):
