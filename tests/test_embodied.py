@@ -13,6 +13,7 @@ import ray
 from m2flow.config import ConfigError, load_config
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners import status
+from m2flow.runners.checkpointer import Checkpointer
 from m2flow.runners.status import RunFailed
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runtime import Cluster
@@ -149,13 +150,13 @@ def test_checkpoints_by_time_roll_and_those_by_count_stay(cluster, pool, tmp_pat
     """Every update due by time (a checkpoint a microsecond): each such checkpoint replaces the
     one by time before it; those every 3 updates and the last stay."""
     written = []
-    save = EmbodiedRunner.checkpoint
+    save = Checkpointer.save
 
     def counted(self, done, log, rolling=False):
         written.append((done, rolling))
         return save(self, done, log, rolling)
 
-    monkeypatch.setattr(EmbodiedRunner, "checkpoint", counted)
+    monkeypatch.setattr(Checkpointer, "save", counted)
     train_cartpole(cluster, pool, [
         "placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
         "placement.components.actor=0-1", "runner.stages=2", "runner.progress=false", "runner.total_env_steps=2048",

@@ -70,10 +70,10 @@ class _FlakyHead:
 
     @property
     def lost(self):
-        done = getattr(self.runner, "done", 0)
+        done = self.runner.progress.done
         if self.stays_lost:
             return done >= self.at
-        return done == self.at and self.runner.last_checkpoint is None
+        return done == self.at and self.runner.progress.last_checkpoint is None
 
     def describe(self):
         return "the Ray cluster's head (its GCS at nowhere) has not answered since now"

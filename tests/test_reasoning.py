@@ -14,6 +14,7 @@ import torch
 from m2flow.config import load_config
 from m2flow.config.validate import ConfigError, validate as check_config
 from m2flow.flow import Plan
+from m2flow.runners.loop import Loop, barrier
 from m2flow.runners.reasoning import WORKFLOW, ReasoningRunner
 from m2flow.runtime.stop import RunStopped
 
@@ -225,7 +226,7 @@ def test_two_versions_ahead_with_weights_taken_in_flight(cluster, pool, tmp_path
     # barrier: nothing waits for an evaluation until the end), in metrics.csv too.
     assert [row["step"] for row in history if "eval_reward" in row] == [0, 2, 4, 6, 8]
     assert [row["step"] for row in history if "save_weights_s" in row] == [2, 4, 6, 8]
-    assert not runner._barrier(1, checkpoint=True, evaluate=True)  # step 2's
+    assert not barrier(runner, 1, checkpoint=True, evaluate=True)  # step 2's
     rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
     assert [int(float(r["step"])) for r in rows if r["eval_reward"]] == [0, 2, 4, 6, 8]
     assert not list((tmp_path / "saved_weights").iterdir())
@@ -265,7 +266,7 @@ def test_a_stopped_runs_deferred_evaluations_are_made_when_it_resumes(cluster, p
     args = ("runner.steps=4", "runner.eval_every=2", "runner.eval_deferred=true", "algorithm.share_prompts=false")
     straight = _train(cluster, pool, tmp_path / "straight", *args)[0]
     with monkeypatch.context() as m:  # stopped before the evaluations at the end
-        m.setattr(ReasoningRunner, "evaluate_deferred", lambda self, log, watchdog=None: None)
+        m.setattr(Loop, "evaluate_deferred", lambda self, watchdog=None: None)
         cut = _train(cluster, pool, tmp_path / "cut", *args)[0]
     saved = tmp_path / "cut" / "saved_weights"
     assert sorted(p.name for p in saved.iterdir()) == ["step-2.safetensors", "step-4.safetensors"]

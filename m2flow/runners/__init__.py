@@ -34,12 +34,11 @@ def run(cfg: DictConfig) -> list[dict[str, float]]:
                 raise
         try:
             try:
-                runner = runner_cls(cfg, cluster=cluster)
+                runner = runner_cls(cfg, cluster=cluster, replanner=replan)
             except BaseException as e:
                 if status is not None:  # profiled: the file the profiling wrote says how it ended
                     status.failed(e)
                 raise
-            runner.replanner = replan
             try:
                 return runner.train()
             finally:

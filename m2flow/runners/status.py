@@ -21,12 +21,13 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from m2flow.runtime.files import DirectoryLock, write_text, write_whole
-from m2flow.runtime.stop import RunStopped
+from m2flow.runtime.stop import RunStopped, StopRequest
 
 FILE = "status.json"
 CHECKPOINTS = "checkpoints"  # the folder of a run's directory its checkpoints go to
@@ -105,6 +106,37 @@ class RunStatus:
         self.fields["updated"] = _stamp(time.time())
         write_text(self.path, json.dumps(self.fields, indent=1) + "\n")
         self.written = time.monotonic()
+
+
+@dataclass
+class Progress:
+    """Where a run is: what its loop (``runners/loop.py``), its checkpoints
+    (``runners/checkpointer.py``) and its recovery (``runners/recovery.py``) share, and what
+    ``status.json`` says of it (``position``)."""
+
+    total: int  # the run's updates
+    unit: str  # what one is called: ``update``, ``step``
+    out_dir: str
+    done: int = 0  # updates logged
+    last_checkpoint: Path | None = None  # the last this run wrote: where a restart starts
+    resumed_from: Path | None = None  # the checkpoint it started from, if one
+    restarts: int = 0  # in all, those while the workers started included
+    in_a_row: int = 0  # restarts since the last checkpoint: ``runner.max_restarts`` bounds them
+    halted: str | None = None  # where a stop asked for ended the run, if one did
+    stop: StopRequest = field(default_factory=StopRequest)  # the signal that asks the run to stop
+
+    def position(self) -> dict[str, Any]:
+        """Where the run is, for ``status.json``."""
+        return {"done": self.done, "last_checkpoint": self.last_checkpoint or self.resumed_from,
+                "restarts": self.restarts}
+
+    def then(self) -> str:
+        """Where the run can be continued from."""
+        return continue_from(self.last_checkpoint or self.resumed_from, self.out_dir)
+
+    def failed_after(self, why: str) -> str:
+        """The paragraph of a run that could not go on: how far it got, and ``why``."""
+        return f"the run failed after {self.done} of {self.total} {self.unit}s: {why}"
 
 
 def ending(e: BaseException) -> tuple[str, dict[str, Any]]:
