@@ -158,6 +158,7 @@ def _grpo_weights_rank(rank: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from m2flow.envs.trajectory import Trajectory
     from m2flow.workers.actor import ActorWorker
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -168,8 +169,9 @@ def _grpo_weights_rank(rank: int, port: int, out_dir: str) -> None:
         T, n = 8, 2
         terminated = torch.zeros(T, n)
         terminated[1 if rank == 0 else 7] = 1.0
-        d = {"rewards": torch.ones(T, n) * (rank + 1), "terminated": terminated, "truncated": torch.zeros(T, n),
-             "obs": torch.zeros(T, n, 4), "actions": torch.zeros(T, n, dtype=torch.long), "logp": torch.zeros(T, n)}
+        d = Trajectory(rewards=torch.ones(T, n) * (rank + 1), terminated=terminated, truncated=torch.zeros(T, n),
+                       obs=torch.zeros(T, n, 4), actions=torch.zeros(T, n, dtype=torch.long), logp=torch.zeros(T, n),
+                       versions=torch.zeros(T, n), final_obs=torch.zeros(T, n, 4), last_obs=torch.zeros(n, 4))
         batch, _ = ActorWorker._group_advantages(actor, d)
         torch.save(batch["weights"], f"{out_dir}/rank{rank}.pt")
     finally:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from m2flow.algorithms import PPO_STATS, episode_group_advantages, gae, next_values, ppo_minibatch_loss
+from m2flow.envs.trajectory import Trajectory
 from m2flow.models import build_policy, flatten_parameters
 from m2flow.runtime import Channel, Clock, Worker, dispatch
 from m2flow.workers.layout import EnvLayout
@@ -85,21 +86,20 @@ class ActorWorker(Worker):
         clock = Clock(busy_unless_idle=True)
         with clock.idle():
             parts = [trajectories_in.get(key=(stream, self.rank)) for _ in range(self.layout.env_ranks)]
-            parts.sort(key=lambda p: p["env_rank"])  # arrival order varies; the batch must not
-        ranks = [p["env_rank"] for p in parts]
+            parts.sort(key=lambda p: p.env_rank)  # arrival order varies; the batch must not
+        ranks = [p.env_rank for p in parts]
         if len(set(ranks)) != len(ranks):
             raise RuntimeError(f"actor rank {self.rank} got stream {stream}'s parts from env ranks {ranks}: "
                                f"one part from each of the {self.layout.env_ranks} was expected")
         # Collected ahead (runner.max_staleness = k), each step is up to k versions behind the
         # weights: the runner launches no rollout further ahead, so an older one is a fault.
-        versions = np.concatenate([p["versions"].ravel() for p in parts])
+        versions = np.concatenate([p.versions.ravel() for p in parts])
         lags, counts = np.unique(self.version - versions[versions >= 0], return_counts=True)  # -1: a padding row
         if lags.min() < 0 or lags.max() > self.cfg["runner"]["max_staleness"]:
             raise RuntimeError(f"actor rank {self.rank} at policy version {self.version} got env steps "
                                f"{sorted(lags.tolist())} versions behind it, runner.max_staleness is "
                                f"{self.cfg['runner']['max_staleness']}")
-        data = {k: torch.as_tensor(np.concatenate([p[k] for p in parts], axis=1 if k != "last_obs" else 0))
-                for k in parts[0] if k not in ("versions", "env_rank")}
+        data = Trajectory.concat(parts).map(torch.as_tensor)
         if self.algo["anneal_lr"]:
             for g in self.optimizer.param_groups:
                 g["lr"] = self.algo["lr"] * (1.0 - update / total_updates)
@@ -112,46 +112,47 @@ class ActorWorker(Worker):
         return TrainReport(**clock.report(lock_wait=True), stats=stats, policy_lag=int(lags.max()),
                            lags=dict(zip(lags.tolist(), counts.tolist())), version=self.version, update_end=time.time())
 
-    def _advantages(self, d: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    def _advantages(self, d: Trajectory) -> tuple[dict[str, torch.Tensor], dict]:
+        """PPO: values and GAE of the trajectory (its arrays torch tensors), flattened to the update's samples."""
         gamma, lam = self.algo["gamma"], self.algo["gae_lambda"]
-        rewards = d["rewards"]
+        rewards = d.rewards
         # Action chunks: one decision per chunk of k actions, its rewards discounted inside it;
         # a chunk cut short at a truncation bootstraps after the actions it ran, not after k.
         bootstrap_discount = None
         if rewards.dim() == 3:
             k = rewards.shape[2]
             rewards = (rewards * gamma ** torch.arange(k, dtype=rewards.dtype)).sum(2)
-            bootstrap_discount = gamma ** (d["executed"].double() - k)
+            bootstrap_discount = gamma ** (d.executed.double() - k)
             gamma = gamma ** k
         T, n = rewards.shape
         flat = lambda x: x.reshape(T * n, *x.shape[2:])  # noqa: E731
-        obs = flat(d["obs"]).float()
+        obs = flat(d.obs).float()
         with torch.no_grad():
             values = self.policy.value(obs).view(T, n)
-            last_values = self.policy.value(d["last_obs"].float())
+            last_values = self.policy.value(d.last_obs.float())
             final_values = torch.zeros(T, n)
-            truncated = d["truncated"].bool()
+            truncated = d.truncated.bool()
             if truncated.any():  # bootstrap truncated episodes from their true last observation
-                final_values[truncated] = self.policy.value(d["final_obs"][truncated].float())
+                final_values[truncated] = self.policy.value(d.final_obs[truncated].float())
                 if bootstrap_discount is not None:
                     final_values[truncated] *= bootstrap_discount[truncated].float()
-        terminated = d["terminated"].bool()
+        terminated = d.terminated.bool()
         nv = next_values(values, last_values, terminated, truncated, final_values)
         adv, ret = gae(rewards.float(), values, nv, terminated | truncated, gamma, lam)
         explained = 1 - (ret - values).var() / ret.var().clamp_min(1e-8)
-        batch = {"obs": obs, "actions": flat(d["actions"]), "logp": flat(d["logp"]).float(),
+        batch = {"obs": obs, "actions": flat(d.actions), "logp": flat(d.logp).float(),
                  "advantages": adv.reshape(-1), "returns": ret.reshape(-1), "values": values.reshape(-1)}
         return batch, {"explained_variance": float(explained)}
 
-    def _group_advantages(self, d: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    def _group_advantages(self, d: Trajectory) -> tuple[dict[str, torch.Tensor], dict]:
         """GRPO: each env's episode return in the window, normalised within its group of envs
         (same seed), is the advantage of every step of that episode; no critic. Only the
         steps of the episodes are trained on (see ``episode_group_advantages``)."""
-        rewards = d["rewards"].float()
+        rewards = d.rewards.float()
         if rewards.dim() == 3:  # action chunks: skipped actions hold 0, the return is the plain sum
             rewards = rewards.sum(2)
         T, n = rewards.shape
-        ends = d["terminated"].bool() | d["truncated"].bool()
+        ends = d.terminated.bool() | d.truncated.bool()
         adv, mask = episode_group_advantages(rewards, ends, self.cfg["env"]["group_size"])
         keep = mask.reshape(-1).nonzero().squeeze(1)
         # Every rank must run the same number of minibatches (one all-reduce each): the valid
@@ -165,7 +166,7 @@ class ActorWorker(Worker):
         weights = torch.zeros(size)
         weights[:count] = size * self.world_size / self._sum_across_ranks(count)
         pick = lambda x: x.reshape(T * n, *x.shape[2:])[idx]
-        batch = {"obs": pick(d["obs"]).float(), "actions": pick(d["actions"]), "logp": pick(d["logp"]).float(),
+        batch = {"obs": pick(d.obs).float(), "actions": pick(d.actions), "logp": pick(d.logp).float(),
                  "advantages": adv.reshape(-1)[idx], "weights": weights}
         return batch, {}
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from m2flow.envs import EnvBatch
+from m2flow.envs.trajectory import Recorder
 from m2flow.runtime import Channel, Clock, dispatch
 from m2flow.workers.layout import EnvLayout
 from m2flow.workers.reports import EnvReport, RolloutReport
@@ -65,7 +65,7 @@ class EnvWorker(PolicyHost):
         ``min_version`` on), so a rollout's steps may come from several versions."""
         clock, inference = Clock(), Clock()  # inference: the fused rollout's
         executed = 0  # env steps: a chunk cut short by an episode end counts its executed actions
-        records = [_Recorder() for _ in self.batches]
+        records = [Recorder() for _ in self.batches]
         episodes: list[tuple[float, int, bool | None]] = []  # (raw return, length, success) of each ended one
         server = self.layout.rollout_of(self.rank)
         with clock.turn(self.turns):  # a lock only when hosting the rollout on shared devices
@@ -104,16 +104,13 @@ class EnvWorker(PolicyHost):
         self.inference = RolloutReport(**inference.report(lock_wait=True),
                                        weight_loads=self.take_loads() if self.replica else [])
         # GRPO: last_obs is then the next window's first observation, which it never reads.
-        trajectory = _Recorder.merge(records, self.obs)
-        if self.grpo:
-            trajectory = _pad_rows(trajectory, steps)
+        trajectory = Recorder.merge(records, self.obs, self.rank)
+        if self.grpo:  # a window that stopped early: every env rank sends the same shape
+            trajectory = trajectory.padded(steps)
         # Every actor rank gets an equal share of this rank's envs (data parallel).
         share = self.layout.envs_per_rank // self.layout.actor_ranks
         for a in range(self.layout.actor_ranks):
-            part = {k: v[a * share:(a + 1) * share] if k == "last_obs" else v[:, a * share:(a + 1) * share]
-                    for k, v in trajectory.items()}
-            part["env_rank"] = self.rank
-            trajectories_out.put(part, key=(stream, a), weight=steps * share)
+            trajectories_out.put(trajectory.envs(a * share, (a + 1) * share), key=(stream, a), weight=steps * share)
         trajectories_out.flush()
         faults = sum(b.faults for b in self.batches)
         self.faults_reported, faults = faults, faults - self.faults_reported
@@ -167,41 +164,3 @@ class EnvWorker(PolicyHost):
         rngs = super().reshard([state["rng"] for state in states], ranks)
         return [{"batches": batches[r * layout.stages:(r + 1) * layout.stages], "rng": rngs[r]} for r in range(ranks)]
 
-
-def _pad_rows(trajectory: dict[str, Any], steps: int) -> dict[str, Any]:
-    """A window that stopped early, padded to ``steps`` rows so that every env rank sends the
-    same shape: zero rows have no episode end, so they fall outside every episode's mask (their
-    version is -1: no weights acted in them)."""
-    rows = len(trajectory["rewards"])
-    if rows == steps:
-        return trajectory
-    pad = lambda v: np.full((steps - rows, *v.shape[1:]), -1 if v is trajectory["versions"] else 0, v.dtype)
-    return {k: v if k == "last_obs" else np.concatenate([v, pad(v)]) for k, v in trajectory.items()}
-
-
-class _Recorder:
-    """Collects one stage's steps as [T, n, ...] arrays."""
-
-    def __init__(self):
-        self.columns: dict[str, list[np.ndarray]] = {k: [] for k in ("obs", "actions", "logp", "versions", "rewards",
-                                                                     "terminated", "truncated", "final_obs")}
-
-    def add(self, obs: np.ndarray, reply: dict[str, Any], result: Any) -> None:
-        c = self.columns
-        c["obs"].append(obs)
-        c["actions"].append(reply["actions"])
-        c["logp"].append(reply["logp"])
-        c["versions"].append(np.full(len(obs), reply["version"], np.int64))  # of the weights that acted
-        c["rewards"].append(result.rewards)  # [n], or [n, k] for action chunks
-        if hasattr(result, "valid"):  # chunks: how many of the k actions ran before an episode end
-            c.setdefault("executed", []).append(result.valid.sum(-1))
-        c["terminated"].append(result.terminated)
-        c["truncated"].append(result.truncated)
-        c["final_obs"].append(result.final_obs)
-
-    @staticmethod
-    def merge(records: list[_Recorder], last_obs: list[np.ndarray]) -> dict[str, Any]:
-        """Stages side by side along the env axis: [T, n_rank, ...]."""
-        out = {k: np.concatenate([np.stack(r.columns[k]) for r in records], axis=1) for k in records[0].columns}
-        out["last_obs"] = np.concatenate(last_obs)
-        return out
