@@ -1,8 +1,12 @@
 """How a group call reaches its ranks: ``@dispatch`` declares it on a worker method; a
-call's arguments are split across the called ranks and their results gathered."""
+call's arguments are split across the called ranks and their results gathered. ``@routes``
+declares where the data a call makes goes: one part to each rank that reads it, over a
+channel."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -92,3 +96,37 @@ def _gather(results: list, mode: str) -> Any:
     if isinstance(first, dict):
         return {k: _gather([r[k] for r in results], "concat") for k in first}
     raise TypeError(f"cannot concatenate results of type {type(first).__name__}")
+
+
+# -- a call's data, routed over a channel to the ranks that read it ---------------------------
+def routes(channel: str, key: str, split: Callable[[Any, Any], Sequence[tuple[Any, float]]]) -> Callable:
+    """Declares where a worker method's data goes. The method returns ``(report, data)``;
+    ``split(worker, data)`` cuts ``data`` into one ``(part, weight)`` per reader rank, and part
+    r goes onto the method's ``Channel`` argument named ``channel`` under the key ``(k, r)``,
+    ``k`` the value of its argument named ``key`` (its stream's), with that weight. Then the
+    channel is flushed and the call returns the report. Reader rank r takes its parts with
+    ``routed``."""
+
+    def mark(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            report, data = fn(self, *args, **kwargs)
+            given = signature.bind(self, *args, **kwargs)
+            given.apply_defaults()
+            out, k = given.arguments[channel], given.arguments[key]
+            for rank, (part, weight) in enumerate(split(self, data)):
+                out.put(part, key=(k, rank), weight=weight)
+            out.flush()
+            return report
+
+        return call
+
+    return mark
+
+
+def routed(channel: Any, key: Any, rank: int, count: int) -> list:
+    """The ``count`` parts a ``routes`` method put on ``channel`` for reader rank ``rank`` under
+    the key ``key`` (a stream's), in the order they arrive."""
+    return [channel.get(key=(key, rank)) for _ in range(count)]

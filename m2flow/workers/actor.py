@@ -19,6 +19,7 @@ from m2flow.algorithms import PPO_STATS, episode_group_advantages, gae, next_val
 from m2flow.envs.trajectory import Trajectory
 from m2flow.models import build_policy, flatten_parameters
 from m2flow.runtime import Channel, Clock, Worker, dispatch
+from m2flow.runtime.dispatching import routed
 from m2flow.workers.layout import EnvLayout
 from m2flow.workers.reports import TrainReport, WeightSync
 
@@ -85,7 +86,7 @@ class ActorWorker(Worker):
         """One update on stream ``stream``'s trajectories: a part from every env rank."""
         clock = Clock(busy_unless_idle=True)
         with clock.idle():
-            parts = [trajectories_in.get(key=(stream, self.rank)) for _ in range(self.layout.env_ranks)]
+            parts = routed(trajectories_in, stream, self.rank, self.layout.env_ranks)  # EnvWorker.interact's
             parts.sort(key=lambda p: p.env_rank)  # arrival order varies; the batch must not
         ranks = [p.env_rank for p in parts]
         if len(set(ranks)) != len(ranks):

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from m2flow.envs import EnvBatch
-from m2flow.envs.trajectory import Recorder
+from m2flow.envs.trajectory import Recorder, Trajectory
 from m2flow.runtime import Channel, Clock, dispatch
+from m2flow.runtime.dispatching import routes
 from m2flow.workers.layout import EnvLayout
 from m2flow.workers.reports import EnvReport, RolloutReport
 from m2flow.workers.rollout import PolicyHost, PolicyReplica
@@ -53,16 +54,19 @@ class EnvWorker(PolicyHost):
         self.faults_reported = 0  # the batches' env faults already reported
         self.loads = []  # fused: the pushes the replica took during a rollout
 
+    # Each actor rank gets its share of the trajectory under the key (stream, actor rank): with
+    # streams in flight at once, one env rank may put the next stream's part before another has
+    # put this one's.
+    @routes("trajectories_out", key="stream", split=lambda env, trajectory: env.layout.actor_shares(trajectory))
     def interact(self, policy: str, trajectories_out: Channel, steps: int, weights_from: str | None = None,
-                 min_version: int = 0, stream: int = 0) -> EnvReport:
+                 min_version: int = 0, stream: int = 0) -> tuple[EnvReport, Trajectory]:
         """One rollout of ``steps`` steps per env: observations go to this rank's rollout
         worker of group ``policy`` (point to point), or to the hosted replica when fused;
-        the trajectory goes to the actor ranks, under the key ``(stream, actor rank)``: with
-        streams in flight at once, one env rank may put the next stream's part before another
-        has put this one's. Every step records the version of the
-        weights that chose its actions: fused, with ``weights_from`` (the actor's group), the
-        replica takes the actor's pushes as they arrive, between env steps (from version
-        ``min_version`` on), so a rollout's steps may come from several versions."""
+        the trajectory goes to the actor ranks (``routes``), the call returns the report. Every
+        step records the version of the weights that chose its actions: fused, with
+        ``weights_from`` (the actor's group), the replica takes the actor's pushes as they
+        arrive, between env steps (from version ``min_version`` on), so a rollout's steps may
+        come from several versions."""
         clock, inference = Clock(), Clock()  # inference: the fused rollout's
         executed = 0  # env steps: a chunk cut short by an episode end counts its executed actions
         records = [Recorder() for _ in self.batches]
@@ -107,14 +111,9 @@ class EnvWorker(PolicyHost):
         trajectory = Recorder.merge(records, self.obs, self.rank)
         if self.grpo:  # a window that stopped early: every env rank sends the same shape
             trajectory = trajectory.padded(steps)
-        # Every actor rank gets an equal share of this rank's envs (data parallel).
-        share = self.layout.envs_per_rank // self.layout.actor_ranks
-        for a in range(self.layout.actor_ranks):
-            trajectories_out.put(trajectory.envs(a * share, (a + 1) * share), key=(stream, a), weight=steps * share)
-        trajectories_out.flush()
         faults = sum(b.faults for b in self.batches)
         self.faults_reported, faults = faults, faults - self.faults_reported
-        return EnvReport(**clock.report(), episodes=episodes, env_steps=executed, env_faults=faults)
+        return EnvReport(**clock.report(), episodes=episodes, env_steps=executed, env_faults=faults), trajectory
 
     def _next_window(self) -> list[tuple[float, int, bool | None]]:
         """GRPO: cuts the episodes still running (their partial returns are reported as

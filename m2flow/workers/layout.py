@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from m2flow.envs.trajectory import Trajectory
 
 
 @dataclass(frozen=True)
@@ -36,3 +40,9 @@ class EnvLayout:
     def envs_of_rollout(self, rollout_rank: int) -> list[int]:
         """Env ranks whose observations this rollout rank answers, batched together."""
         return [e for e in range(self.env_ranks) if self.rollout_of(e) == rollout_rank]
+
+    def actor_shares(self, trajectory: Trajectory) -> list[tuple[Trajectory, int]]:
+        """An env rank's trajectory cut into one share per actor rank, each weighted by its rows:
+        actor rank a gets the a-th equal share of the env rank's envs (data parallel)."""
+        n = self.envs_per_rank // self.actor_ranks
+        return [(part, part.size) for part in (trajectory.envs(a * n, (a + 1) * n) for a in range(self.actor_ranks))]
