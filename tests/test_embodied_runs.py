@@ -246,3 +246,5 @@ def test_in_flight_streams_reach_their_own_update(cluster, pool, tmp_path):
         runner.close()
     assert [row["env_steps"] for row in history] == [64 * (u + 1) for u in range(6)]
     assert [row["policy_lag"] for row in history] == [0, 1, 2, 2, 2, 2]
+    # every update trained on each env's trajectory of its own stream once (runners.metrics.Ledger)
+    assert runner.metrics.ledger.trained == {u: [0, 1, 2, 3] for u in range(1, 7)}

@@ -171,7 +171,8 @@ def _grpo_weights_rank(rank: int, port: int, out_dir: str) -> None:
         terminated[1 if rank == 0 else 7] = 1.0
         d = Trajectory(rewards=torch.ones(T, n) * (rank + 1), terminated=terminated, truncated=torch.zeros(T, n),
                        obs=torch.zeros(T, n, 4), actions=torch.zeros(T, n, dtype=torch.long), logp=torch.zeros(T, n),
-                       versions=torch.zeros(T, n), final_obs=torch.zeros(T, n, 4), last_obs=torch.zeros(n, 4))
+                       versions=torch.zeros(T, n), final_obs=torch.zeros(T, n, 4), last_obs=torch.zeros(n, 4),
+                       ids=torch.arange(n))
         batch, _ = ActorWorker._group_advantages(actor, d)
         torch.save(batch["weights"], f"{out_dir}/rank{rank}.pt")
     finally:

@@ -34,8 +34,10 @@ class SequenceBatch:
 
     ``attention_mask`` is 1 on real tokens, ``completion_mask`` 1 on completion tokens only.
     The optional per-token fields are ``[B, L]`` and aligned with ``input_ids`` (see the module
-    docstring). ``extras`` holds anything else; ``select`` indexes its tensors whose first
-    dimension is ``B`` and its lists/tuples of length ``B``, and keeps the rest as they are.
+    docstring). ``ids`` names each row's sample, for the checks that none is lost or trained
+    twice (``runners.metrics.Ledger``). ``extras`` holds anything else; ``select`` indexes its
+    tensors whose first dimension is ``B`` and its lists/tuples of length ``B``, and keeps the
+    rest as they are.
     """
 
     input_ids: Tensor
@@ -48,6 +50,7 @@ class SequenceBatch:
     returns: Tensor | None = None
     behaviour_logprobs: Tensor | None = None  # the sampling log-probs, kept where old_logprobs are recomputed
     versions: Tensor | None = None  # int64: the policy version that sampled each token
+    ids: Tensor | None = None  # int64 [B, 2]: each row's sample, (its prompt's index, its index in the prompt's group)
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,6 +61,8 @@ class SequenceBatch:
             value = getattr(self, name)
             if value is not None and value.shape != shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)} like input_ids")
+        if self.ids is not None and len(self.ids) != shape[0]:
+            raise ValueError(f"ids has {len(self.ids)} rows, input_ids {shape[0]}")
 
     @classmethod
     def from_completions(cls, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
@@ -84,6 +89,13 @@ class SequenceBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def sample_ids(self, rows: Tensor | Sequence[int] | None = None) -> list[tuple[int, int]]:
+        """The ids of every row (of ``rows``) as pairs; none where the batch has no ids."""
+        if self.ids is None:
+            return []
+        ids = self.ids if rows is None else self.ids[torch.as_tensor(rows, dtype=torch.long)]
+        return [tuple(i) for i in ids.tolist()]
+
     @property
     def lengths(self) -> Tensor:
         """Per row: index of the last real token + 1 (the row's length when right-padded)."""
@@ -100,6 +112,7 @@ class SequenceBatch:
         for name in TOKEN_FIELDS:
             value = getattr(self, name)
             picked[name] = None if value is None else value[idx.to(value.device)]
+        picked["ids"] = None if self.ids is None else self.ids[idx.to(self.ids.device)]
         extras = {}
         for key, value in self.extras.items():
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
@@ -142,7 +155,8 @@ def concat_batches(batches: Sequence[SequenceBatch], pad_id: int) -> SequenceBat
         return torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=fill) for p in parts])
 
     out = SequenceBatch(join("input_ids", pad_id), join("attention_mask", 0), join("completion_mask", 0),
-                        **{name: join(name, 0.0) for name in TOKEN_FIELDS})
+                        **{name: join(name, 0.0) for name in TOKEN_FIELDS},
+                        ids=None if any(b.ids is None for b in batches) else torch.cat([b.ids for b in batches]))
     for key, first in batches[0].extras.items():
         values = [b.extras.get(key) for b in batches]
         if all(isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == len(b) for v, b in zip(values, batches)):

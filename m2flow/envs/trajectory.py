@@ -33,6 +33,7 @@ class Trajectory:
     truncated: np.ndarray  # bool [T, n]: ...or by truncation
     final_obs: np.ndarray  # [T, n, *obs_shape]: the last observation of an episode that ended in the row, else obs
     last_obs: np.ndarray  # [n, *obs_shape]: the observation after the last row
+    ids: np.ndarray  # int64 [n]: each env's index among all envs: its sample of the stream (a step's ``SampleId``)
     executed: np.ndarray | None = None  # [T, n]: chunks: how many of the chunk's k actions ran before an episode end
     env_rank: int = -1  # the env rank that collected it (-1: several)
 
@@ -65,11 +66,11 @@ class Trajectory:
         rows = {k: None if getattr(first, k) is None else np.concatenate([getattr(p, k) for p in parts], axis=1)
                 for k in ROWS}
         return cls(**rows, last_obs=np.concatenate([p.last_obs for p in parts]),
-                   env_rank=first.env_rank if all(p.env_rank == first.env_rank for p in parts) else -1)
+                   ids=np.concatenate([p.ids for p in parts]), env_rank=first.env_rank if all(p.env_rank == first.env_rank for p in parts) else -1)
 
     def _map(self, rows: Callable[[Any], Any], per_env: Callable[[Any], Any]) -> Trajectory:
         """``rows`` of every ``[T, n, ...]`` array, ``per_env`` of the ``[n, ...]`` ones."""
-        return dataclasses.replace(self, last_obs=per_env(self.last_obs), **{
+        return dataclasses.replace(self, last_obs=per_env(self.last_obs), ids=per_env(self.ids), **{
             k: None if getattr(self, k) is None else rows(getattr(self, k)) for k in ROWS})
 
 
@@ -94,7 +95,9 @@ class Recorder:
         c["final_obs"].append(result.final_obs)
 
     @staticmethod
-    def merge(records: Sequence[Recorder], last_obs: Sequence[np.ndarray], env_rank: int) -> Trajectory:
-        """The batches' rows side by side along the env axis: ``[T, n_rank, ...]``."""
+    def merge(records: Sequence[Recorder], last_obs: Sequence[np.ndarray], env_rank: int, first: int) -> Trajectory:
+        """The batches' rows side by side along the env axis: ``[T, n_rank, ...]``, their envs
+        numbered from ``first``."""
         rows = {k: np.concatenate([np.stack(r.columns[k]) for r in records], axis=1) for k in records[0].columns}
-        return Trajectory(**rows, last_obs=np.concatenate(last_obs), env_rank=env_rank)
+        last = np.concatenate(last_obs)
+        return Trajectory(**rows, last_obs=last, ids=np.arange(first, first + len(last)), env_rank=env_rank)

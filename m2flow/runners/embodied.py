@@ -32,7 +32,7 @@ from m2flow.models.policies import build_policy
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.base import Runner
 from m2flow.runners.flow import Flow
-from m2flow.runners.metrics import RunLog, Staleness, component_times, trained_stats
+from m2flow.runners.metrics import Ledger, RunLog, Staleness, component_times, trained_stats
 from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.env import EnvWorker
@@ -204,7 +204,7 @@ class EmbodiedMetrics:
 
     def __init__(self, progress_total: int):
         self.progress_total = progress_total
-        self.staleness = Staleness()
+        self.staleness, self.ledger = Staleness(), Ledger()  # the ledger: each update's envs trained on
         self.env_steps = self.start_steps = 0
         self.last_return = self.last_success = math.nan
 
@@ -218,6 +218,7 @@ class EmbodiedMetrics:
 
     def row(self, update: int, report: dict[str, Any], update_s: float, time_s: float) -> dict[str, float]:
         env, rollout, actor = report["env"], report["rollout"], report["actor"]
+        self.ledger.record(update + 1, report)
         self.env_steps += sum(e.env_steps for e in env)
         episodes = [ep for e in env for ep in e.episodes]
         if episodes:

@@ -2,7 +2,7 @@
 
 ``RunLog`` writes the rows; each flow's metrics class (in the flow's own file) turns a step's
 reports (``workers.reports``) into a row, with ``trained_stats``, ``component_times`` and
-``Staleness`` from here.
+``Staleness`` from here, and checks the step's samples with a ``Ledger``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import math
 import time
+from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from m2flow.runtime.files import write_whole
 
 if TYPE_CHECKING:
-    from m2flow.workers.reports import Report, RolloutReport, TrainReport
+    from m2flow.workers.reports import Report, RolloutReport, SampleId, TrainReport
 
 
 def _number(text: str) -> float:
@@ -222,6 +224,37 @@ def component_times(components: dict[str, list[Report]], memory: bool = False) -
         if memory and ranks[0].peak_memory_mb is not None:
             row[f"{name}_peak_memory_mb"] = max(r.peak_memory_mb for r in ranks)
     return row
+
+
+class SamplesLost(RuntimeError):
+    """A step trained on a sample twice, lost one it collected, or trained on one it never collected."""
+
+
+class Ledger:
+    """Every step's samples by their ids, from its reports' ``collected``, ``dropped`` and
+    ``trained``: each flow's metrics record each step, and the same check holds in every flow,
+    that whatever was collected for a step's stream was trained on once or dropped on purpose.
+    ``trained``: step -> the ids trained on, in the trainer ranks' order (a step done again after
+    a restart from a checkpoint replaces what it trained before)."""
+
+    def __init__(self) -> None:
+        self.trained: dict[int, list[SampleId]] = {}
+
+    def record(self, step: int, report: Mapping[str, Any]) -> None:
+        """Step ``step``'s reports (component -> its ranks' reports; other entries, the weight
+        sync's, are not a component's): ``SamplesLost`` unless each sample collected was trained
+        on once or dropped, and each trained on was collected."""
+        ranks = [r for reports in report.values() if isinstance(reports, list) for r in reports]
+        collected, trained = {i for r in ranks for i in r.collected}, [i for r in ranks for i in r.trained]
+        dropped = {i for r in ranks for i in r.dropped}
+        twice = sorted(i for i, n in Counter(trained).items() if n > 1)
+        lost, stray = sorted(collected - dropped - set(trained)), sorted(set(trained) - collected)
+        problems = [f"{what} ({len(ids)}): {ids[:8]}" for what, ids in (
+            ("trained on twice", twice), ("lost: collected, neither trained on nor dropped", lost),
+            ("trained on but never collected", stray)) if ids]
+        if problems:
+            raise SamplesLost(f"step {step}'s samples: " + "; ".join(problems))
+        self.trained[step] = trained
 
 
 class Staleness:

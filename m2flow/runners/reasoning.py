@@ -39,7 +39,7 @@ from m2flow.rewards.scorer import RewardScorer
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.base import Runner
 from m2flow.runners.flow import Flow
-from m2flow.runners.metrics import Staleness, component_times, trained_stats
+from m2flow.runners.metrics import Ledger, Staleness, component_times, trained_stats
 from m2flow.runtime.errors import WorkerError
 from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.inference import InferenceWorker, holds_a_model
@@ -214,9 +214,12 @@ class ReasoningMetrics:
     def __init__(self, progress_total: int):
         self.progress_total = progress_total
         self.staleness = Staleness()
-        # step -> the prompt index of every completion trained on (a step done again after a
-        # restart from a checkpoint replaces what it trained before)
-        self.trained: dict[int, list[int]] = {}
+        self.ledger = Ledger()  # each step's completions by id: (prompt index, index in its group)
+
+    @property
+    def trained(self) -> dict[int, list[int]]:
+        """Step -> the prompt index of every completion trained on (the ledger's)."""
+        return {step: [prompt for prompt, _ in ids] for step, ids in self.ledger.trained.items()}
 
     def state_dict(self) -> dict[str, float]:
         return {}  # nothing runs on from one step to the next
@@ -247,7 +250,7 @@ class ReasoningMetrics:
         row["actor_update_busy_s"] = sum(r.update_busy_s for r in actor) / len(actor)
         row["stale_dropped"] = sum(r.stale_dropped for r in actor)
         row |= self.staleness.row(rollout, actor)
-        self.trained[i + 1] = [p for r in actor for p in r.trained_prompts]
+        self.ledger.record(i + 1, report)
         if inference.logprob_diff_max is not None:
             row["logprob_diff_max"] = inference.logprob_diff_max
         row |= {"weight_sync_s": report["sync"].weight_sync_s, "weight_mb": report["sync"].weight_mb or 0.0}

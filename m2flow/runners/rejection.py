@@ -76,7 +76,7 @@ class SelectWorker(Worker):
     def best(self, scored_in: Channel, batches_out: Channel, readers: int, key: int = 0) -> SelectReport:
         """Each group's best ``keep`` completions that reach ``min_reward``, on to the actor's
         ``readers`` ranks (each takes what it can; each gets the end marker)."""
-        clock, groups, kept = Clock(), 0, 0
+        clock, groups, kept, dropped = Clock(), 0, 0, []
         for batch in until_end(scored_in, key, clock):
             with clock.busy():
                 n, rewards = batch.extras["group_size"], batch.extras["reward"]
@@ -84,12 +84,13 @@ class SelectWorker(Worker):
                 rows = (order + n * torch.arange(len(order))[:, None]).reshape(-1)
                 rows = rows[rewards[rows] >= self.min_reward]
                 groups, kept = groups + len(order), kept + len(rows)
+                dropped += batch.sample_ids(sorted(set(range(len(rewards))) - set(rows.tolist())))  # not kept
                 if len(rows):
                     batches_out.put(batch.select(rows), key, weight=len(rows))
         for _ in range(readers):
             batches_out.put(END, key)
         batches_out.flush()
-        return SelectReport(**clock.report(), groups=groups, kept=kept)
+        return SelectReport(**clock.report(), groups=groups, kept=kept, dropped=dropped)
 
 
 class RejectionRunner(reasoning.ReasoningRunner):
@@ -120,7 +121,7 @@ class RejectionMetrics(reasoning.ReasoningMetrics):
                "kept": select.kept / completions, "weight_sync_s": report["sync"].weight_sync_s,
                "completion_length": sum(r.completion_tokens for r in rollout) / completions}
         row |= trained_stats(actor)
-        self.trained[i + 1] = [p for r in actor for p in r.trained_prompts]
+        self.ledger.record(i + 1, report)
         return row | component_times({"rollout": rollout, "reward": [reward], "select": [select], "actor": actor})
 
 

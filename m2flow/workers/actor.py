@@ -111,7 +111,8 @@ class ActorWorker(Worker):
             stats |= self._optimize(batch)
         self.version += 1
         return TrainReport(**clock.report(lock_wait=True), stats=stats, policy_lag=int(lags.max()),
-                           lags=dict(zip(lags.tolist(), counts.tolist())), version=self.version, update_end=time.time())
+                           lags=dict(zip(lags.tolist(), counts.tolist())), version=self.version, update_end=time.time(),
+                           trained=[i for p in parts for i in p.ids.tolist()])
 
     def _advantages(self, d: Trajectory) -> tuple[dict[str, torch.Tensor], dict]:
         """PPO: values and GAE of the trajectory (its arrays torch tensors), flattened to the update's samples."""

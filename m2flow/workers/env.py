@@ -108,12 +108,13 @@ class EnvWorker(PolicyHost):
         self.inference = RolloutReport(**inference.report(lock_wait=True),
                                        weight_loads=self.take_loads() if self.replica else [])
         # GRPO: last_obs is then the next window's first observation, which it never reads.
-        trajectory = Recorder.merge(records, self.obs, self.rank)
+        trajectory = Recorder.merge(records, self.obs, self.rank, self.rank * self.layout.envs_per_rank)
         if self.grpo:  # a window that stopped early: every env rank sends the same shape
             trajectory = trajectory.padded(steps)
         faults = sum(b.faults for b in self.batches)
         self.faults_reported, faults = faults, faults - self.faults_reported
-        return EnvReport(**clock.report(), episodes=episodes, env_steps=executed, env_faults=faults), trajectory
+        return EnvReport(**clock.report(), episodes=episodes, env_steps=executed, env_faults=faults,
+                         collected=trajectory.ids.tolist()), trajectory
 
     def _next_window(self) -> list[tuple[float, int, bool | None]]:
         """GRPO: cuts the episodes still running (their partial returns are reported as

@@ -152,7 +152,7 @@ class LMActorWorker(Worker):
         tokens = seqs = forwarded = policy_lag = inert_rows = stale_dropped = 0
         loss_sum = 0.0  # streamed: the parts' summed losses, divided by the step's count at the end
         token_lags: dict[int, int] = {}  # versions behind -> completion tokens trained on
-        trained: list[int] = []  # the prompt index of every completion trained on (ids, for checks)
+        trained, dropped = [], []  # the ids of the completions trained on, and of those dropped as too old
         # A rank whose devices another component holds (hybrid: the rank beside the rollout)
         # takes a batch only once they are free: meanwhile the batches go to ranks that can
         # train on them at once, instead of one waiting here for the whole generation.
@@ -170,9 +170,10 @@ class LMActorWorker(Worker):
                                    f"newer than its own {self.version}")
             if lag > self.max_lag:  # older than the algorithm allows: dropped, counted, never trained on
                 stale_dropped += len(batch)
+                dropped += batch.sample_ids()
                 continue
             _count_lags(token_lags, batch, self.version)
-            trained += batch.extras["prompt_index"]
+            trained += batch.sample_ids()
             policy_lag = max(policy_lag, lag)
             if not self.streaming:
                 batches.append(batch)
@@ -211,7 +212,7 @@ class LMActorWorker(Worker):
                              stats={k: v for k, v in result.items() if k not in TRAINER_COUNTS},
                              forwarded_tokens=forwarded, optimizer_steps=result["optimizer_steps"],
                              inert_rows=result.get("inert_rows", 0), policy_lag=policy_lag, stale_dropped=stale_dropped,
-                             lags=token_lags, update_end=time.time(), trained_prompts=trained)
+                             lags=token_lags, update_end=time.time(), trained=trained, dropped=dropped)
 
     def _finish_streamed(self, stats: Accumulated, tokens: int, seqs: int, loss_sum: float) -> dict:
         """The step's optimizer step; ``loss``, as ``LMTrainer.train_step`` reports it, is this

@@ -191,6 +191,7 @@ class LMRolloutWorker(WeightReceiver):
         report.completions += len(completions)
         report.completion_tokens += sum(len(c.token_ids) for c in completions)
         report.truncated += sum(c.finish_reason == "length" for c in completions)
+        report.collected += [(group[0]["index"], c.sample_index) for c in completions]
         stream["pending"].append(group)
         if len(stream["pending"]) == granularity:
             self._put(stream, key, samples_out)
@@ -256,6 +257,7 @@ class LMRolloutWorker(WeightReceiver):
             sampled[i, start:start + len(c.token_ids)] = c.logprobs
             versions[i, start:start + len(c.token_ids)] = torch.tensor(c.versions or [self.version] * len(c.token_ids))
         batch.old_logprobs, batch.versions = sampled, versions
+        batch.ids = torch.tensor([(p["index"], c.sample_index) for p, c in rows], dtype=torch.long)
         oldest = int(versions[batch.completion_mask.bool()].min()) if batch.completion_mask.any() else self.version
         batch.extras = {"prompt_index": [p["index"] for p, _ in rows], "answer": [p["answer"] for p, _ in rows],
                         "text": [c.text for _, c in rows], "finish_reason": [c.finish_reason for _, c in rows],

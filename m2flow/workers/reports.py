@@ -4,22 +4,35 @@ metrics row (``runners/metrics.py`` has what the flows share); reports cross pro
 boundaries pickled by Ray, so they hold numbers, strings, lists and tuples (a trainer's
 statistics: a table of name -> number).
 
-Every report says where the call's time went (``Report``: a ``runtime.Clock``'s seconds).
+Every report says where the call's time went (``Report``: a ``runtime.Clock``'s seconds), and
+which samples of the step's stream it made, dropped on purpose or trained on, by their ids: the
+runner's ``Ledger`` (``runners/metrics.py``) checks with them, the same way in every flow, that
+nothing collected is lost and nothing trained twice.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Union
+
+# A sample's id, unique within a step's stream: embodied, an env's index (its trajectory in the
+# stream, ``envs.trajectory.Trajectory.ids``); reasoning, (a prompt's index, a completion's index in
+# its group) (``engines.batch.SequenceBatch.ids``)
+SampleId = Union[int, tuple[int, int]]
 
 
 @dataclass(kw_only=True)
 class Report:
-    """Where a call's time went (``runtime.Clock``) and, where it measures it, its memory."""
+    """Where a call's time went (``runtime.Clock``), where it measures it its memory, and the
+    samples it made, dropped or trained on."""
 
     busy_s: float = 0.0  # working: stepping envs, inferring, generating, scoring, training
     idle_s: float = 0.0  # waiting: for input, for weights, for a device turn
     lock_wait_s: float = 0.0  # of idle_s, the wait for a device turn (0 where the call does not tell it apart)
     peak_memory_mb: float | None = None  # the process's peak (CUDA max allocated, else peak RSS); None: not measured
+    collected: list[SampleId] = field(default_factory=list)  # the samples it made for the stream (env, rollout)
+    dropped: list[SampleId] = field(default_factory=list)  # those it left out on purpose (reward, select, actor)
+    trained: list[SampleId] = field(default_factory=list)  # those it trained on (the trainer)
 
 
 # -- embodied ------------------------------------------------------------------------------
@@ -66,7 +79,6 @@ class LMTrainReport(TrainReport):
     inert_rows: int = 0  # rows taken but not forwarded: their loss and gradient are exactly zero
     stale_dropped: int = 0  # rows dropped untrained: older than runner.max_staleness allows
     update_busy_s: float = 0.0  # of busy_s, the update apart from the streamed batches' forward and backward
-    trained_prompts: list[int] = field(default_factory=list)  # the prompt index of every completion trained on
 
 
 @dataclass(kw_only=True)
@@ -78,14 +90,6 @@ class WeightSync:
     weight_mb: float | None = None  # megabytes sent (the LM actor's); None: not counted
     weight_buckets: int | None = None  # the buckets they went in (the LM actor's)
     weight_transport: str | None = None  # how the last bucket travelled (runtime.comm's transport name)
-
-    # The run's loop notes the first step's sync by ``"weight_mb" in sync`` and ``sync[...]``
-    # (runners/loop.py): these two answer it until it reads the attributes.
-    def __contains__(self, name: str) -> bool:
-        return getattr(self, name, None) is not None
-
-    def __getitem__(self, name: str) -> float | int | str | None:
-        return getattr(self, name)
 
 
 # -- reasoning -----------------------------------------------------------------------------

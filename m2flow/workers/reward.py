@@ -32,6 +32,7 @@ class RewardWorker(Worker):
         """Scores the step's ``num_groups`` groups (channel key ``key``), then sends the end marker."""
         clock = Clock()
         seen = kept = timed_out = 0
+        dropped = []  # the ids of the completions of the groups dynamic sampling drops
         rewards_all, parts_all = [], {}
         while seen < num_groups:
             with clock.idle():
@@ -53,8 +54,9 @@ class RewardWorker(Worker):
                     n = batch.extras["group_size"]
                     keep = dynamic_sampling_keep(rewards, n)
                     groups = int(keep.sum())
-                    rows = torch.arange(len(batch)).view(-1, n)[keep].reshape(-1)
-                    batch = batch.select(rows) if groups else None
+                    rows = torch.arange(len(batch)).view(-1, n)
+                    dropped += batch.sample_ids(rows[~keep].reshape(-1))
+                    batch = batch.select(rows[keep].reshape(-1)) if groups else None
                 else:
                     groups = batch.extras["groups"]
                 if batch is not None:
@@ -65,8 +67,9 @@ class RewardWorker(Worker):
         scored_out.flush()
         rewards = np.concatenate(rewards_all)
         return RewardReport(**clock.report(), reward=float(rewards.mean()), reward_std=float(rewards.std()),
-                            groups_kept=kept, groups=seen, reward_timeouts=timed_out,
-                            parts={f"reward_{_short(k)}": float(np.concatenate(v).mean()) for k, v in parts_all.items()})
+                            groups_kept=kept, groups=seen, reward_timeouts=timed_out, dropped=dropped,
+                            parts={f"reward_{_short(k)}": float(np.concatenate(v).mean())
+                                   for k, v in parts_all.items()})
 
     def score_texts(self, texts: list[str], answers: list[str]) -> dict:
         """Mean scores of finished texts (evaluation)."""
