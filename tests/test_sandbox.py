@@ -104,6 +104,20 @@ def test_writes_outside_the_working_directory_fail(sandbox):
     assert not list(Path("/tmp").glob("m2flow-python-*/inside.txt"))
 
 
+def test_the_program_cannot_remount_anything_writable(sandbox):
+    """Not in the sandbox's namespaces (it has no capability there), nor in a user and mount
+    namespace of its own (the read-only mounts it inherits are locked)."""
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "def remount():\n    if libc.mount(None, b'/', None, 32 | 4096, None) == 0:  # MS_REMOUNT | MS_BIND\n"
+            "        return 'remounted'\n    return os.strerror(ctypes.get_errno())\n"
+            "print(remount())\nprint('own namespaces', libc.unshare(0x10000000 | 0x20000) == 0)\nprint(remount())\n"
+            "try:\n    open('/tmp/m2flow-remount-escape', 'w')\nexcept OSError as e:\n    print(e.strerror)\n")
+    text, kind, _ = run(sandbox, code)
+    assert kind is None and text.splitlines() == ["Operation not permitted", "own namespaces True",
+                                                  "Operation not permitted", "Read-only file system"], text
+    assert not Path("/tmp/m2flow-remount-escape").exists()
+
+
 def test_a_fork_bomb_is_contained(sandbox):
     counted = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n"
                "            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('forks', n, e.strerror)\n")
