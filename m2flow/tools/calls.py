@@ -102,12 +102,13 @@ def render_hermes(results: Sequence[ToolResult]) -> str:
 def render_results(results: Sequence[ToolResult], tokenizer: Any = None) -> str:
     """The text that follows a turn that made calls: the results, then the prompt of the
     model's next turn. The tokenizer's chat template renders them when it renders ``tool``
-    messages (the text it adds for them after an assistant turn); otherwise, or without a
-    tokenizer, the hermes form."""
+    messages (the text it adds for them after an assistant turn that made the calls);
+    otherwise, or without a tokenizer, the hermes form."""
     template = getattr(tokenizer, "chat_template", None)
     if not results or not template:
         return render_hermes(results)
-    before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+    asked = [{"id": r.call_id, "type": "function", "function": {"name": r.name, "arguments": {}}} for r in results]
+    before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!", "tool_calls": asked}]
     try:
         head = tokenizer.apply_chat_template(before, tokenize=False)
         full = tokenizer.apply_chat_template(before + tool_messages(results), tokenize=False,
