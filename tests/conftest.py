@@ -33,23 +33,9 @@ for _name, _var in (("home", "HOME"), ("cache", "M2FLOW_CACHE_DIR"), ("xdg-cache
 os.chdir(WORK)
 CHECKOUT_AT_START = checkout_state()
 
-def cluster_importing_tests(tmp_path_factory):
-    """A module's own local Ray (2 CPUs, two CPU slots) whose processes import from the tests
-    folder (``fault_envs``, ``pixel_env``), as they would a user's env module: it goes on their
-    Python path, and on the driver's (which makes one env too, to read its spaces)."""
-    from m2flow.runtime.cluster import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    tests = str(Path(__file__).resolve().parent)
-    patch = pytest.MonkeyPatch()
-    patch.syspath_prepend(tests)
-    with pytest.MonkeyPatch.context() as env:  # Ray's processes inherit it when it starts
-        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
-        c = Cluster(num_cpus=2, cpu_slots=2, run_dir=tmp_path_factory.mktemp("run"))
-    yield c
-    c.shutdown()
-    patch.undo()
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:  # the driver imports the tests folder's env modules too (to read an env's spaces)
+    sys.path.insert(0, TESTS)
 
 
 # Worker classes defined in test modules travel to Ray workers by value: the workers
@@ -118,7 +104,9 @@ def cluster(request, tmp_path_factory):
     (starting and stopping one takes 5-10 s here): it is stopped after a module when the next
     module asks for it in none of its tests, or when any test of the module failed, so that
     what a failed test left running reaches no other module. (The tests of such a module that
-    do not ask for it may run beside it: none of them starts a Ray of its own.)"""
+    do not ask for it may run beside it: none of them starts a Ray of its own.) Its processes
+    import from the tests folder (``fault_envs``, ``pixel_env``) as they would a user's env
+    module: the folder is on their Python path."""
     from m2flow.runtime.cluster import Cluster
 
     module = sys.modules[request.module.__name__]
@@ -129,7 +117,9 @@ def cluster(request, tmp_path_factory):
             _shared["cluster"].shutdown()  # its Ray was replaced: its shared-memory leftovers go
         if ray.is_initialized():
             ray.shutdown()
-        _shared["cluster"] = Cluster(num_cpus=2, cpu_slots=4, run_dir=tmp_path_factory.mktemp("run"))
+        with pytest.MonkeyPatch.context() as env:  # Ray's processes inherit it when it starts
+            env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+            _shared["cluster"] = Cluster(num_cpus=2, cpu_slots=4, run_dir=tmp_path_factory.mktemp("run"))
     failed = request.session.testsfailed
     yield _shared["cluster"]
     if request.session.testsfailed > failed or not _next_module_wants("cluster"):

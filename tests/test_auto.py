@@ -76,9 +76,10 @@ def test_auto_profiles_plans_and_runs(tmp_path, capsys, preset, overrides):
     replan = auto.replanner(cfg)
     assert replan(2).to_dict() == chosen.to_dict()
     replan(1).check(run_workflow(cfg), 1)
-    # A second run of the same preset on the same hardware reuses the profile, whatever its length.
+    # A second run of the same preset on the same hardware reuses the profile, whatever its length
+    # (planned as ``run`` plans it, with no cluster: a profile to make would start one).
     short = "runner.total_env_steps=512" if preset.startswith("embodied") else "runner.steps=1"
-    run(load_config(preset, [*common, short, f"runner.out_dir={tmp_path / 'b'}"]))
+    auto.auto_plan(load_config(preset, [*common, short, f"runner.out_dir={tmp_path / 'b'}"]))
     assert "profile: reusing" in lines_of(capsys)
     assert json.loads(profile.read_text())["profiling_s"] == prof["profiling_s"]
 

@@ -8,7 +8,6 @@ import shutil
 import signal
 
 import pytest
-import ray
 
 from m2flow.config import ConfigError, load_config
 from m2flow.runners import checkpoint as checkpoints
@@ -16,17 +15,10 @@ from m2flow.runners import status
 from m2flow.runners.checkpointer import Checkpointer
 from m2flow.runners.status import RunFailed
 from m2flow.runners.embodied import EmbodiedRunner
-from m2flow.runtime import Cluster
 from m2flow.runtime.stop import RunStopped
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(num_cpus=2, cpu_slots=3)  # three devices: disaggregated needs one per component
-    yield c
-    c.shutdown()
+# On the shared cluster (conftest.py): 4 devices, disaggregated needs one per component.
 
 
 def train_cartpole(cluster, pool, overrides):

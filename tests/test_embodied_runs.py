@@ -17,22 +17,17 @@ from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.status import RunFailed
 from m2flow.runtime.watchdog import RunHung
 
-from conftest import cluster_importing_tests
-
-PIXEL_TASK = "pixel_env:BrightSide-v0"  # tests/pixel_env.py
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Two CPU slots. The env workers import pixel_env by name, as they would a user's env
-    module."""
-    yield from cluster_importing_tests(tmp_path_factory)
+PIXEL_TASK = "pixel_env:BrightSide-v0"  # tests/pixel_env.py; the env workers of the shared cluster
+# (conftest.py) import it by name, as they would a user's env module
+# Collocated on two of the shared cluster's four slots, as on a machine of two.
+TWO_SLOTS = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
+             "placement.components.actor=0-1"]
 
 
 def train(cluster, pool, preset, overrides, out_dir):
-    """Runs ``preset`` with ``overrides`` to its end; returns its history and actor rank 0's
-    state (policy weights) before and after."""
-    cfg = load_config(preset, [*overrides, "runner.progress=false", f"runner.out_dir={out_dir}"])
+    """Runs ``preset`` with ``overrides`` (collocated on two slots) to its end; returns its
+    history and actor rank 0's state (policy weights) before and after."""
+    cfg = load_config(preset, [*TWO_SLOTS, *overrides, "runner.progress=false", f"runner.out_dir={out_dir}"])
     runner = EmbodiedRunner(cfg, cluster, pool)
     try:
         (before,) = runner.groups["actor"].call("state", ranks=[0]).wait()
@@ -108,7 +103,7 @@ def test_a_run_whose_simulator_hangs_stops_with_a_report(cluster, tmp_path):
     and where they are stuck, and the run's close still works (the processes were killed)."""
     overrides = ["env.id=fault_envs:Stall-v0", "env.num_envs=4", "env.kwargs.stall_after=40", "runner.rollout_steps=32",
                  "runner.total_env_steps=256", "algorithm.minibatch_size=32", "runner.hang_timeout_s=5",
-                 "placement.mode=collocated", "runner.progress=false", f"runner.out_dir={tmp_path}"]
+                 *TWO_SLOTS, "runner.progress=false", f"runner.out_dir={tmp_path}"]
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
     start = time.monotonic()
     try:
@@ -133,7 +128,7 @@ def test_deaths_in_a_row_end_the_run_in_a_paragraph(cluster, tmp_path):
     second ends the run in one paragraph (deaths with checkpoints between go on:
     tests/test_restarts.py)."""
     overrides = ["env.id=fault_envs:Crash-v0", "env.kwargs.crash_at=20", "env.num_envs=4", "runner.rollout_steps=32",
-                 "algorithm.minibatch_size=32", "placement.mode=collocated", "runner.total_env_steps=1024",
+                 "algorithm.minibatch_size=32", *TWO_SLOTS, "runner.total_env_steps=1024",
                  "runner.checkpoint_every=1", "runner.max_restarts=1", "runner.progress=false",
                  f"runner.out_dir={tmp_path}"]  # 8 updates
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
@@ -164,7 +159,7 @@ def test_a_stall_far_longer_than_any_before_is_told_and_the_run_goes_on(cluster,
     monkeypatch.setattr(watchdog, "STALL_FLOOR_S", 1.5)
     overrides = ["env.id=fault_envs:Stall-v0", "env.num_envs=4", "env.kwargs.stall_after=100",
                  "env.kwargs.stall_s=2", "runner.rollout_steps=32", "runner.total_env_steps=768",
-                 "algorithm.minibatch_size=32", "runner.stall_warning=2", "placement.mode=collocated",
+                 "algorithm.minibatch_size=32", "runner.stall_warning=2", *TWO_SLOTS,
                  "runner.progress=false", f"runner.out_dir={tmp_path}"]  # 6 updates; two envs an env worker
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
     warnings, ended = [], threading.Event()

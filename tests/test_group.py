@@ -262,7 +262,7 @@ def test_a_worker_killed_by_rays_memory_monitor_is_a_death_told_in_a_line(tmp_pa
     assert "Object store memory usage" in ended["traceback"]
 
 
-def test_a_death_behind_another_ranks_error_is_raised_as_the_cause(cluster):
+def test_a_death_behind_another_ranks_error_is_raised_as_the_cause(cluster, group):
     # A collective whose peer was killed fails on the living rank a moment before Ray notices
     # the death: the run must see the death (and restart), not the living rank's error.
     from m2flow.runtime.group import wait
@@ -274,7 +274,8 @@ def test_a_death_behind_another_ranks_error_is_raised_as_the_cause(cluster):
     assert err.value.rank == 1 and err.value.method == "fail_then"
     g.kill()
     # the same across calls waited on together: the error in one, the death in another group's
-    g, other = WorkerGroup(Echo, two), WorkerGroup(Echo, Placement.from_config({"other": "0"}, cluster)["other"])
+    # (the module's two ranks raise and return, none dies: they serve as the group that fails)
+    g, other = group, WorkerGroup(Echo, Placement.from_config({"other": "0"}, cluster)["other"])
     pid = other.pids()[0]
     failing, sleeping = g.call("fail_then", 0.0, False, ranks=[0]), other.sleep(600)
     threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
@@ -286,7 +287,6 @@ def test_a_death_behind_another_ranks_error_is_raised_as_the_cause(cluster):
     with pytest.raises(WorkerError, match="ConnectionResetError: its peer is gone") as err:
         g.fail_then(1.0, die=False).wait()
     assert not isinstance(err.value, WorkerDiedError) and err.value.rank == 0
-    g.kill()
 
 
 def test_a_pool_reuses_processes_re_pins_them_and_drops_their_state(cluster):

@@ -82,10 +82,11 @@ class _FlakyHead:
         pass
 
 
-def test_a_head_that_answers_again_leaves_a_checkpoint_and_the_run_goes_on(cluster, tmp_path, monkeypatch):
+def test_a_head_that_answers_again_leaves_a_checkpoint_and_the_run_goes_on(cluster, pool, tmp_path, monkeypatch):
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", [
         "placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
-        "placement.components.actor=0-1", "runner.total_env_steps=1536", f"runner.out_dir={tmp_path}", "runner.progress=false"]), cluster)
+        "placement.components.actor=0-1", "runner.total_env_steps=1536", f"runner.out_dir={tmp_path}", "runner.progress=false"]),
+        cluster, pool)
     monkeypatch.setattr(cluster, "head", _FlakyHead(runner, at=2))
     try:
         history = runner.train()
@@ -98,12 +99,12 @@ def test_a_head_that_answers_again_leaves_a_checkpoint_and_the_run_goes_on(clust
     assert status.read(tmp_path)["state"] == "finished"
 
 
-def test_a_head_that_stays_lost_ends_the_run_after_the_update_in_progress_with_a_checkpoint(cluster, tmp_path,
+def test_a_head_that_stays_lost_ends_the_run_after_the_update_in_progress_with_a_checkpoint(cluster, pool, tmp_path,
                                                                                              monkeypatch):
     runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", [
         "placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
         "placement.components.actor=0-1", "runner.total_env_steps=1536", f"runner.out_dir={tmp_path}",
-        "runner.progress=false"]), cluster)
+        "runner.progress=false"]), cluster, pool)
     monkeypatch.setattr(cluster, "head", _FlakyHead(runner, at=2, stays_lost=True))
     try:
         with pytest.raises(RunFailed) as failed:

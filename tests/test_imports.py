@@ -34,13 +34,16 @@ def _run(code: str, *args: str, cwd: Path = ROOT, timeout: float = 120) -> subpr
 # -- each module alone, in a fresh interpreter ------------------------------------------
 MISSING_DEPENDENCY = 3
 # One interpreter loads the third-party packages the modules import (torch alone takes a
-# second or more), then forks a child per module, two at a time: each child imports its
-# module with no module of the package loaded before it, so an import that works only after
-# another module of the package fails there as it would in a fresh interpreter.
+# second or more; transformers' model classes, which the LM modules reach through
+# m2flow.models.lm, about three), then forks a child per module, two at a time: each child imports
+# its module with no module of the package loaded before it, so an import that works only
+# after another module of the package fails there as it would in a fresh interpreter.
+PRELOAD = ("numpy", "torch", "omegaconf", "yaml", "rich.console", "gymnasium", "ray", "transformers",
+           "transformers.modeling_utils", "transformers.models.auto")
 _IMPORT_EACH = textwrap.dedent(f"""
     import importlib, json, os, sys, tempfile, traceback
-    package, names = sys.argv[1], sys.argv[2:]
-    for preload in ("numpy", "torch", "omegaconf", "yaml", "rich.console", "gymnasium", "ray"):
+    package, preloads, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+    for preload in filter(None, preloads.split(",")):
         try:
             importlib.import_module(preload)
         except ImportError:
@@ -82,9 +85,10 @@ _IMPORT_EACH = textwrap.dedent(f"""
 """)
 
 
-def import_each_alone(package: str, names: list[str], cwd: Path) -> dict[str, tuple[int, str]]:
-    """``{module: (exit code, its output)}`` for every module of ``names`` imported alone."""
-    done = _run(_IMPORT_EACH, package, *names, cwd=cwd, timeout=600)
+def import_each_alone(package: str, names: list[str], cwd: Path, preload=PRELOAD) -> dict[str, tuple[int, str]]:
+    """``{module: (exit code, its output)}`` for every module of ``names`` imported alone, after
+    the third-party packages ``preload``."""
+    done = _run(_IMPORT_EACH, package, ",".join(preload), *names, cwd=cwd, timeout=600)
     assert done.returncode == 0, done.stderr
     return {name: tuple(result) for name, result in json.loads(done.stdout.splitlines()[-1]).items()}
 
@@ -110,7 +114,7 @@ def test_import_alone_fails_a_module_that_needs_another_imported_first(tmp_path)
     (tmp_path / "pkg/a.py").write_text("X = 1\n")
     (tmp_path / "pkg/b.py").write_text("import pkg\n\nY = pkg.a.X\n")
     (tmp_path / "pkg/c.py").write_text("import no_such_package_anywhere\n")
-    found = import_each_alone("pkg", ["pkg.a", "pkg.b", "pkg.c", "pkg"], tmp_path)
+    found = import_each_alone("pkg", ["pkg.a", "pkg.b", "pkg.c", "pkg"], tmp_path, preload=("numpy",))  # it needs no torch
     assert found["pkg.a"] == (0, "") and found["pkg"] == (0, "")
     assert found["pkg.b"][0] == 1 and "has no attribute 'a'" in found["pkg.b"][1]
     assert found["pkg.c"] == (MISSING_DEPENDENCY, "no_such_package_anywhere\n")

@@ -35,13 +35,13 @@ def _outside(listening) -> list:
     return [s for s in listening if not ipaddress.ip_address(s[2].removeprefix("::ffff:")).is_loopback]
 
 
-def test_a_run_on_one_node_listens_on_the_loopback_address_only(cluster, tmp_path):
+def test_a_run_on_one_node_listens_on_the_loopback_address_only(cluster, pool, tmp_path):
     """Two actor ranks (a gloo group: its rendezvous store on rank 0, gloo's listeners on
     both) and two env ranks, read while the run starts, trains and ends its updates."""
     overrides = ["placement.mode=custom", "placement.components.env=0-1", "placement.components.rollout=0-1",
                  "placement.components.actor=0-1", "runner.total_env_steps=1024", "env.kwargs.max_episode_steps=20",
                  "runner.progress=false", f"runner.out_dir={tmp_path}"]  # 4 updates
-    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster, pool)  # its processes may be older
     seen, done = set(_listening()), threading.Event()
 
     def watch():

@@ -368,68 +368,82 @@ def copy_of(state: dict) -> dict:
     return torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
 
 
-def _dp_worker(rank: int, world: int, port: int, out_dir: str, shard: bool) -> None:
+def _dp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Both forms, replicated then sharded, in one pair of processes (starting a pair takes
+    seconds on 2 cores): each writes ``rank{rank}-{form}.pt``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        batch = random_batch(8, seed=5)
-        results = {}
-
-        def trainer() -> LMTrainer:
-            return LMTrainer(load_lm("tiny-llama")[0], lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16, shard=shard)
-
-        def weights(t: LMTrainer) -> dict[str, torch.Tensor]:
-            return {name: w.detach().cpu().clone() for name, w in t.named_weights()}
-
-        # Even shares: 4 rows each, 2 mini-batches x 2 epochs; the rows' lengths differ, so
-        # the ranks run different numbers of micro-batches.
-        even = trainer()
-        assert even.sharded == shard
-        stats = even.train_step(batch.select(range(4 * rank, 4 * rank + 4)), token_mean_nll, mini_batches=2, epochs=2)
-        results["even"] = (weights(even), even.weights_hash(), stats)
-        # Uneven shares: rank 0 holds 1 row, rank 1 three, in 2 mini-batches: rank 0's
-        # second mini-batch is empty, yet it takes part in both steps.
-        uneven = trainer()
-        rows = [0] if rank == 0 else [1, 2, 3]
-        stats = uneven.train_step(batch.select(rows), token_mean_nll, mini_batches=2)
-        results["uneven"] = (weights(uneven), uneven.weights_hash(), stats)
-        if shard:
-            # The other form's state (a run resumed on another placement): rank 0's full state
-            # goes to the test's single process; a replicated trainer's loads into a sharded one
-            # and trains on as the replicated one does.
-            results["full"] = even.state_dict()
-            replicated = LMTrainer(load_lm("tiny-llama")[0], lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16)
-            replicated.train_step(batch.select([0, 1, 2, 3]), token_mean_nll)
-            converted = trainer()
-            converted.load_state_dict(copy_of(replicated.state_dict()))  # not the live tensors
-            for t in (replicated, converted):
-                t.train_step(batch.select([rank, rank + 4]), token_mean_nll)
-            results["converted"] = (weights(replicated), weights(converted), converted.step)
-        # A saved state loaded into a fresh trainer continues the same (sharded: rank 0's, broadcast),
-        # also one saved before any step (no optimizer state yet), and saving changes nothing.
-        resumed, fresh, untouched = [], trainer(), trainer()
-        untouched.train_step(batch.select([rank, rank + 4]), token_mean_nll)
-        results["untouched"] = untouched.weights_hash()
-        for original in (even, fresh):
-            copy = trainer()
-            copy.load_state_dict(copy_of(original.state_dict()))
-            for t in (original, copy):
-                t.train_step(batch.select([rank, rank + 4]), token_mean_nll)
-            resumed.append((original.weights_hash(), copy.weights_hash()))
-        results["resumed"] = resumed
-        torch.save(results, f"{out_dir}/rank{rank}.pt")
+        for shard in (False, True):
+            _dp_train(rank, out_dir, shard)
     finally:
         dist.destroy_process_group()
 
 
+def _dp_train(rank: int, out_dir: str, shard: bool) -> None:
+    batch = random_batch(8, seed=5)
+    results = {}
+
+    def trainer() -> LMTrainer:
+        return LMTrainer(load_lm("tiny-llama")[0], lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16, shard=shard)
+
+    def weights(t: LMTrainer) -> dict[str, torch.Tensor]:
+        return {name: w.detach().cpu().clone() for name, w in t.named_weights()}
+
+    # Even shares: 4 rows each, 2 mini-batches x 2 epochs; the rows' lengths differ, so
+    # the ranks run different numbers of micro-batches.
+    even = trainer()
+    assert even.sharded == shard
+    stats = even.train_step(batch.select(range(4 * rank, 4 * rank + 4)), token_mean_nll, mini_batches=2, epochs=2)
+    results["even"] = (weights(even), even.weights_hash(), stats)
+    # Uneven shares: rank 0 holds 1 row, rank 1 three, in 2 mini-batches: rank 0's
+    # second mini-batch is empty, yet it takes part in both steps.
+    uneven = trainer()
+    rows = [0] if rank == 0 else [1, 2, 3]
+    stats = uneven.train_step(batch.select(rows), token_mean_nll, mini_batches=2)
+    results["uneven"] = (weights(uneven), uneven.weights_hash(), stats)
+    if shard:
+        # The other form's state (a run resumed on another placement): rank 0's full state
+        # goes to the test's single process; a replicated trainer's loads into a sharded one
+        # and trains on as the replicated one does.
+        results["full"] = even.state_dict()
+        replicated = LMTrainer(load_lm("tiny-llama")[0], lr=1e-3, eps=1e-5, max_tokens_per_micro_batch=16)
+        replicated.train_step(batch.select([0, 1, 2, 3]), token_mean_nll)
+        converted = trainer()
+        converted.load_state_dict(copy_of(replicated.state_dict()))  # not the live tensors
+        for t in (replicated, converted):
+            t.train_step(batch.select([rank, rank + 4]), token_mean_nll)
+        results["converted"] = (weights(replicated), weights(converted), converted.step)
+    # A saved state loaded into a fresh trainer continues the same (sharded: rank 0's, broadcast),
+    # also one saved before any step (no optimizer state yet), and saving changes nothing.
+    resumed, fresh, untouched = [], trainer(), trainer()
+    untouched.train_step(batch.select([rank, rank + 4]), token_mean_nll)
+    results["untouched"] = untouched.weights_hash()
+    for original in (even, fresh):
+        copy = trainer()
+        copy.load_state_dict(copy_of(original.state_dict()))
+        for t in (original, copy):
+            t.train_step(batch.select([rank, rank + 4]), token_mean_nll)
+        resumed.append((original.weights_hash(), copy.weights_hash()))
+    results["resumed"] = resumed
+    torch.save(results, f"{out_dir}/rank{rank}-{'fsdp' if shard else 'replicated'}.pt")
+
+
+@pytest.fixture(scope="module")
+def data_parallel(tmp_path_factory):
+    """The two gloo ranks' results, replicated and sharded: ``{form: {rank: results}}``."""
+    out = tmp_path_factory.mktemp("data-parallel")
+    mp.spawn(_dp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return {form: {r: torch.load(out / f"rank{r}-{form}.pt") for r in (0, 1)} for form in ("replicated", "fsdp")}
+
+
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "fsdp"])
-def test_data_parallel_matches_one_process(tmp_path, shard):
+def test_data_parallel_matches_one_process(data_parallel, shard):
     """Two gloo ranks, each on its own rows, end with identical weights, equal to one process
     training on all rows, whether each rank holds all weights or a shard of them (FSDP). The
     callback normalises by the *global* completion-token count (LossScale.tokens) times
     world_size, because gradients are averaged over ranks."""
-    mp.spawn(_dp_worker, args=(2, _free_port(), str(tmp_path), shard), nprocs=2, join=True)
-    ranks = {r: torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)}
+    ranks = data_parallel["fsdp" if shard else "replicated"]
     batch = random_batch(8, seed=5)
 
     # One process: the same global mini-batches (rank 0's k-th share + rank 1's k-th share).

@@ -2,8 +2,8 @@
 that crashes in its constructor) is started again, with every group, within the run's restart
 budget (``runner.max_restarts``), as one that dies mid-run (tests/test_restarts.py); an
 exception a worker raises while it starts ends the run at once. The env workers import
-``fault_envs`` by name, as they would a user's env module: the tests folder goes on the Python
-path of Ray's worker processes."""
+``fault_envs`` by name, as they would a user's env module: the tests folder is on the Python
+path of the shared cluster's processes (conftest.py)."""
 
 import re
 
@@ -14,14 +14,6 @@ from m2flow.runners import status
 from m2flow.runners.embodied import EmbodiedRunner
 from m2flow.runners.status import RunFailed
 from m2flow.runtime.errors import WorkerDiedError, WorkerError
-
-from conftest import cluster_importing_tests
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Two CPU slots, the tests folder on the Python path of Ray's processes (fault_envs)."""
-    yield from cluster_importing_tests(tmp_path_factory)
 
 
 def _start_overrides(tmp_path, *more):
