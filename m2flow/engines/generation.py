@@ -17,9 +17,10 @@ class SamplingParams:
     temperature: float = 1.0     # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0               # 0 = off
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64     # per turn, where a call takes turns (``turn_ended``)
     stop: tuple[str, ...] = ()   # stop strings (besides EOS)
     seed: int | None = None      # None: drawn from torch's global RNG, so torch.manual_seed governs it
+    max_total_tokens: int | None = None  # prompt and every turn together (None: the model's context)
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # a bare string would be read as a tuple of characters
@@ -32,6 +33,8 @@ class SamplingParams:
                   (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
                   (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
                   (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+                  (self.max_total_tokens is None or self.max_total_tokens >= 2,
+                   f"max_total_tokens must be >= 2, got {self.max_total_tokens}"),
                   (all(isinstance(s, str) and s for s in self.stop),
                    f"stop strings must be non-empty strings, got {self.stop}")]
         for ok, message in checks:
@@ -52,7 +55,31 @@ class Completion:
                                # T = temperature (1 when greedy), of the full distribution before top-k/top-p
     finish_reason: str         # "stop" (EOS or stop string) | "length"
     text: str                  # decoded token_ids, special tokens skipped; a stop string stays in it
-    versions: list[int] | None = None  # the engine's weights version that sampled each token
+    versions: list[int] | None = None  # the engine's weights version that sampled each token (-1: not sampled)
+    mask: list[bool] | None = None     # per token, whether the model sampled it (False: a tool's result
+                                       # or a turn's separator); None: every token sampled
+    turns: int = 1                     # the model's turns in it
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """A sequence's turn is over (EOS, a stop string or the turn's token budget): what the
+    ``turn_ended`` hook of a call that takes turns is told. ``token_ids`` are all the tokens
+    after the prompt so far (earlier turns and what was appended to them included), the turn's
+    own from ``turn_start``; ``room``: the tokens the sequence may still grow by."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    turn_start: int
+    finish_reason: str  # of the turn: "stop" or "length"
+    turns: int          # the model's turns so far, this one included
+    room: int
+
+    @property
+    def turn_ids(self) -> list[int]:
+        return self.token_ids[self.turn_start:]
 
 
 class GenerationEngine(ABC):
@@ -60,16 +87,26 @@ class GenerationEngine(ABC):
     One ``generate`` call runs at a time per engine.
 
     ``takes_more``: whether ``generate`` also takes ``more``, a hook that adds prompts to a
-    call in progress (the torch engine's)."""
+    call in progress (the torch engine's); ``takes_turns``: whether it takes ``turn_ended``
+    (multi-turn generation: see ``generate``)."""
 
     takes_more = False
+    takes_turns = False
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  between: Callable[[], None] | None = None) -> Iterator[list[Completion]]:
         """Yields each prompt's group of n completions (sorted by sample_index) the moment the
         whole group is done. ``between`` runs before each forward: it may load newer weights,
-        which the sequences in flight continue with (their cached keys and values stay)."""
+        which the sequences in flight continue with (their cached keys and values stay).
+
+        An engine that ``takes_turns`` also takes ``turn_ended``: called with a ``TurnEnd``
+        whenever a sequence's turn is over, it returns None (the sequence is done) or a
+        ``concurrent.futures.Future`` of the token ids to append (a tool's results and the
+        next turn's prompt; None: done after all); meanwhile the sequence waits outside the
+        batch, and the other sequences go on. Each sequence then samples from a random
+        stream of its own (from ``params.seed``, its prompt and sample index), so that what
+        it samples does not depend on when its tools answer."""
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from m2flow.engines.decode_graphs import DecodeGraphs
-from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, validate_prompts
+from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, TurnEnd, validate_prompts
 from m2flow.engines.scoring import kv_cache_of, with_kv_cache
 from m2flow.engines.weights import weights_hash
 
@@ -103,29 +104,44 @@ class SlotKVCache(Cache):
         return self.width
 
 
+LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [kv_heads, length, head_dim]
+TurnEnded = Callable[[TurnEnd], "Future[list[int] | None] | None"]
+
+
 @dataclass
 class _Sequence:
     prompt_index: int
     sample_index: int
-    prompt_length: int
+    prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # -- multi-turn (a call with ``turn_ended``) --
+    generator: torch.Generator | None = None  # its own random stream
+    mask: list[bool] | None = None            # made when a turn first appends tokens
+    turn_start: int = 0                       # where the current turn's tokens begin
+    turns: int = 1
+    parked: LayerKV | None = None             # its KV while its tools run (rollout.resume="park")
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt)
 
 
 @dataclass
 class _PrefilledPrompt:
-    layer_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [kv_heads, prompt_length, head_dim]
+    layer_kv: LayerKV                                  # per layer, [kv_heads, prompt_length, head_dim]
     logits: torch.Tensor                               # [vocab] at the last prompt token, float32
     version: int                                       # of the weights that made the logits
     admitted: int = 0                                  # samples that have taken a slot so far
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  generator: torch.Generator | list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens for a [rows, vocab] float32 batch of logits, and their log-probs under the
-    full temperature-scaled distribution (top-k/top-p only narrow what can be drawn)."""
+    full temperature-scaled distribution (top-k/top-p only narrow what can be drawn).
+    ``generator``: one for the batch, or one per row."""
     if params.greedy:
         tokens = logits.argmax(-1)
         logprobs = torch.log_softmax(logits, -1)
@@ -144,13 +160,18 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
     """One token per row of [rows, vocab] probabilities, by inverting the cumulative
     distribution: on CPU, torch.multinomial took a quarter of a SmolLM2 decode step at 32 rows
     (a 49k vocabulary), this takes a few percent. Float64 keeps the cumulative sums exact
-    enough; ``right=True`` never lands on a zero-probability token."""
+    enough; ``right=True`` never lands on a zero-probability token. ``generator``: one for the
+    batch, or one per row (each row's draw from its own stream)."""
     cdf = probs.double().cumsum(-1)
-    u = torch.rand(len(probs), 1, generator=generator, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    if isinstance(generator, list):
+        u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64, device=probs.device) for g in generator])
+    else:
+        u = torch.rand(len(probs), 1, generator=generator, dtype=torch.float64, device=probs.device)
+    u = u * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
@@ -160,13 +181,18 @@ class TorchEngine(GenerationEngine):
     ``max_batch_size``: sequences decoded together; ``max_prefill_tokens``: padded prompt
     tokens per prefill forward (bounds its memory); ``cuda_graphs``: decode steps at fixed
     shapes, replayed as CUDA graphs on a GPU and run eagerly elsewhere
-    (``m2flow.engines.decode_graphs``). ``stats`` counts the last call's work."""
+    (``m2flow.engines.decode_graphs``); ``resume``: how a sequence whose tools ran rejoins the
+    batch, its KV parked while they ran and only the appended tokens fed ("park"), or its
+    whole sequence fed again ("prefill"). ``stats`` counts the last call's work."""
 
     def __init__(self, model, tokenizer, max_batch_size: int = 32, max_prefill_tokens: int = 4096,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, resume: str = "park"):
         if max_batch_size < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_batch_size and max_prefill_tokens must be >= 1, got {max_batch_size}, "
                              f"{max_prefill_tokens}")
+        if resume not in ("park", "prefill"):
+            raise ValueError(f"resume must be 'park' or 'prefill', got {resume!r}")
+        self.resume = resume
         attn = getattr(model.config, "_attn_implementation", "sdpa")
         if attn not in ("sdpa", "eager"):  # the engine passes its own 4D masks, which these two take as is
             raise ValueError(f"TorchEngine needs attn_implementation 'sdpa' or 'eager', the model uses {attn!r}")
@@ -190,18 +216,25 @@ class TorchEngine(GenerationEngine):
     # -- the GenerationEngine contract -------------------------------------------------
 
     takes_more = True
+    takes_turns = True
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  between: Callable[[], None] | None = None,
-                 more: Callable[[], Sequence[Sequence[int]]] | None = None) -> Iterator[list[Completion]]:
+                 more: Callable[[], Sequence[Sequence[int]]] | None = None,
+                 turn_ended: TurnEnded | None = None) -> Iterator[list[Completion]]:
         """``more`` (this engine's own): called whenever a slot is free and no prompt waits, it
         returns prompts to add (none: nothing to add now); they are numbered on from the last
         (``Completion.prompt_index``). The generator ends once nothing is in flight or waiting
-        and ``more`` adds nothing."""
+        and ``more`` adds nothing. ``turn_ended``: multi-turn generation (``GenerationEngine``);
+        a sequence whose tools run keeps its KV parked, or has it made again when it comes
+        back (``resume``: "park" or "prefill")."""
         if self.offloaded:
             raise RuntimeError("the engine is offloaded: call onload() before generate()")
         checked = validate_prompts(prompts, self.model.config.vocab_size, self.max_positions)
-        return self._generate(checked, params, between, more)  # validated now, not at the first next()
+        if turn_ended is not None and self._limit(params) is None:
+            raise ValueError("a call that takes turns needs params.max_total_tokens: the model's context length "
+                             "is not known")
+        return self._generate(checked, params, between, more, turn_ended)  # validated now, not at the first next()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         state = self.model.state_dict(keep_vars=True)
@@ -238,18 +271,27 @@ class TorchEngine(GenerationEngine):
         capacity = max(map(len, prompts)) + params.max_new_tokens
         return min(capacity, self.max_positions) if self.max_positions else capacity
 
+    def _limit(self, params: SamplingParams) -> int | None:
+        """The most tokens a sequence may hold, prompt included (None: no bound known)."""
+        bounds = [b for b in (params.max_total_tokens, self.max_positions) if b]
+        return min(bounds) if bounds else None
+
     @torch.inference_mode()  # torch re-enters it around each resumption, so callers never run in it
     def _generate(self, prompts: list[list[int]], params: SamplingParams, between: Callable[[], None] | None,
-                  more: Callable[[], Sequence[Sequence[int]]] | None) -> Iterator[list[Completion]]:
+                  more: Callable[[], Sequence[Sequence[int]]] | None,
+                  turn_ended: TurnEnded | None = None) -> Iterator[list[Completion]]:
         device = self.device
         generator = torch.Generator(device=device)
-        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+        generator.manual_seed(seed)
         self.stats = {"prefill_forwards": 0, "prefill_tokens": 0, "decode_steps": 0, "decoded_rows": 0, "refills": 0,
-                      "graph_replays": 0, "graph_captures": 0}
+                      "graph_replays": 0, "graph_captures": 0, "tool_waits": 0, "extend_forwards": 0,
+                      "extend_tokens": 0}
         if not prompts and more is None:
             return
         prompts = list(prompts)  # ``more`` adds to it
-        capacity = self._capacity(prompts, params) if prompts else 1
+        # a sequence that takes turns may grow to the limit: its row holds that much from the start
+        capacity = self._limit(params) if turn_ended else self._capacity(prompts, params) if prompts else 1
         if self.cache is None or self.cache.capacity < capacity or self.cache.slots != self.max_batch_size:
             self.cache = SlotKVCache(self.max_batch_size, capacity)  # else reuse the buffers of the last call
             self.graphs = None  # captured over the buffers just dropped
@@ -258,9 +300,11 @@ class TorchEngine(GenerationEngine):
         rows: list[_Sequence | None] = []  # row r of the decode batch is slot r
         lengths: list[int] = []            # tokens in each slot's KV
         groups: dict[int, list[Completion]] = {}
+        tools: dict[Future, _Sequence] = {}  # sequences whose tools run
+        resumed: deque[_Sequence] = deque()  # their tools answered: back in the batch at the next free slot
 
         while True:
-            if more is None and not (waiting or rows):
+            if more is None and not (waiting or rows or tools or resumed):
                 return
             if between is not None:  # e.g. new weights: the sequences in flight keep their KV cache
                 between()
@@ -273,29 +317,48 @@ class TorchEngine(GenerationEngine):
                     waiting.extend((p, s) for p in range(len(prompts), len(prompts) + len(added))
                                    for s in range(params.n))
                     prompts.extend(added)
-            if not (waiting or rows):
+            if tools:  # waits only when nothing else can go on (with ``more``, briefly: it may add prompts)
+                idle = not (waiting or rows or resumed)
+                for seq in self._answered(tools, resumed, params, (None if more is None else 0.05) if idle else 0):
+                    yield from self._collect(seq, groups, params)
+            if not (waiting or rows or tools or resumed):
                 return
-            # Fill every free slot, holes first; sequences done at their first token never take one.
-            while waiting and (free := rows.count(None) + self.max_batch_size - len(rows)):
-                take = [waiting.popleft() for _ in range(min(len(waiting), free))]
-                self._prefill([p for p in dict.fromkeys(p for p, _ in take) if p not in prefilled], prompts, prefilled)
-                tokens, logprobs = sample_tokens(torch.stack([prefilled[p].logits for p, _ in take]), params, generator)
-                for (p, s), token, logprob in zip(take, tokens.tolist(), logprobs.tolist()):
-                    seq, entry = _Sequence(p, s, len(prompts[p])), prefilled[p]
-                    entry.admitted += 1
-                    # sampled from the prefill's logits: a later sample of the prompt may take
-                    # a slot after new weights came in, its first token still the old ones'
-                    if not self._append(seq, token, logprob, params, entry.version):
+            # Fill every free slot, holes first, sequences back from their tools before new prompts;
+            # sequences done at their first token never take one.
+            while (waiting or resumed) and (free := rows.count(None) + self.max_batch_size - len(rows)):
+                if resumed:
+                    admitted = [resumed.popleft() for _ in range(min(len(resumed), free))]
+                    made = [self._extend(seq) for seq in admitted]
+                    versions = [self.version] * len(admitted)
+                else:
+                    take = [waiting.popleft() for _ in range(min(len(waiting), free))]
+                    self._prefill([p for p in dict.fromkeys(p for p, _ in take) if p not in prefilled], prompts,
+                                  prefilled)
+                    admitted, made, versions = [], [], []
+                    for p, s in take:
+                        entry = prefilled[p]
+                        entry.admitted += 1
+                        stream = self._stream(seed, p, s) if turn_ended else None
+                        admitted.append(_Sequence(p, s, prompts[p], generator=stream))
+                        # sampled from the prefill's logits: a later sample of the prompt may take
+                        # a slot after new weights came in, its first token still the old ones'
+                        made.append((entry.layer_kv, entry.logits))
+                        versions.append(entry.version)
+                        if entry.admitted == params.n:
+                            del prefilled[p]
+                streams = [seq.generator for seq in admitted] if turn_ended else generator
+                tokens, logprobs = sample_tokens(torch.stack([logits for _, logits in made]), params, streams)
+                for seq, (layer_kv, _), version, token, logprob in zip(admitted, made, versions, tokens.tolist(),
+                                                                       logprobs.tolist()):
+                    if not self._append(seq, token, logprob, params, version):
                         slot = rows.index(None) if None in rows else len(rows)
                         if slot == len(rows):
                             rows.append(None), lengths.append(0)
-                        self.cache.put(slot, entry.layer_kv)
-                        rows[slot], lengths[slot] = seq, seq.prompt_length
+                        self.cache.put(slot, layer_kv)
+                        rows[slot], lengths[slot] = seq, layer_kv[0][0].shape[1]
                         if self.stats["decode_steps"]:  # joins rows already mid-generation
                             self.stats["refills"] += 1
-                    if entry.admitted == params.n:
-                        del prefilled[p]
-                    if seq.finish_reason:
+                    elif self._turn_over(seq, params, turn_ended, tools, layer_kv):
                         yield from self._collect(seq, groups, params)
             # Close the remaining holes by moving the last rows into them.
             while None in rows:
@@ -309,12 +372,90 @@ class TorchEngine(GenerationEngine):
                 continue
 
             logits = self._decode([seq.tokens[-1] for seq in rows], lengths)
-            tokens, logprobs = sample_tokens(logits, params, generator)
+            tokens, logprobs = sample_tokens(logits, params, [seq.generator for seq in rows] if turn_ended else generator)
             for r, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
                 lengths[r] += 1
                 if self._append(rows[r], token, logprob, params):
-                    yield from self._collect(rows[r], groups, params)
+                    if self._turn_over(rows[r], params, turn_ended, tools, self._row_kv(r, lengths[r])):
+                        yield from self._collect(rows[r], groups, params)
                     rows[r] = None
+
+    # -- multi-turn --------------------------------------------------------------------------
+
+    def _stream(self, seed: int, prompt_index: int, sample_index: int) -> torch.Generator:
+        """A sequence's own random stream: the same for the same seed, prompt and sample."""
+        stream = torch.Generator(device=self.device)
+        stream.manual_seed((seed * 1_000_003 + prompt_index * 10_007 + sample_index) % 2**63)
+        return stream
+
+    def _row_kv(self, row: int, length: int) -> Callable[[], LayerKV]:
+        """A copy of slot ``row``'s KV, columns 0..length-1, made only if asked for."""
+        return lambda: [(k[row, :, :length].clone(), v[row, :, :length].clone())
+                        for k, v in zip(self.cache.key_rows, self.cache.value_rows)]
+
+    def _turn_over(self, seq: _Sequence, params: SamplingParams, turn_ended: TurnEnded | None,
+                   tools: dict[Future, _Sequence], layer_kv: LayerKV | Callable[[], LayerKV]) -> bool:
+        """True when the sequence is done; False when its tools run (it waits in ``tools``,
+        its KV, ``layer_kv``, parked)."""
+        if turn_ended is None:
+            return True
+        room = self._limit(params) - seq.prompt_length - len(seq.tokens)
+        if room <= 0:
+            return True
+        answer = turn_ended(TurnEnd(seq.prompt_index, seq.sample_index, seq.prompt, list(seq.tokens), seq.turn_start,
+                                    seq.finish_reason, seq.turns, room))
+        if answer is None:
+            return True
+        if self.resume == "park":
+            seq.parked = layer_kv() if callable(layer_kv) else layer_kv
+        tools[answer] = seq
+        self.stats["tool_waits"] += 1
+        return False
+
+    def _answered(self, tools: dict[Future, _Sequence], resumed: deque[_Sequence], params: SamplingParams,
+                  timeout: float | None) -> list[_Sequence]:
+        """Takes the answers in (waiting up to ``timeout`` for the first; None: as long as it
+        takes): each sequence's tokens appended, it goes to ``resumed``; returns those done (no
+        tokens to append, or more than the room left: that ends the sequence, at "length")."""
+        done, _ = wait(list(tools), timeout=timeout, return_when=FIRST_COMPLETED)
+        finished = []
+        for answer in sorted(done, key=lambda f: (tools[f].prompt_index, tools[f].sample_index)):
+            seq = tools.pop(answer)
+            appended = answer.result()  # a hook that raises is a bug: the call ends with it
+            room = self._limit(params) - seq.prompt_length - len(seq.tokens)
+            if not appended or len(appended) >= room:  # no room left to sample a token after them
+                seq.finish_reason = "length" if appended else seq.finish_reason
+                seq.parked = None
+                finished.append(seq)
+                continue
+            if seq.mask is None:
+                seq.mask = [True] * len(seq.tokens)
+            seq.tokens += appended
+            seq.logprobs += [0.0] * len(appended)
+            seq.versions += [-1] * len(appended)
+            seq.mask += [False] * len(appended)
+            seq.turn_start, seq.turns, seq.finish_reason = len(seq.tokens), seq.turns + 1, None
+            resumed.append(seq)
+        return finished
+
+    def _extend(self, seq: _Sequence) -> tuple[LayerKV, torch.Tensor]:
+        """The KV of a sequence back from its tools, all its tokens fed, and the logits after
+        them: only the tokens after its parked KV fed ("park"), or all of them ("prefill")."""
+        full = seq.prompt + seq.tokens
+        device = self.device
+        cache, start = DynamicCache(), 0
+        if seq.parked is not None:
+            for i, (k, v) in enumerate(seq.parked):
+                cache.update(k[None], v[None], i)
+            start, seq.parked = seq.parked[0][0].shape[1], None
+        query = torch.arange(start, len(full), device=device)
+        allowed = torch.arange(len(full), device=device)[None, :] <= query[:, None]
+        out = self.model(input_ids=torch.tensor(full[start:], device=device)[None], position_ids=query[None],
+                         attention_mask=self._additive(allowed[None]), **with_kv_cache(self.model, cache),
+                         use_cache=True, logits_to_keep=1)
+        self.stats["extend_forwards"] += 1
+        self.stats["extend_tokens"] += len(full) - start
+        return [(layer.keys[0], layer.values[0]) for layer in kv_cache_of(out).layers], out.logits[0, -1].float()
 
     def _prefill(self, wanted: list[int], prompts: list[list[int]], prefilled: dict[int, _PrefilledPrompt]) -> None:
         """One forward per chunk of prompts, left-padded so that every row's last token is the
@@ -386,14 +527,17 @@ class TorchEngine(GenerationEngine):
     def _append(self, seq: _Sequence, token: int, logprob: float, params: SamplingParams,
                 version: int | None = None) -> bool:
         """Adds a token, sampled by the weights of ``version`` (None: the current ones); True
-        (and a finish_reason) when the sequence is done."""
+        (and a finish_reason) when the sequence's turn is done."""
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version if version is None else version)
-        if token in self.eos_ids or (params.stop and self._ends_with_stop(seq.tokens, params.stop)):
+        if seq.mask is not None:
+            seq.mask.append(True)
+        turn = seq.tokens[seq.turn_start:]
+        limit = self._limit(params)
+        if token in self.eos_ids or (params.stop and self._ends_with_stop(turn, params.stop)):
             seq.finish_reason = "stop"
-        elif len(seq.tokens) >= params.max_new_tokens or (
-                self.max_positions and seq.prompt_length + len(seq.tokens) >= self.max_positions):
+        elif len(turn) >= params.max_new_tokens or (limit and seq.prompt_length + len(seq.tokens) >= limit):
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
@@ -409,7 +553,8 @@ class TorchEngine(GenerationEngine):
         group = groups.setdefault(seq.prompt_index, [])
         group.append(Completion(seq.prompt_index, seq.sample_index, seq.tokens,
                                 torch.tensor(seq.logprobs, dtype=torch.float32), seq.finish_reason,
-                                self.tokenizer.decode(seq.tokens, skip_special_tokens=True), seq.versions))
+                                self.tokenizer.decode(seq.tokens, skip_special_tokens=True), seq.versions,
+                                seq.mask, seq.turns))
         if len(group) == params.n:
             del groups[seq.prompt_index]
             yield sorted(group, key=lambda c: c.sample_index)
