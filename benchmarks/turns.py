@@ -10,12 +10,20 @@ sequence rejoins the batch:
 - ``sleep``: the tool sleeps ``--tool-ms`` per call (on a thread, as tool workers answer);
   the sequence's KV is parked meanwhile and only the appended tokens are fed when it rejoins;
 - ``no_sleep``: the same trajectories, the tool answering at once;
-- ``prefill``: as ``no_sleep``, but a rejoining sequence is fed again whole (its KV made anew).
+- ``prefill``: as ``no_sleep``, but a rejoining sequence is fed again whole (its KV made anew);
+- ``variable``: as ``no_sleep``, its decode steps only as large as needed (not batch-invariant).
+
+Every side but ``variable`` decodes batch-invariant steps (``TorchEngine(batch_invariant=True)``:
+one shape for every step, each prompt prefilled alone), so ``sleep`` and ``no_sleep`` make the
+same trajectories to the last bit, whichever sequences share a step (checked:
+``same_trajectories``); ``prefill`` and ``variable`` compute the same sequences with other
+roundings, so their trajectories may part from those after a near-tie.
 
 Figures: sampled tokens per second of the whole call (tails included), ``sleep / no_sleep``
-(generation does not wait on tools when it is near 1; the bar is 0.8) and ``park /
-prefill`` (``no_sleep`` against ``prefill``: which way to rejoin). Sides alternate, repeated
-``--repeats`` times; the spread of each ratio over the repetitions is reported.
+(generation does not wait on tools when it is near 1; the bar is 0.8), ``park / prefill``
+(``no_sleep`` against ``prefill``: which way to rejoin) and ``invariant / variable`` (what
+batch-invariant steps cost). Sides alternate, repeated ``--repeats`` times; the spread of
+each ratio over the repetitions is reported.
 
     python benchmarks/turns.py                       # SmolLM2-135M-Instruct, fp32, CPU
     python benchmarks/turns.py --model tiny-llama --repeats 1 --prompts 4   # a smoke test
@@ -42,7 +50,7 @@ from m2flow.data import arithmetic_problems, build_prompts  # noqa: E402
 from m2flow.engines import SamplingParams, TorchEngine  # noqa: E402
 from m2flow.models.lm import load_lm  # noqa: E402
 
-SIDES = ("sleep", "no_sleep", "prefill")
+SIDES = ("sleep", "no_sleep", "prefill", "variable")
 OBSERVATION = "\n<|im_start|>tool\nThe calculator says: {value}. Check it and give the final answer.<|im_end|>\n" \
               "<|im_start|>assistant\n"
 
@@ -95,8 +103,8 @@ def main() -> None:
     prompts = [list(x.token_ids) for x in build_prompts(arithmetic_problems(args.prompts, seed=args.seed), tokenizer)]
     params = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed,
                             max_total_tokens=max(map(len, prompts)) + args.turns * (args.max_new_tokens + 40))
-    engines = {side: TorchEngine(model, tokenizer, max_batch_size=args.batch,
-                                 resume="prefill" if side == "prefill" else "park") for side in SIDES}
+    engines = {side: TorchEngine(model, tokenizer, max_batch_size=args.batch, resume="prefill" if side == "prefill"
+                                 else "park", batch_invariant=side != "variable") for side in SIDES}
     pool = ThreadPoolExecutor(args.batch)
     hooks = {side: answering(tokenizer, pool, args.turns, args.tool_ms / 1000 if side == "sleep" else 0.0)
              for side in SIDES}
@@ -111,12 +119,14 @@ def main() -> None:
                 runs[side].append(result | load)
                 log(f"repeat {r} {side}: {result['tokens_per_s']} tokens/s, {result['seconds']} s")
     first = runs["no_sleep"][0]["trajectories"]
-    same = all(x["trajectories"] == first for side in SIDES for x in runs[side])
+    same = all(x["trajectories"] == first for side in ("sleep", "no_sleep") for x in runs[side])
     for side in SIDES:
         for x in runs[side]:
             del x["trajectories"]
     ratios = {"sleep / no_sleep": [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["sleep"], runs["no_sleep"])],
-              "park / prefill": [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["no_sleep"], runs["prefill"])]}
+              "park / prefill": [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["no_sleep"], runs["prefill"])],
+              "invariant / variable": [a["tokens_per_s"] / b["tokens_per_s"]
+                                       for a, b in zip(runs["no_sleep"], runs["variable"])]}
     result = {"benchmark": "turns", "model": args.model, "prompts": args.prompts, "samples": args.samples,
               "batch": args.batch, "turns": args.turns, "max_new_tokens": args.max_new_tokens,
               "tool_ms": args.tool_ms, "repeats": args.repeats, "same_trajectories": same,
@@ -146,7 +156,7 @@ def record(result: dict, command: str) -> None:
             "figures": [{"label": label, "value": s["median"], "low": s["min"], "high": s["max"], "n": s["n"], "unit": "x"}
                         for label, s in result["ratios"].items()],
             "note": "sampled tokens/s over the whole call; sleep / no_sleep near 1: generation does not wait on tools "
-                    f"(same trajectories on every side: {result['same_trajectories']})"}
+                    f"(the same trajectories with and without the sleep: {result['same_trajectories']})"}
     table._check_run(line)
     with open(table.RECORD, "a") as f:
         f.write(json.dumps(json_safe(line)) + "\n")

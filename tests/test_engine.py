@@ -12,7 +12,8 @@ import torch
 
 from m2flow.engines import SamplingParams, TorchEngine, build_engine
 from m2flow.engines.decode_graphs import DecodeGraphs, buckets
-from m2flow.engines.torch_engine import SlotKVCache, sample_tokens
+from m2flow.engines.kv_slots import SlotKVCache
+from m2flow.engines.sampling import sample_tokens
 from m2flow.models.lm import load_lm
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -90,18 +90,36 @@ def test_sampled_tokens_are_exact_and_appended_ones_are_marked(lm, resume):
         torch.testing.assert_close(c.logprobs[sampled], expected[sampled], atol=2e-5, rtol=0)
 
 
-def test_a_seeded_call_samples_the_same_whatever_the_tools_timing(lm):
+@pytest.mark.parametrize("resume", ["park", "prefill"])
+def test_a_seeded_call_samples_the_same_whatever_the_tools_timing(lm, resume):
+    """Batch-invariant steps: every run of the same seed, whatever its tools' delays (so
+    whichever sequences share a decode step), makes the same trajectories to the last bit."""
     model, tok = lm
     prompts = make_prompts([7, 13, 4, 9])
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, stop=STOPS, seed=11, max_total_tokens=160)
     runs = []
-    for delays, resume, batch in (((0.0,), "park", 8), ((0.0, 0.03, 0.001), "park", 3), ((0.02, 0.0), "prefill", 5)):
-        engine = TorchEngine(model, tok, max_batch_size=batch, resume=resume)
+    for delays in ((0.0,), (0.0, 0.03, 0.001), (0.02, 0.0)):
+        engine = TorchEngine(model, tok, max_batch_size=3, resume=resume, batch_invariant=True)
         rng = random.Random(len(runs))
         out = run(engine, prompts, params, ScriptedTools(tok, turns=3, delay=lambda end: rng.choice(delays)))
-        runs.append({k: c.token_ids for k, c in out.items()})
+        runs.append({k: (c.token_ids, c.logprobs.tolist()) for k, c in out.items()})
     assert runs[0] == runs[1] == runs[2]
-    assert len({tuple(v) for v in runs[0].values()}) == 8  # the sequences differ from each other
+    assert len({tuple(v[0]) for v in runs[0].values()}) == 8  # the sequences differ from each other
+
+
+def test_batch_invariant_steps_are_exact(lm):
+    """At one shape, the log-probs are still those of a plain forward."""
+    model, tok = lm
+    engine = TorchEngine(model, tok, max_batch_size=4, batch_invariant=True)
+    prompts = make_prompts([5, 19, 11])
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=12, stop=STOPS, seed=3, max_total_tokens=200)
+    out = run(engine, prompts, params, ScriptedTools(tok, turns=2))
+    assert engine.stats["prefill_forwards"] == 3  # each prompt alone
+    for (p, _), c in out.items():
+        sampled = torch.tensor(c.mask if c.mask else [True] * len(c.token_ids))
+        ref, ids = reference_logprobs(model, prompts[p], c.token_ids, 0.9)
+        torch.testing.assert_close(c.logprobs[sampled], ref.gather(1, ids[:, None]).squeeze(1)[sampled], atol=2e-5,
+                                   rtol=0)
 
 
 def test_other_sequences_go_on_while_a_tool_runs(lm):
@@ -180,5 +198,5 @@ def test_benchmark_smoke():
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["same_trajectories"] is True
-    assert set(result["ratios"]) == {"sleep / no_sleep", "park / prefill"}
+    assert set(result["ratios"]) == {"sleep / no_sleep", "park / prefill", "invariant / variable"}
     assert all(run["tool_waits"] > 0 for runs in result["runs"].values() for run in runs)

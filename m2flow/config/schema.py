@@ -254,12 +254,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = opt("arithmetic", "the built-in arithmetic word problems, or a .jsonl / .parquet file")
+    source: str = opt("arithmetic", "the built-in arithmetic word problems | calculation (the built-in calculations "
+                                    "for tools: held-out phrasings and kinds) | a .jsonl / .parquet file")
     question_key: str = opt("question", "a file row's question field")
     answer_key: str = opt("answer", "a file row's reference answer field")
     levels: List[int] = opt([1], "arithmetic difficulty levels (1-5)", choices=ARITHMETIC_LEVELS)
-    train_size: int = opt(MISSING, "arithmetic problems generated for training", within=AT_LEAST_1)
-    test_size: int = opt(MISSING, "held-out problems: generated (arithmetic) or a file's last rows",
+    train_size: int = opt(MISSING, "problems generated for training (arithmetic, calculation)", within=AT_LEAST_1)
+    test_size: int = opt(MISSING, "held-out problems: generated (arithmetic, calculation) or a file's last rows",
                          within=NON_NEGATIVE)
     instruction: str = opt("Put the final answer in \\boxed{}.", "appended to every question")
     prompts_per_step: int = opt(MISSING, "prompts per policy update", within=AT_LEAST_1)

@@ -86,21 +86,39 @@ def load_problems(
 
 
 def format_prompt(tokenizer: Any, question: str, instruction: str | None = DEFAULT_INSTRUCTION,
-                  system: str | None = None) -> str:
+                  system: str | None = None, tools: list[dict] | None = None) -> str:
     """The chat-formatted prompt text: one user turn (question, then the instruction), and
-    the generation prompt. ``system=None`` keeps the template's default system turn."""
+    the generation prompt. ``system=None`` keeps the template's default system turn. ``tools``
+    (their schemas): given to a template that renders them (``tools=``), else offered in a
+    system turn in the hermes format (``m2flow.tools.calls.tools_prompt``)."""
     content = f"{question}\n{instruction}" if instruction else question
+    if tools and not takes_tools(tokenizer):
+        from m2flow.tools.calls import tools_prompt
+
+        system, tools = tools_prompt(tools) + (f"\n\n{system}" if system else ""), None
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": content}
     ]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **({"tools": tools} if tools else {}))
+
+
+def takes_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders the tools it is given."""
+    probe = [{"type": "function", "function": {"name": "m2flow_probe", "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "?"}]
+    try:
+        return "m2flow_probe" in tokenizer.apply_chat_template(messages, tokenize=False, tools=probe)
+    except Exception:  # noqa: BLE001 - a template that refuses tools=
+        return False
 
 
 def build_prompts(problems: Iterable[Problem], tokenizer: Any, instruction: str | None = DEFAULT_INSTRUCTION,
-                  system: str | None = None) -> list[Prompt]:
+                  system: str | None = None, tools: list[dict] | None = None) -> list[Prompt]:
     prompts = []
     for p in problems:
-        text = format_prompt(tokenizer, p.question, instruction, system)
+        text = format_prompt(tokenizer, p.question, instruction, system, tools)
         # The template already wrote any BOS token into the text.
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts.append(Prompt(p, text, tuple(ids)))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config import ConfigError
 from m2flow.data.arithmetic import arithmetic_problems
+from m2flow.data.calculation import calculation_problems
 from m2flow.data.problems import Problem, build_prompts, load_problems
+from m2flow.tools import Toolbox
 
 
 def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
@@ -17,6 +19,9 @@ def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
         levels = list(d.levels)
         train = arithmetic_problems(d.train_size, levels, "train", seed=cfg.seed)
         test = arithmetic_problems(d.test_size, levels, "test", seed=cfg.seed)
+    elif d.source == "calculation":
+        train = calculation_problems(d.train_size, "train", seed=cfg.seed)
+        test = calculation_problems(d.test_size, "test", seed=cfg.seed)
     else:
         problems = _file_problems(cfg)
         if len(problems) <= d.test_size:
@@ -33,6 +38,8 @@ def eval_prompts(cfg: DictConfig) -> list[dict]:
     d = cfg.data
     if d.source == "arithmetic":
         return _rows(cfg, arithmetic_problems(d.test_size, list(d.levels), "test", seed=cfg.seed))
+    if d.source == "calculation":
+        return _rows(cfg, calculation_problems(d.test_size, "test", seed=cfg.seed))
     return _rows(cfg, _file_problems(cfg))
 
 
@@ -61,11 +68,13 @@ def _rows(cfg: DictConfig, problems) -> list[dict]:
         raise ConfigError("model.path", f"the tokenizer of {cfg.model.path!r} has no chat template, and the prompts "
                                         "are chat-formatted: use an instruct model, or add a chat_template to its "
                                         "tokenizer_config.json")
-    prompts = build_prompts(problems, tokenizer, cfg.data.instruction)
+    names = OmegaConf.select(cfg, "tools.names")  # an agentic task's: the prompt offers them
+    tools = Toolbox.load(list(names)).schemas if names else None
+    prompts = build_prompts(problems, tokenizer, cfg.data.instruction, tools=tools)
     room = max_positions(cfg.model.path)
     for p in prompts:
         if room is not None and len(p.token_ids) >= room:
-            key = "data.source" if cfg.data.source != "arithmetic" else "data.instruction"
+            key = "data.source" if cfg.data.source not in ("arithmetic", "calculation") else "data.instruction"
             raise ConfigError(key, f"problem {p.problem.id!r}: its prompt has {len(p.token_ids)} tokens "
                                    f"(chat-formatted): no room to generate within the {room} positions of "
                                    f"{cfg.model.path}")
@@ -74,4 +83,9 @@ def _rows(cfg: DictConfig, problems) -> list[dict]:
         raise ConfigError("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} new tokens after the longest prompt "
                                                     f"({longest} tokens) pass the {room} positions of {cfg.model.path}: "
                                                     f"at most {room - longest}")
+    bound = OmegaConf.select(cfg, "rollout.max_total_tokens")  # a multi-turn trajectory's
+    if bound is not None and longest + cfg.rollout.max_new_tokens > bound:
+        raise ConfigError("rollout.max_total_tokens", f"{bound} leaves no room for a turn of rollout.max_new_tokens="
+                                                      f"{cfg.rollout.max_new_tokens} after the longest prompt "
+                                                      f"({longest} tokens): at least {longest + cfg.rollout.max_new_tokens}")
     return [{"index": i, "token_ids": list(p.token_ids), "answer": p.problem.answer} for i, p in enumerate(prompts)]

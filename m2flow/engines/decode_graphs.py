@@ -49,10 +49,11 @@ def buckets(slots: int) -> list[int]:
 
 class DecodeGraphs:
     """The decode forward of ``model`` over ``cache`` (a ``SlotKVCache``) at fixed shapes;
-    ``capture``: as CUDA graphs (the model must be on a CUDA device). ``replays`` and
-    ``captures`` count the graphs' use."""
+    ``capture``: as CUDA graphs (the model must be on a CUDA device); ``one_shape``: every step
+    at all the cache's slots (the engine's ``batch_invariant``). ``replays`` and ``captures``
+    count the graphs' use."""
 
-    def __init__(self, model, cache, capture: bool):
+    def __init__(self, model, cache, capture: bool, one_shape: bool = False):
         device = next(model.parameters()).device
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {device}")
@@ -62,7 +63,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.columns = torch.arange(capacity, device=device)
         self.row_index = torch.arange(slots, device=device)
-        self.buckets = buckets(slots)
+        self.buckets = [slots] if one_shape else buckets(slots)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by the buckets' graphs
         self.replays = self.captures = 0

@@ -60,6 +60,13 @@ class Completion:
                                        # or a turn's separator); None: every token sampled
     turns: int = 1                     # the model's turns in it
 
+    @property
+    def last_turn(self) -> list[int]:
+        """The tokens of the model's last turn: after the last token it did not sample."""
+        if not self.mask or all(self.mask):
+            return self.token_ids
+        return self.token_ids[len(self.mask) - self.mask[::-1].index(False):]
+
 
 @dataclass(frozen=True)
 class TurnEnd:

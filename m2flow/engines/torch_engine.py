@@ -16,6 +16,14 @@ to a call in progress: the generator then never drains between batches of prompt
 caller may stop iterating once the groups it wants are out and resume it later, the other
 sequences still in their slots.
 
+Multi-turn (``turn_ended``): a sequence whose turn is over leaves its slot (the slot takes
+the next sequence at once) while the hook's future, its tools' answer, is pending; its KV is
+copied out ("park") or dropped ("prefill"). When the answer comes, its tokens are appended
+(not sampled: mask False, log-prob 0, version -1) and the sequence takes the next free slot
+ahead of new prompts, fed the tokens its KV lacks in one forward. The loop waits on the
+futures only when nothing else can run. Each such sequence samples from its own generator,
+so what it samples does not depend on which sequences share its decode steps.
+
 Why this and not the alternatives (SmolLM2-135M fp32, 2 CPU threads, 32 sequences in flight;
 figures from benchmarks/rollout_engine.py and a side run of ``generate_batch``):
 - ``model.generate()`` runs a batch until its longest row ends, re-concatenates the whole
@@ -40,68 +48,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import DynamicCache
 
 from m2flow.engines.decode_graphs import DecodeGraphs
+from m2flow.engines.kv_slots import SlotKVCache
+from m2flow.engines.sampling import sample_tokens
 from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, TurnEnd, validate_prompts
 from m2flow.engines.scoring import kv_cache_of, with_kv_cache
 from m2flow.engines.weights import weights_hash
-
-
-class SlotKVCache(Cache):
-    """Keys and values of up to ``slots`` sequences, one preallocated row per slot; a sequence
-    of length L occupies columns 0..L-1 of its row. Before a decode forward, ``begin_step``
-    says how many rows take part and where each writes its new token; the model's attention
-    layers then call ``update``, which writes in place and returns views (no copies)."""
-
-    def __init__(self, slots: int, capacity: int):
-        super().__init__(layers=[])
-        self.slots, self.capacity = slots, capacity
-        self.key_rows: list[torch.Tensor] = []    # per layer [slots, kv_heads, capacity, head_dim]
-        self.value_rows: list[torch.Tensor] = []
-        self.rows, self.width = 0, 0
-        self.row_index = self.write_at = None
-
-    def put(self, slot: int, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Writes a prompt's per-layer (keys, values), each [kv_heads, length, head_dim], into a
-        slot; the first write sizes the buffers from them."""
-        if not self.key_rows:  # zeros, not empty: masked columns must still be finite (0 * NaN = NaN)
-            for k, v in layer_kv:
-                self.key_rows.append(k.new_zeros(self.slots, k.shape[0], self.capacity, k.shape[2]))
-                self.value_rows.append(v.new_zeros(self.slots, v.shape[0], self.capacity, v.shape[2]))
-        for (k, v), key_row, value_row in zip(layer_kv, self.key_rows, self.value_rows):
-            key_row[slot, :, :k.shape[1]] = k
-            value_row[slot, :, :v.shape[1]] = v
-
-    def grow(self, capacity: int) -> None:
-        """Makes room for sequences up to ``capacity`` tokens, keeping what every row holds
-        (a longer prompt joining sequences in flight)."""
-        if capacity <= self.capacity:
-            return
-        for rows in (self.key_rows, self.value_rows):
-            for i, old in enumerate(rows):
-                rows[i] = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
-                rows[i][:, :, :self.capacity] = old
-        self.capacity = capacity
-
-    def move(self, src: int, dst: int, length: int) -> None:
-        for buffer in (*self.key_rows, *self.value_rows):
-            buffer[dst, :, :length] = buffer[src, :, :length]
-
-    def begin_step(self, lengths: torch.Tensor, width: int) -> None:
-        """The next forward feeds one token to each of rows 0..len(lengths)-1, written at column
-        lengths[r]; attention then spans columns 0..width-1 (the mask hides each row's tail)."""
-        self.rows, self.width = len(lengths), width
-        self.row_index, self.write_at = torch.arange(len(lengths), device=lengths.device), lengths
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = self.key_rows[layer_idx], self.value_rows[layer_idx]
-        keys[self.row_index, :, self.write_at] = key_states[:, :, 0]
-        values[self.row_index, :, self.write_at] = value_states[:, :, 0]
-        return keys[:self.rows, :, :self.width], values[:self.rows, :, :self.width]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.width
 
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [kv_heads, length, head_dim]
@@ -137,44 +91,6 @@ class _PrefilledPrompt:
     admitted: int = 0                                  # samples that have taken a slot so far
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens for a [rows, vocab] float32 batch of logits, and their log-probs under the
-    full temperature-scaled distribution (top-k/top-p only narrow what can be drawn).
-    ``generator``: one for the batch, or one per row."""
-    if params.greedy:
-        tokens = logits.argmax(-1)
-        logprobs = torch.log_softmax(logits, -1)
-    else:
-        scaled = logits / params.temperature
-        logprobs = torch.log_softmax(scaled, -1)
-        if params.top_k and params.top_k < scaled.shape[-1]:
-            kth = scaled.topk(params.top_k, -1).values[:, -1:]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        if params.top_p < 1:
-            sorted_logits, order = scaled.sort(-1, descending=True)
-            sorted_probs = sorted_logits.softmax(-1)
-            drop_sorted = sorted_probs.cumsum(-1) - sorted_probs > params.top_p  # mass above it already enough
-            scaled = scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-        tokens = draw(scaled.softmax(-1), generator)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
-    """One token per row of [rows, vocab] probabilities, by inverting the cumulative
-    distribution: on CPU, torch.multinomial took a quarter of a SmolLM2 decode step at 32 rows
-    (a 49k vocabulary), this takes a few percent. Float64 keeps the cumulative sums exact
-    enough; ``right=True`` never lands on a zero-probability token. ``generator``: one for the
-    batch, or one per row (each row's draw from its own stream)."""
-    cdf = probs.double().cumsum(-1)
-    if isinstance(generator, list):
-        u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64, device=probs.device) for g in generator])
-    else:
-        u = torch.rand(len(probs), 1, generator=generator, dtype=torch.float64, device=probs.device)
-    u = u * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
-
-
 class TorchEngine(GenerationEngine):
     """Continuous batching over a transformers causal LM (see the module docstring).
 
@@ -183,10 +99,16 @@ class TorchEngine(GenerationEngine):
     shapes, replayed as CUDA graphs on a GPU and run eagerly elsewhere
     (``m2flow.engines.decode_graphs``); ``resume``: how a sequence whose tools ran rejoins the
     batch, its KV parked while they ran and only the appended tokens fed ("park"), or its
-    whole sequence fed again ("prefill"). ``stats`` counts the last call's work."""
+    whole sequence fed again ("prefill"); ``batch_invariant``: every decode step at one shape
+    (all ``max_batch_size`` rows, the whole KV capacity) and every prompt prefilled alone, so
+    that a sequence's logits do not depend on which others share its steps, to the last bit
+    (at one shape a matmul's row is computed the same whatever the other rows hold; at
+    another it may round otherwise): with per-sequence random streams, a seeded multi-turn
+    call then samples the same whatever its tools' timing. ``stats`` counts the last call's
+    work."""
 
     def __init__(self, model, tokenizer, max_batch_size: int = 32, max_prefill_tokens: int = 4096,
-                 cuda_graphs: bool = False, resume: str = "park"):
+                 cuda_graphs: bool = False, resume: str = "park", batch_invariant: bool = False):
         if max_batch_size < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_batch_size and max_prefill_tokens must be >= 1, got {max_batch_size}, "
                              f"{max_prefill_tokens}")
@@ -203,7 +125,7 @@ class TorchEngine(GenerationEngine):
         self.eos_ids = set(eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.cache: SlotKVCache | None = None
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.batch_invariant = cuda_graphs, batch_invariant
         self.graphs: DecodeGraphs | None = None  # of the current cache, on the current weights' memory
         self.offloaded, self.offloaded_from = False, None  # offloaded_from: the device the weights left
         self.stats: dict[str, int] = {}
@@ -292,7 +214,8 @@ class TorchEngine(GenerationEngine):
         prompts = list(prompts)  # ``more`` adds to it
         # a sequence that takes turns may grow to the limit: its row holds that much from the start
         capacity = self._limit(params) if turn_ended else self._capacity(prompts, params) if prompts else 1
-        if self.cache is None or self.cache.capacity < capacity or self.cache.slots != self.max_batch_size:
+        if self.cache is None or self.cache.capacity < capacity or self.cache.slots != self.max_batch_size or (
+                self.batch_invariant and self.cache.capacity != capacity):  # its steps' shape: the capacity's
             self.cache = SlotKVCache(self.max_batch_size, capacity)  # else reuse the buffers of the last call
             self.graphs = None  # captured over the buffers just dropped
         waiting = deque((p, s) for p in range(len(prompts)) for s in range(params.n))
@@ -483,6 +406,9 @@ class TorchEngine(GenerationEngine):
         """Consecutive prompts, as many per forward as fit in max_prefill_tokens once padded."""
         chunk: list[int] = []
         for p in wanted:
+            if chunk and self.batch_invariant:  # alone: a prompt's KV and logits then never depend on the others'
+                yield chunk
+                chunk = []
             if chunk and (len(chunk) + 1) * max(len(prompts[q]) for q in (*chunk, p)) > self.max_prefill_tokens:
                 yield chunk
                 chunk = []
@@ -495,7 +421,7 @@ class TorchEngine(GenerationEngine):
         attends to its own columns 0..lengths[r]."""
         self.stats["decode_steps"] += 1
         self.stats["decoded_rows"] += len(lengths)
-        if self.cuda_graphs:
+        if self.cuda_graphs or self.batch_invariant:
             return self._decode_fixed(last_tokens, lengths)
         device = self.device
         length = torch.tensor(lengths, device=device)
@@ -511,7 +437,8 @@ class TorchEngine(GenerationEngine):
         """``_decode`` at fixed shapes: replayed CUDA graphs on a GPU, eager elsewhere. The KV
         buffers are sized at the first prompt's put, so the graphs are made at the first decode."""
         if self.graphs is None:
-            self.graphs = DecodeGraphs(self.model, self.cache, capture=self.device.type == "cuda")
+            self.graphs = DecodeGraphs(self.model, self.cache, capture=self.cuda_graphs and self.device.type == "cuda",
+                                       one_shape=self.batch_invariant)
         replays, captures = self.graphs.replays, self.graphs.captures
         logits = self.graphs(last_tokens, lengths)
         self.stats["graph_replays"] += self.graphs.replays - replays

@@ -9,6 +9,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -63,3 +64,22 @@ def table(result: dict) -> str:
     rows = [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in result.items()]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def checkpoint_lm(cfg: DictConfig, ckpt: dict) -> tuple[dict, Any, Any]:
+    """A language-model flow's ``(plain config, model with the checkpoint's weights, tokenizer)``,
+    as the run's own evaluations see them: rounded to ``rollout.dtype``, on a GPU where there is one."""
+    import torch
+
+    from m2flow.workers.lm_common import load_model
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_model(plain, device, plain["rollout"]["dtype"])
+    try:
+        model.load_state_dict(checkpoints.trainer_weights(ckpt, "trainer"))  # rounded to the rollout's dtype
+    except RuntimeError as e:
+        raise ConfigError("model.path", f"the checkpoint's weights do not fit {cfg.model.path}: "
+                          f"{str(e).splitlines()[0]}") from None
+    model.requires_grad_(False)
+    return plain, model, tokenizer

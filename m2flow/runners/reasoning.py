@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config.schema import ReasoningConfig
@@ -36,8 +35,8 @@ from m2flow.engines import SamplingParams, build_engine
 from m2flow.flow import Plan, Workflow
 from m2flow.flow.simulate import Shape
 from m2flow.rewards.scorer import RewardScorer
-from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.base import Runner
+from m2flow.runners.evaluate import checkpoint_lm
 from m2flow.runners.flow import Flow
 from m2flow.runners.metrics import Ledger, Staleness, component_times, trained_stats
 from m2flow.runtime.errors import WorkerError
@@ -45,7 +44,6 @@ from m2flow.runtime.group import GroupHandle, wait
 from m2flow.workers.inference import InferenceWorker, holds_a_model
 from m2flow.workers.lm_actor import LMActorWorker
 from m2flow.workers.lm_critic import LMCriticWorker
-from m2flow.workers.lm_common import load_model
 from m2flow.workers.lm_rollout import LMRolloutWorker, engine_options
 from m2flow.workers.reward import RewardWorker
 
@@ -306,15 +304,7 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any
     weighted reward, each function's mean, and the accuracy: the share of prompts on which every
     reward function scored 1 or more; and per prompt its text (chat-formatted, as the model saw
     it), completion, reference answer and scores."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_model(plain, device, plain["rollout"]["dtype"])  # as the run's evaluations: the rollout's
-    try:
-        model.load_state_dict(checkpoints.trainer_weights(ckpt, "trainer"))  # rounded to the rollout's dtype
-    except RuntimeError as e:
-        raise ConfigError("model.path", f"the checkpoint's weights do not fit {cfg.model.path}: "
-                          f"{str(e).splitlines()[0]}") from None
-    model.requires_grad_(False)
+    plain, model, tokenizer = checkpoint_lm(cfg, ckpt)
     prompts = eval_prompts(cfg)
     r = plain["rollout"]
     engine = build_engine(r["backend"], model, tokenizer, **engine_options(r, False))
@@ -322,7 +312,12 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any
     texts: dict[int, str] = {}
     for (c,) in engine.generate([p["token_ids"] for p in prompts], params):
         texts[c.prompt_index] = c.text
-    completions = [texts[i] for i in range(len(prompts))]
+    return scored(cfg, plain, tokenizer, prompts, [texts[i] for i in range(len(prompts))])
+
+
+def scored(cfg: DictConfig, plain: dict, tokenizer: Any, prompts: list[dict],
+           completions: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The summary and the per-prompt rows of ``score``, for ``completions`` of ``prompts``."""
     with RewardScorer(dict(plain["reward"]["functions"]), timeout_s=plain["reward"]["timeout_s"]) as scorer:
         scores = scorer.score(completions, [p["answer"] for p in prompts])
     full = np.all(np.stack([part >= 1.0 for part in scores.parts.values()]), axis=0)

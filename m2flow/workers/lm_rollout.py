@@ -28,7 +28,8 @@ def engine_options(rollout: dict, shared: bool) -> dict:
     if rollout["backend"] == "vllm":
         return {"gpu_memory_utilization": rollout["gpu_memory_utilization"], "enable_sleep_mode": shared}
     if rollout["backend"] == "torch":
-        return {"max_batch_size": rollout["max_batch_size"], "cuda_graphs": rollout["cuda_graphs"]}
+        return {"max_batch_size": rollout["max_batch_size"], "cuda_graphs": rollout["cuda_graphs"],
+                **{k: rollout[k] for k in ("resume", "batch_invariant") if k in rollout}}  # a multi-turn rollout's
     return {}  # build_engine names the valid backends
 
 
@@ -168,7 +169,8 @@ class LMRolloutWorker(WeightReceiver):
                 if self.session_done == len(self.session_prompts):  # nothing in flight: the next starts anew
                     self._end_session("ending a call")
             else:
-                for group in self.engine.generate([p["token_ids"] for p in prompts], self.params, between=between):
+                for group in self.engine.generate([p["token_ids"] for p in prompts], self.params, between=between,
+                                                  **self.turn_options()):
                     self._route(stream, key, (prompts[group[0].prompt_index], group), samples_out, granularity)
                 counts = self._engine_counts()
             if stream["pending"]:
@@ -180,18 +182,26 @@ class LMRolloutWorker(WeightReceiver):
         return dataclasses.replace(stream["report"], **counts, **clock.report(lock_wait=True), peak_memory_mb=peak,
                                    weight_loads=self.loads)
 
+    def count_group(self, report: GenerateReport, prompt: dict, completions: list) -> None:
+        """Adds a group of completions, out now, to its stream's report."""
+        report.groups += 1
+        report.completions += len(completions)
+        report.completion_tokens += sum(len(c.token_ids) for c in completions)
+        report.truncated += sum(c.finish_reason == "length" for c in completions)
+        report.turns += sum(c.turns for c in completions)
+        report.collected += [(prompt["index"], c.sample_index) for c in completions]
+
+    def turn_options(self) -> dict:
+        """More options of the engine's generate calls: a multi-turn rollout's ``turn_ended``."""
+        return {}
+
     @staticmethod
     def _new_stream() -> dict:
         return {"pending": [], "report": GenerateReport()}
 
     def _route(self, stream: dict, key: int, group: tuple[dict, list], samples_out: Channel, granularity: int) -> None:
         """Counts a completed group of stream ``key``; every ``granularity`` go out together."""
-        report, completions = stream["report"], group[1]
-        report.groups += 1
-        report.completions += len(completions)
-        report.completion_tokens += sum(len(c.token_ids) for c in completions)
-        report.truncated += sum(c.finish_reason == "length" for c in completions)
-        report.collected += [(group[0]["index"], c.sample_index) for c in completions]
+        self.count_group(stream["report"], group[0], group[1])
         stream["pending"].append(group)
         if len(stream["pending"]) == granularity:
             self._put(stream, key, samples_out)
@@ -220,7 +230,8 @@ class LMRolloutWorker(WeightReceiver):
         counts = dict(NO_COUNTS)
         while stream["report"].groups < groups:
             if self.session is None:  # a new engine call, numbering its prompts from 0
-                self.session = self.engine.generate([], self.params, between=between, more=self._more)
+                self.session = self.engine.generate([], self.params, between=between, more=self._more,
+                                                    **self.turn_options())
             try:
                 completions = next(self.session)
             except StopIteration:  # nothing in flight and nothing offered that may start now
@@ -256,26 +267,32 @@ class LMRolloutWorker(WeightReceiver):
             start = len(p["token_ids"])
             sampled[i, start:start + len(c.token_ids)] = c.logprobs
             versions[i, start:start + len(c.token_ids)] = torch.tensor(c.versions or [self.version] * len(c.token_ids))
+            if c.mask is not None:  # multi-turn: a tool's tokens are context, not the policy's to train on
+                batch.completion_mask[i, start:start + len(c.token_ids)] = torch.tensor(c.mask, dtype=torch.long)
         batch.old_logprobs, batch.versions = sampled, versions
         batch.ids = torch.tensor([(p["index"], c.sample_index) for p, c in rows], dtype=torch.long)
         oldest = int(versions[batch.completion_mask.bool()].min()) if batch.completion_mask.any() else self.version
         batch.extras = {"prompt_index": [p["index"] for p, _ in rows], "answer": [p["answer"] for p, _ in rows],
-                        "text": [c.text for _, c in rows], "finish_reason": [c.finish_reason for _, c in rows],
+                        "text": [self.answer_text(c) for _, c in rows],
+                        "finish_reason": [c.finish_reason for _, c in rows],
                         "group_size": self.params.n, "groups": len(groups), "version": oldest}
         return batch
+
+    def answer_text(self, c) -> str:
+        """What the reward scores: the completion's text; of a multi-turn one, its last turn's."""
+        return c.text if c.turns == 1 else self.tokenizer.decode(c.last_turn, skip_special_tokens=True)
 
     @dispatch(split="scatter", gather="concat")
     def complete(self, prompts: list[dict], temperature: float) -> list[str]:
         """One completion per prompt (evaluation), outside the training stream."""
         # A fixed seed: evaluating leaves the training stream's sampling RNG where it was.
-        params = SamplingParams(n=1, temperature=temperature, top_p=self.params.top_p, top_k=self.params.top_k,
-                                max_new_tokens=self.params.max_new_tokens, stop=self.params.stop, seed=0)
+        params = dataclasses.replace(self.params, n=1, temperature=temperature, seed=0)
         texts: dict[int, str] = {}
         self._end_session("evaluating")
         with self.turns:
             self._onload()
-            for (c,) in self.engine.generate([p["token_ids"] for p in prompts], params):
-                texts[c.prompt_index] = c.text
+            for (c,) in self.engine.generate([p["token_ids"] for p in prompts], params, **self.turn_options()):
+                texts[c.prompt_index] = self.answer_text(c)
             self._offload()
         return [texts[i] for i in range(len(prompts))]
 

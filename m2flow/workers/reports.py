@@ -104,6 +104,11 @@ class GenerateReport(RolloutReport):
     joined_early: int = 0  # prompts that joined an earlier stream's decode batch (rollout.continuous)
     decode_steps: int = 0  # the engine's decode forwards (the torch engine's; 0 for others)
     graph_replays: int = 0  # of them, replays of a captured CUDA graph
+    turns: int = 0  # the model's turns in the completions (one each where no tool answers)
+    tool_calls: int = 0  # the calls they made (a malformed one included)
+    tool_errors: int = 0  # of them, those answered with an error
+    answered: int = 0  # completions whose last turn made no call (the model answered)
+    tool_tokens: int = 0  # of completion_tokens, those the tools' results (and the turns' separators) added
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,174 @@
+"""Agentic RL: the model answers over several turns, calling tools between them.
+
+The reasoning flow's stream, with a rollout that takes turns: a sequence generates until
+the end of its turn; the turn's tool calls run (in parallel, off the engine's thread) while
+the other sequences go on decoding; the results come back as the chat template's own
+``tool`` turn and the sequence rejoins the batch (``m2flow.tools.episodes``). A trajectory
+is exactly the tokens the model saw, in order; the loss mask is 1 on the tokens it sampled
+and 0 on the tools' (``SequenceBatch.completion_mask``), so the actor trains on its own
+tokens in the context of the results. The reward scores the last turn, the answer:
+
+    rollout (<-> tools) --samples--> reward --scored--> inference --batches--> actor --weights--> rollout
+
+The reasoning flow's runner serves it (data, evaluation, checkpoints); its components'
+rollout, its config sections (``tools``, the rollout's trajectory bounds) and its metrics
+row are its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, List, Mapping
+
+from omegaconf import DictConfig
+
+from m2flow.config.schema import AT_LEAST_1, POSITIVE, ReasoningConfig, RolloutConfig, opt, section
+from m2flow.config.validate import ConfigError, check_reasoning
+from m2flow.data.prompts import eval_prompts
+from m2flow.engines import SamplingParams, build_engine
+from m2flow.runners import reasoning
+from m2flow.runners.evaluate import checkpoint_lm
+from m2flow.runners.flow import Flow
+from m2flow.tools import Toolbox
+from m2flow.tools.episodes import ANSWERED, ToolTurns
+from m2flow.workers.lm_rollout import LMRolloutWorker, engine_options
+from m2flow.workers.reports import GenerateReport
+
+
+@dataclass
+class ToolsConfig:
+    names: List[Any] = opt([], "the task's tools: built-in names (python | calculator | search), import paths "
+                               "(package.module:function or :Class), or {path: ..., <the class's options>}")
+    max_turns: int = opt(4, "the model's turns in a trajectory at most", within=AT_LEAST_1)
+    max_calls: int = opt(8, "tool calls a turn at most: those past it are answered with an error", within=AT_LEAST_1)
+    timeout_s: float = opt(10.0, "seconds a call may take: then it is answered with an error", within=POSITIVE)
+    max_response_tokens: int = opt(256, "a result's tokens at most: a longer one is cut and marked", within=AT_LEAST_1)
+    threads: int = opt(8, "calls running at once, per rollout rank", within=AT_LEAST_1)
+
+
+@dataclass
+class AgenticRolloutConfig(RolloutConfig):
+    max_total_tokens: int = opt(1024, "a trajectory's tokens at most (prompt, turns and results; within the model's "
+                                      "context): results that would cross it end the trajectory, at 'length'",
+                                within=AT_LEAST_1)
+    resume: str = opt("park", "how a sequence whose tools answered rejoins the batch: park (its KV kept, the results "
+                              "fed) | prefill (fed again whole)", choices=("park", "prefill"))
+    batch_invariant: bool = opt(True, "every decode step at one shape and every prompt prefilled alone: a seeded run "
+                                      "makes the same trajectories whatever its tools' timing (each sequence samples "
+                                      "from a random stream of its own); false: steps only as large as needed")
+
+
+@dataclass
+class AgenticConfig(ReasoningConfig):
+    flow: str = opt("agentic", "which macro flow runs it")
+    tools: ToolsConfig = section(ToolsConfig, "the tools a trajectory may call, and the limits of its turns")
+    rollout: AgenticRolloutConfig = section(AgenticRolloutConfig, "generation, over several turns")
+
+
+def check(d: Mapping, training: bool = True) -> None:  # the rules between keys, on the resolved config
+    check_reasoning(d, training)
+    if not d["tools"]["names"]:
+        raise ConfigError("tools.names", "names no tool: an agentic run needs at least one (e.g. [calculator])")
+    try:
+        Toolbox.load(d["tools"]["names"])
+    except (ValueError, TypeError) as e:
+        raise ConfigError("tools.names", str(e)) from None
+    r = d["rollout"]
+    if r["backend"] != "torch":
+        raise ConfigError("rollout.backend", f"{r['backend']} does not take turns yet: use torch")
+    if r["max_total_tokens"] <= r["max_new_tokens"]:
+        raise ConfigError("rollout.max_total_tokens", f"must be above rollout.max_new_tokens={r['max_new_tokens']} "
+                                                      f"(a turn's), got {r['max_total_tokens']}")
+
+
+def tool_turns(plain: dict, toolbox: Toolbox, tokenizer: Any, eos_ids: set[int]) -> ToolTurns:
+    """The engine's ``turn_ended`` hook for the config's tools (``toolbox``) and limits."""
+    t = plain["tools"]
+    return ToolTurns(toolbox, tokenizer, eos_ids, max_turns=t["max_turns"], max_calls=t["max_calls"],
+                     timeout=t["timeout_s"], max_response_tokens=t["max_response_tokens"], threads=t["threads"])
+
+
+class ToolRolloutWorker(LMRolloutWorker):
+    """The LM rollout, its sequences taking turns with the task's tools between them."""
+
+    def __init__(self, cfg: dict, take_turns: bool = False, offload: bool = True):
+        super().__init__(cfg, take_turns, offload)
+        self.toolbox = Toolbox.load(cfg["tools"]["names"])
+        self.params = dataclasses.replace(self.params, max_total_tokens=cfg["rollout"]["max_total_tokens"])
+        self.hook: ToolTurns | None = None
+
+    def turn_options(self) -> dict:
+        """A new engine call's hook: its trajectories' tool use is counted as their groups go out."""
+        if self.hook is not None:
+            self.hook.close()
+        self.hook = tool_turns(self.cfg, self.toolbox, self.tokenizer, self.engine.eos_ids)
+        return {"turn_ended": self.hook}
+
+    def count_group(self, report: GenerateReport, prompt: dict, completions: list) -> None:
+        super().count_group(report, prompt, completions)
+        for c in completions:
+            episode = self.hook.take(c.prompt_index, c.sample_index)
+            report.tool_calls += episode.tool_calls
+            report.tool_errors += sum(episode.errors.values())
+            report.answered += episode.ended == ANSWERED
+            report.tool_tokens += c.mask.count(False) if c.mask else 0
+
+
+class AgenticMetrics(reasoning.ReasoningMetrics):
+    """The reasoning flow's row (docs/reasoning.md), and the tools': ``turns`` (the model's, per
+    trajectory), ``tool_calls`` (per trajectory), ``tool_error_rate`` (of the calls),
+    ``answered`` (the share of trajectories whose last turn made no call) and ``tool_token_share``
+    (of a trajectory's tokens after the prompt, the tools')."""
+
+    def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
+        row = super().row(i, report, step_s, time_s)
+        rollout = report["rollout"]
+        n, calls = max(1, sum(r.completions for r in rollout)), sum(r.tool_calls for r in rollout)
+        row |= {"turns": sum(r.turns for r in rollout) / n, "tool_calls": calls / n,
+                "tool_error_rate": sum(r.tool_errors for r in rollout) / max(1, calls),
+                "answered": sum(r.answered for r in rollout) / n}
+        row["tool_token_share"] = sum(r.tool_tokens for r in rollout) / max(1, row["completion_tokens"])
+        return row
+
+
+class AgenticRunner(reasoning.ReasoningRunner):
+    def prepare(self) -> None:
+        super().prepare()
+        self.metrics = AgenticMetrics(self.total)
+
+
+def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``m2flow eval``: the reasoning flow's scores of one greedy trajectory per prompt, its
+    last turn scored; and ``tool_call_rate``, the share of trajectories that made a call, and
+    per prompt its whole trajectory, its turns and calls."""
+    plain, model, tokenizer = checkpoint_lm(cfg, ckpt)
+    prompts = eval_prompts(cfg)
+    r = plain["rollout"]
+    engine = build_engine("torch", model, tokenizer, **engine_options(r, False))
+    hook = tool_turns(plain, Toolbox.load(plain["tools"]["names"]), tokenizer, engine.eos_ids)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=r["max_new_tokens"], stop=tuple(r["stop"]), seed=0,
+                            max_total_tokens=r["max_total_tokens"])
+    out = {}
+    try:
+        for (c,) in engine.generate([p["token_ids"] for p in prompts], params, turn_ended=hook):
+            out[c.prompt_index] = (c, hook.take(c.prompt_index, 0))
+    finally:
+        hook.close()
+    answers = [tokenizer.decode(out[i][0].last_turn, skip_special_tokens=True) for i in range(len(prompts))]
+    summary, examples = reasoning.scored(cfg, plain, tokenizer, prompts, answers)
+    for i, example in enumerate(examples):
+        c, episode = out[i]
+        example |= {"trajectory": tokenizer.decode(c.token_ids), "turns": c.turns, "tool_calls": episode.tool_calls,
+                    "tool_errors": sum(episode.errors.values()), "ended": episode.ended}
+    return summary | {"tool_call_rate": sum(e["tool_calls"] > 0 for e in examples) / max(1, len(examples))}, examples
+
+
+FLOW = Flow(
+    "agentic", reasoning.WORKFLOW, {**reasoning.WORKERS, "rollout": ToolRolloutWorker}, AgenticRunner,
+    config=AgenticConfig, check=check, length_key="runner.steps", shape=reasoning.shape, knobs=reasoning.knobs,
+    length=reasoning.length, probe_sizes=reasoning.probe_sizes, duration="step_s", probe_updates=2,
+    sized_on_one_device=False, overlap_probe_updates=3, stateful=("rollout", "actor", "critic"),
+    resume_keys=("algorithm.name", "model.path", "tools.names"), prefetch={"batches": 1},
+    components_for=reasoning.components, workflow_for=reasoning.workflow, receivers=reasoning.receivers,
+    refreshing=reasoning.refreshing, plan_options=reasoning.plan_options, score=score)

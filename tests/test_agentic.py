@@ -1,0 +1,110 @@
+"""The agentic flow (``m2flow/runners/agentic.py``): its config's mistakes are one-line errors
+before Ray starts, its prompts offer the tools, and a run trains on multi-turn trajectories
+whose loss mask leaves the tools' tokens out."""
+
+import math
+
+import pytest
+import torch
+
+from m2flow.config import ConfigError, load_config
+from m2flow.data.prompts import load_prompts
+from m2flow.models.lm import byte_tokenizer
+from m2flow.runners.agentic import FLOW, ToolRolloutWorker
+from m2flow.engines.generation import Completion
+
+PRESET = "agentic/tool_arith_tiny"
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["tools.names=[]"], "tools.names"),
+    (["tools.names=[no_such_module:tool]"], "tools.names"),
+    (["rollout.backend=vllm"], "rollout.backend"),
+    (["rollout.max_total_tokens=16"], "rollout.max_total_tokens"),
+    (["tools.max_turns=0"], "tools.max_turns"),
+])
+def test_config_mistakes_are_one_line_errors(overrides, key, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(PRESET, [*overrides, f"runner.out_dir={tmp_path}"])
+    assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_the_prompts_offer_the_tools_and_a_too_small_bound_is_named(tmp_path):
+    cfg = load_config(PRESET, [f"runner.out_dir={tmp_path}"])
+    train, test = load_prompts(cfg)
+    text = byte_tokenizer().decode(train[0]["token_ids"])
+    assert '"name": "calculator"' in text and "<tool_call>" in text and len(test) == 8
+    cfg = load_config(PRESET, [f"runner.out_dir={tmp_path}", "rollout.max_total_tokens=600"])
+    with pytest.raises(ConfigError, match="rollout.max_total_tokens"):
+        load_prompts(cfg)
+
+
+def test_a_trajectorys_tool_tokens_are_out_of_the_loss_and_the_reward_reads_its_last_turn():
+    worker = ToolRolloutWorker.__new__(ToolRolloutWorker)
+    worker.tokenizer, worker.version = byte_tokenizer(), 3
+    from m2flow.engines.generation import SamplingParams
+    worker.params = SamplingParams(n=1)
+    tok = worker.tokenizer
+    turn1, tool, turn2 = tok.encode("<tool_call>x</tool_call>"), tok.encode("\nresult\n"), tok.encode("42")
+    ids = turn1 + tool + turn2
+    mask = [True] * len(turn1) + [False] * len(tool) + [True] * len(turn2)
+    c = Completion(0, 0, ids, torch.full((len(ids),), -0.5), "stop", tok.decode(ids), [3] * len(ids), mask, 2)
+    batch = worker._batch([({"index": 7, "token_ids": [5, 6, 7], "answer": "42"}, [c])])
+    assert batch.completion_mask[0, 3:3 + len(ids)].tolist() == [int(m) for m in mask]
+    assert batch.completion_mask[0, :3].sum() == 0 and batch.extras["text"] == ["42"]
+    assert batch.ids.tolist() == [[7, 0]]
+
+
+@pytest.mark.parametrize("overrides", [["algorithm.old_logprobs=recompute"],
+                                       ["placement.mode=disaggregated", "runner.max_staleness=1", "runner.steps=3"]],
+                         ids=["collocated-recomputed", "ahead-in-flight"])
+def test_it_trains_on_multi_turn_trajectories(cluster, pool, tmp_path, overrides):
+    """Collocated, the inference worker recomputing the log-probs of the sampled tokens with the
+    sampling weights: equal to the rollout's within 1e-4. And running one step ahead with the
+    weights reaching the rollout between decode steps, where each token's version is the one
+    that sampled it (the shares of tokens trained on 0 and 1 versions behind add up to all)."""
+    cfg = load_config(PRESET, ["runner.steps=2", "runner.eval_every=0", "runner.progress=false",
+                               f"runner.out_dir={tmp_path}", *overrides])
+    runner = FLOW.runner(cfg, cluster=cluster, pool=pool)
+    try:
+        rows = runner.train(trace=False)
+    finally:
+        runner.close()
+    steps = [r for r in rows if not math.isnan(r.get("step_s", math.nan))]
+    assert [r["step"] for r in steps] == list(range(1, cfg.runner.steps + 1))
+    for r in steps:
+        assert r["turns"] >= 1 and 0 <= r["answered"] <= 1 and 0 <= r["tool_token_share"] < 1
+        assert r["completion_tokens"] > 0 and math.isfinite(r["loss"])
+        assert math.isclose(sum(v for k, v in r.items() if k.startswith("staleness_")), 1.0)
+        assert all(int(k.rpartition("_")[2]) <= cfg.runner.max_staleness for k in r if k.startswith("staleness_"))
+        if cfg.algorithm.old_logprobs == "recompute":
+            assert r["logprob_diff_max"] < 1e-4
+    assert all(len(ids) == 8 for ids in runner.metrics.ledger.trained.values())  # 2 prompts x 4, each once
+
+
+def test_eval_scores_the_last_turn_and_writes_each_trajectory(cluster, pool, tmp_path, capsys):
+    """``m2flow eval`` of an agentic checkpoint: the held-out score the run's last evaluation gave
+    (its greedy trajectories, their last turns scored), the share that called a tool, and a
+    JSON line per prompt with its whole trajectory, turns and calls."""
+    import json
+
+    from m2flow.cli import main
+
+    overrides = [f"runner.out_dir={tmp_path / 'run'}", "runner.progress=false", "runner.steps=1",
+                 "placement.mode=custom", *(f"placement.components.{c}=0" for c in ("rollout", "reward", "inference",
+                                                                                     "actor"))]
+    runner = FLOW.runner(load_config(PRESET, overrides), cluster=cluster, pool=pool)
+    try:
+        history = runner.train(trace=False)
+    finally:
+        runner.close()
+    main(["eval", PRESET, "checkpoint=auto", *overrides])
+    result = json.loads((tmp_path / "run" / "checkpoints" / "step_000001.eval.json").read_text())
+    assert result["reward"] == pytest.approx(history[-1]["eval_reward"], abs=1e-6)
+    assert result["prompts"] == 8 and 0 <= result["tool_call_rate"] <= 1
+    lines = (tmp_path / "run" / "checkpoints" / "step_000001.eval.examples.jsonl").read_text().splitlines()
+    examples = [json.loads(line) for line in lines]
+    assert [e["index"] for e in examples] == list(range(8))
+    for e in examples:
+        assert e["turns"] >= 1 and e["ended"] in ("answered", "max_turns", "turn_cut", "no_room")
+        assert isinstance(e["trajectory"], str) and e["tool_calls"] >= e["turns"] - 1  # a turn follows calls
