@@ -14,10 +14,11 @@ sequence rejoins the batch:
 - ``variable``: as ``no_sleep``, its decode steps only as large as needed (not batch-invariant).
 
 Every side but ``variable`` decodes batch-invariant steps (``TorchEngine(batch_invariant=True)``:
-one shape for every step, each prompt prefilled alone), so ``sleep`` and ``no_sleep`` make the
-same trajectories to the last bit, whichever sequences share a step (checked:
-``same_trajectories``); ``prefill`` and ``variable`` compute the same sequences with other
-roundings, so their trajectories may part from those after a near-tie.
+one shape for every step, each prompt prefilled alone), meant to make ``sleep`` and
+``no_sleep`` the same trajectories to the last bit whichever sequences share a step;
+``same_trajectories`` reports whether they were (on SmolLM2 they were not yet: docs/agentic.md).
+The sides' sampled tokens differ by well under 1% then, so their rates still compare;
+``prefill`` and ``variable`` compute the same sequences with other roundings.
 
 Figures: sampled tokens per second of the whole call (tails included), ``sleep / no_sleep``
 (generation does not wait on tools when it is near 1; the bar is 0.8), ``park / prefill``

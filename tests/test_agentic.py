@@ -19,7 +19,7 @@ PRESET = "agentic/tool_arith_tiny"
 @pytest.mark.parametrize("overrides, key", [
     (["tools.names=[]"], "tools.names"),
     (["tools.names=[no_such_module:tool]"], "tools.names"),
-    (["rollout.backend=vllm"], "rollout.backend"),
+    (["tools.timeout_s=0"], "tools.timeout_s"),
     (["rollout.max_total_tokens=16"], "rollout.max_total_tokens"),
     (["tools.max_turns=0"], "tools.max_turns"),
 ])

@@ -524,3 +524,41 @@ def test_the_rollout_sleeps_only_when_its_device_is_shared(fake_vllm):
     assert llm.calls[7:] == [("wake_up", ["weights"])]
     seeds = [p.seed for p in llm.llm_engine.params]
     assert len(set(seeds)) == len(seeds)  # one seed per prompt, n apart
+
+
+def test_turns_are_requests_of_their_own_the_trajectory_so_far_their_prompt(fake_vllm):
+    """Multi-turn: each sample a request per turn (n=1, its own seed per turn); a turn's end asks
+    the hook, whose answer is appended (mask False, log-prob 0) and the next turn's request is
+    the whole trajectory so far; a sample with no answer is done; the bounds hold."""
+    from concurrent.futures import Future
+
+    from m2flow.engines import SamplingParams
+
+    model, tok = load_lm("tiny-llama")
+    engine = build_engine("vllm", model, tok)
+    asked = []
+
+    def hook(end):
+        asked.append(end)
+        if end.turns == 2 or end.sample_index == 1:
+            return None
+        answer = Future()
+        answer.set_result([7, 8])
+        return answer
+
+    params = SamplingParams(n=2, max_new_tokens=5, seed=4, max_total_tokens=40)
+    groups = list(engine.generate([[10, 11], [20]], params, turn_ended=hook))
+    out = {(c.prompt_index, c.sample_index): c for g in groups for c in g}
+    assert sorted(out) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # the fake's turn is [last context token, 3]: sample 0 took two turns, sample 1 one
+    assert out[0, 0].token_ids == [11, 3, 7, 8, 8, 3] and out[0, 0].turns == 2
+    assert out[0, 0].mask == [True, True, False, False, True, True]
+    assert out[0, 0].logprobs.tolist() == [-0.25, -0.5, 0.0, 0.0, -0.25, -0.5]
+    assert out[0, 1].token_ids == [11, 3] and out[0, 1].mask is None and out[0, 1].turns == 1
+    sent = engine.llm.llm_engine.params
+    assert all(p.n == 1 for p in sent) and len(sent) == 6  # 4 samples' first turns, 2 second turns
+    assert len({p.seed for p in sent}) == 6  # a seed per sample and turn
+    assert [e.turn_ids for e in asked if e.turns == 2] == [[8, 3], [8, 3]]
+    # a bound: the answer would not fit, the sample ends at "length" without it
+    (group,) = engine.generate([[10, 11]], SamplingParams(n=1, max_new_tokens=5, max_total_tokens=6), turn_ended=hook)
+    assert group[0].token_ids == [11, 3] and group[0].finish_reason == "length" and group[0].mask is None

@@ -32,6 +32,14 @@ against fakes of those interfaces (``tests/test_vllm_engine.py``). How it uses v
   vLLM renormalises over the kept tokens, so values differ from TorchEngine's.
 - Seeds. Prompt i gets ``seed + i * n`` (vLLM gives its n samples ``seed + j``); with
   ``seed=None`` the base seed is drawn from torch's global RNG, as in TorchEngine.
+- Turns (``turn_ended``, multi-turn with tools). Each sample is a request of its own (n=1), so
+  that one can wait for its tools while the others go on; when its turn's request finishes,
+  the hook is asked, and once its answer is in, the sample's next turn is a new request whose
+  prompt is the whole trajectory so far (vLLM's prefix caching, on by default in its V1
+  engine, finds the earlier turns' KV blocks, so only the appended tokens are computed). Each
+  turn's request has its own seed, from the call's seed, the prompt, the sample and the turn:
+  the sample draws the same whatever the tools' timing (as far as vLLM's batching leaves its
+  logits alone).
 """
 
 from __future__ import annotations
@@ -40,10 +48,12 @@ import itertools
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
 
 import torch
 
-from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, validate_prompts
+from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, TurnEnd, validate_prompts
 from m2flow.engines.weights import weights_hash
 
 GPU_MEMORY_UTILIZATION = 0.5  # the default share of the GPU: room for a collocated actor
@@ -96,8 +106,11 @@ class VLLMEngine(GenerationEngine):
 
     # -- the GenerationEngine contract -------------------------------------------------
 
+    takes_turns = True
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 between: Callable[[], None] | None = None) -> Iterator[list[Completion]]:
+                 between: Callable[[], None] | None = None,
+                 turn_ended: Callable[[TurnEnd], Future | None] | None = None) -> Iterator[list[Completion]]:
         if between is not None:
             raise NotImplementedError("weights updated while sequences are in flight (rollout.partial=true) need "
                                       "rollout.backend=torch")
@@ -106,6 +119,12 @@ class VLLMEngine(GenerationEngine):
         checked = validate_prompts(prompts, self.config.vocab_size,
                                    getattr(self.config, "max_position_embeddings", None))
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+        if turn_ended is not None:
+            bounds = [b for b in (params.max_total_tokens, getattr(self.config, "max_position_embeddings", None)) if b]
+            if not bounds:
+                raise ValueError("a call that takes turns needs params.max_total_tokens: the model's context length "
+                                 "is not known")
+            return self._generate_turns(checked, params, seed, turn_ended, min(bounds))
         return self._generate(checked, params, seed)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
@@ -180,12 +199,97 @@ class VLLMEngine(GenerationEngine):
             if pending:  # the caller stopped early: the rest must not run into the next call
                 engine.abort_request(list(pending))
 
+    def _generate_turns(self, prompts: list[list[int]], params: SamplingParams, seed: int,
+                        turn_ended: Callable[[TurnEnd], Future | None], limit: int) -> Iterator[list[Completion]]:
+        """Each sample a request per turn; between its turns it waits for its tools' answer (see
+        the module docstring). Groups come out as in ``_generate``."""
+        engine = self.llm.llm_engine
+        pending: dict[str, _Trajectory] = {}
+        tools: dict[Future, _Trajectory] = {}
+        groups: dict[int, list[Completion]] = {}
+
+        def submit(t: _Trajectory) -> None:
+            request_id = f"m2flow-{next(self.request_ids)}"
+            pending[request_id] = t
+            context = t.prompt + t.tokens
+            engine.add_request(request_id, {"prompt_token_ids": context}, self.vllm.SamplingParams(
+                n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                max_tokens=min(params.max_new_tokens, limit - len(context)), stop=list(params.stop),
+                include_stop_str_in_output=True, seed=(seed * 1_000_003 + t.prompt_index * 10_007 + t.sample_index
+                                                       * 101 + t.turns) % 2**63,
+                logprobs=0, skip_special_tokens=True, output_kind=self.vllm.sampling_params.RequestOutputKind.FINAL_ONLY))
+
+        def done(t: _Trajectory) -> Iterator[list[Completion]]:
+            group = groups.setdefault(t.prompt_index, [])
+            group.append(Completion(t.prompt_index, t.sample_index, t.tokens, torch.tensor(t.logprobs, dtype=torch.float32),
+                                    t.finish_reason, self.tokenizer.decode(t.tokens, skip_special_tokens=True),
+                                    None, t.mask if False in t.mask else None, t.turns))
+            if len(group) == params.n:
+                del groups[t.prompt_index]
+                yield sorted(group, key=lambda c: c.sample_index)
+
+        for i, prompt in enumerate(prompts):
+            for j in range(params.n):
+                submit(_Trajectory(i, j, prompt))
+        try:
+            while pending or tools:
+                if tools:  # waits only when no request is in flight
+                    answered, _ = wait(list(tools), timeout=0 if pending else None, return_when=FIRST_COMPLETED)
+                    for answer in answered:
+                        t, appended = tools.pop(answer), answer.result()
+                        room = limit - len(t.prompt) - len(t.tokens)
+                        if not appended or len(appended) >= room:
+                            t.finish_reason = "length" if appended else t.finish_reason
+                            yield from done(t)
+                            continue
+                        t.tokens += appended
+                        t.logprobs += [0.0] * len(appended)
+                        t.mask += [False] * len(appended)
+                        t.turn_start, t.turns = len(t.tokens), t.turns + 1
+                        submit(t)
+                if not pending:
+                    continue
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM holds none of the {len(pending)} requests in flight")
+                for out in engine.step():
+                    if not (out.finished and out.request_id in pending):
+                        continue
+                    t, (o,) = pending.pop(out.request_id), out.outputs
+                    t.tokens += list(o.token_ids)
+                    t.logprobs += [step[token].logprob for token, step in zip(o.token_ids, o.logprobs)]
+                    t.mask += [True] * len(o.token_ids)
+                    t.finish_reason = "length" if o.finish_reason == "length" else "stop"
+                    room = limit - len(t.prompt) - len(t.tokens)
+                    answer = turn_ended(TurnEnd(t.prompt_index, t.sample_index, t.prompt, list(t.tokens), t.turn_start,
+                                                t.finish_reason, t.turns, room)) if room > 0 else None
+                    if answer is None:
+                        yield from done(t)
+                    else:
+                        tools[answer] = t
+        finally:
+            if pending:  # the caller stopped early: the rest must not run into the next call
+                engine.abort_request(list(pending))
+
     @staticmethod
     def _completion(prompt_index: int, out) -> Completion:
         # logprobs=0: each step's dict holds just the sampled token.
         logprobs = [step[token].logprob for token, step in zip(out.token_ids, out.logprobs)]
         return Completion(prompt_index, out.index, list(out.token_ids), torch.tensor(logprobs, dtype=torch.float32),
                           "length" if out.finish_reason == "length" else "stop", out.text)
+
+
+@dataclass
+class _Trajectory:
+    """A sample that takes turns: its tokens after the prompt so far, theirs and the tools'."""
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    turn_start: int = 0
+    turns: int = 1
+    finish_reason: str = "stop"
 
 
 class WorkerExtension:

@@ -54,9 +54,9 @@ class AgenticRolloutConfig(RolloutConfig):
                                 within=AT_LEAST_1)
     resume: str = opt("park", "how a sequence whose tools answered rejoins the batch: park (its KV kept, the results "
                               "fed) | prefill (fed again whole)", choices=("park", "prefill"))
-    batch_invariant: bool = opt(True, "every decode step at one shape and every prompt prefilled alone: a seeded run "
-                                      "makes the same trajectories whatever its tools' timing (each sequence samples "
-                                      "from a random stream of its own); false: steps only as large as needed")
+    batch_invariant: bool = opt(False, "every decode step at one shape and every prompt prefilled alone, so that which "
+                                       "sequences share a step does not change a sequence's logits (docs/agentic.md: "
+                                       "what holds, and its cost); false: steps only as large as needed")
 
 
 @dataclass
@@ -75,8 +75,6 @@ def check(d: Mapping, training: bool = True) -> None:  # the rules between keys,
     except (ValueError, TypeError) as e:
         raise ConfigError("tools.names", str(e)) from None
     r = d["rollout"]
-    if r["backend"] != "torch":
-        raise ConfigError("rollout.backend", f"{r['backend']} does not take turns yet: use torch")
     if r["max_total_tokens"] <= r["max_new_tokens"]:
         raise ConfigError("rollout.max_total_tokens", f"must be above rollout.max_new_tokens={r['max_new_tokens']} "
                                                       f"(a turn's), got {r['max_total_tokens']}")
@@ -145,7 +143,7 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any
     plain, model, tokenizer = checkpoint_lm(cfg, ckpt)
     prompts = eval_prompts(cfg)
     r = plain["rollout"]
-    engine = build_engine("torch", model, tokenizer, **engine_options(r, False))
+    engine = build_engine(r["backend"], model, tokenizer, **engine_options(r, False))
     hook = tool_turns(plain, Toolbox.load(plain["tools"]["names"]), tokenizer, engine.eos_ids)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=r["max_new_tokens"], stop=tuple(r["stop"]), seed=0,
                             max_total_tokens=r["max_total_tokens"])
