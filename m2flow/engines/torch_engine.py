@@ -103,8 +103,9 @@ class TorchEngine(GenerationEngine):
     (all ``max_batch_size`` rows, the whole KV capacity) and every prompt prefilled alone, so
     that a sequence's logits do not depend on which others share its steps, to the last bit
     (at one shape a matmul's row is computed the same whatever the other rows hold; at
-    another it may round otherwise): with per-sequence random streams, a seeded multi-turn
-    call then samples the same whatever its tools' timing. ``stats`` counts the last call's
+    another it may round otherwise), and the model's attention set to run eagerly (sdpa's CPU
+    kernel rounds a row differently by its place in the batch): with per-sequence random
+    streams, a seeded multi-turn call then samples the same whatever its tools' timing. ``stats`` counts the last call's
     work."""
 
     def __init__(self, model, tokenizer, max_batch_size: int = 32, max_prefill_tokens: int = 4096,
@@ -118,6 +119,8 @@ class TorchEngine(GenerationEngine):
         attn = getattr(model.config, "_attn_implementation", "sdpa")
         if attn not in ("sdpa", "eager"):  # the engine passes its own 4D masks, which these two take as is
             raise ValueError(f"TorchEngine needs attn_implementation 'sdpa' or 'eager', the model uses {attn!r}")
+        if batch_invariant and attn == "sdpa":  # sdpa's CPU kernel rounds a row by its place in the batch
+            model.set_attn_implementation("eager")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         eos = model.generation_config.eos_token_id
