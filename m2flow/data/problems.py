@@ -91,11 +91,22 @@ def format_prompt(tokenizer: Any, question: str, instruction: str | None = DEFAU
     the generation prompt. ``system=None`` keeps the template's default system turn. ``tools``
     (their schemas): given to a template that renders them (``tools=``), else offered in a
     system turn in the hermes format (``m2flow.tools.calls.tools_prompt``)."""
-    content = f"{question}\n{instruction}" if instruction else question
+    return _render(tokenizer, question, instruction, *offer_tools(tokenizer, system, tools))
+
+
+def offer_tools(tokenizer: Any, system: str | None, tools: list[dict] | None) -> tuple[str | None, list[dict] | None]:
+    """``(system, tools)`` as the template takes them: the tools as they are where it renders
+    them, else offered in the system turn (hermes) and no ``tools=``."""
     if tools and not takes_tools(tokenizer):
         from m2flow.tools.calls import tools_prompt
 
-        system, tools = tools_prompt(tools) + (f"\n\n{system}" if system else ""), None
+        return tools_prompt(tools) + (f"\n\n{system}" if system else ""), None
+    return system, tools
+
+
+def _render(tokenizer: Any, question: str, instruction: str | None, system: str | None,
+            tools: list[dict] | None) -> str:
+    content = f"{question}\n{instruction}" if instruction else question
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": content}
     ]
@@ -117,8 +128,9 @@ def takes_tools(tokenizer: Any) -> bool:
 def build_prompts(problems: Iterable[Problem], tokenizer: Any, instruction: str | None = DEFAULT_INSTRUCTION,
                   system: str | None = None, tools: list[dict] | None = None) -> list[Prompt]:
     prompts = []
+    system, tools = offer_tools(tokenizer, system, tools)  # once: it probes the template
     for p in problems:
-        text = format_prompt(tokenizer, p.question, instruction, system, tools)
+        text = _render(tokenizer, p.question, instruction, system, tools)
         # The template already wrote any BOS token into the text.
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts.append(Prompt(p, text, tuple(ids)))
