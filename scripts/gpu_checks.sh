@@ -5,6 +5,11 @@
 #   bash scripts/gpu_checks.sh OUT_DIR [PART ...]
 #
 # parts, in this order by default:
+#   agentic the multi-turn engine's tests on the GPU (tests/test_turns.py: parked and prefilled
+#           sequences, batch-invariant steps as CUDA graphs) and the agentic flow's tests; the
+#           tiny agentic preset trained on the GPU, its checkpoint evaluated (m2flow eval), and
+#           the preset again under placement=auto over the GPU made two devices, and
+#           disaggregated there one step ahead (weights reach the rollout between decode steps)
 #   tests   the CUDA tests: devices, CUDA IPC and NCCL (tests/test_gpu.py); the engine's
 #           decode steps as CUDA graphs, with weights taken in flight and prompts joining a
 #           call in progress (tests/test_engine.py)
@@ -16,13 +21,13 @@
 #           runs/gpu/pairs.jsonl) keeps each side as it ends, so a pair cut short by its time
 #           limit is finished by running this part again
 #
-# Each part has a time limit (TESTS_S, ENGINE_S, PAIR_S seconds) and a part that fails or runs
+# Each part has a time limit (AGENTIC_S, TESTS_S, ENGINE_S, PAIR_S seconds, for each command) and a part that fails or runs
 # out does not stop the next; the script's status is that of the last part that failed.
 # SEED picks the pair's seed (default 3), PYTHON the interpreter.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [tests] [engine] [pair]}
+out=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [agentic] [tests] [engine] [pair]}
 shift
-parts=${*:-tests engine pair}
+parts=${*:-agentic tests engine pair}
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
@@ -49,6 +54,22 @@ run() {  # run NAME LIMIT_S COMMAND...: output to OUT_DIR/NAME.log
 
 for part in $parts; do
     case $part in
+    agentic)
+        runs=${RUNS:-runs/gpu}
+        run agentic "${AGENTIC_S:-300}" "$py" -m pytest -q -p no:cacheprovider -rs tests/test_turns.py \
+            tests/test_agentic.py
+        run agentic "${AGENTIC_S:-300}" "$py" -m m2flow train agentic/tool_arith_tiny \
+            runner.out_dir="$runs/tool_arith_tiny"
+        run agentic "${AGENTIC_S:-300}" "$py" -m m2flow eval agentic/tool_arith_tiny checkpoint=auto \
+            runner.out_dir="$runs/tool_arith_tiny" out="$out/agentic_eval.json"
+        run agentic "${AGENTIC_S:-300}" "$py" -m m2flow train agentic/tool_arith_tiny placement=auto \
+            cluster.gpu_slots=2 runner.out_dir="$runs/tool_arith_tiny_auto"
+        run agentic "${AGENTIC_S:-300}" "$py" -m m2flow train agentic/tool_arith_tiny placement.mode=disaggregated \
+            cluster.gpu_slots=2 runner.max_staleness=1 runner.steps=6 runner.out_dir="$runs/tool_arith_tiny_ahead"
+        cp "$runs/tool_arith_tiny_ahead/metrics.csv" "$out/agentic_ahead_metrics.csv" 2>/dev/null
+        cp "$runs/tool_arith_tiny/metrics.csv" "$out/agentic_metrics.csv" 2>/dev/null
+        cp "$runs/tool_arith_tiny_auto/metrics.csv" "$out/agentic_auto_metrics.csv" 2>/dev/null
+        ;;
     tests)
         run tests "${TESTS_S:-300}" "$py" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
         run tests "${TESTS_S:-300}" "$py" -m pytest -q -p no:cacheprovider -rs tests/test_engine.py \
@@ -67,7 +88,7 @@ for part in $parts; do
         cp "$journal" "$out/" 2>/dev/null
         ;;
     *)
-        echo "unknown part $part: tests, engine or pair" >&2
+        echo "unknown part $part: agentic, tests, engine or pair" >&2
         exit 2
         ;;
     esac

@@ -20,9 +20,17 @@ from test_engine import lively_lm, make_prompts, reference_logprobs
 STOPS = tuple("abcdefghij")  # likely characters: turns end at different steps
 
 
-@pytest.fixture(scope="module")
-def lm():
-    return lively_lm("tiny-llama")
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def lm(request):
+    """The tiny model on the CPU, and on a GPU where there is one (there, batch-invariant steps
+    replay CUDA graphs)."""
+    model, tok = lively_lm("tiny-llama")
+    return model.to(request.param), tok
+
+
+def graphs(model) -> bool:
+    return model.device.type == "cuda"
 
 
 class ScriptedTools:
@@ -86,7 +94,7 @@ def test_sampled_tokens_are_exact_and_appended_ones_are_marked(lm, resume):
         assert (c.logprobs[~sampled] == 0).all() and all((v == -1) != m for v, m in zip(c.versions, c.mask))
         # the log-probs of the sampled tokens are those of one plain forward over the trajectory
         ref, ids = reference_logprobs(model, prompts[p], c.token_ids, 0.9)
-        expected = ref.gather(1, ids[:, None]).squeeze(1)
+        expected = ref.gather(1, ids[:, None]).squeeze(1).cpu()
         torch.testing.assert_close(c.logprobs[sampled], expected[sampled], atol=2e-5, rtol=0)
 
 
@@ -99,7 +107,8 @@ def test_a_seeded_call_samples_the_same_whatever_the_tools_timing(lm, resume):
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, stop=STOPS, seed=11, max_total_tokens=160)
     runs = []
     for delays in ((0.0,), (0.0, 0.03, 0.001), (0.02, 0.0)):
-        engine = TorchEngine(model, tok, max_batch_size=3, resume=resume, batch_invariant=True)
+        engine = TorchEngine(model, tok, max_batch_size=3, resume=resume, batch_invariant=True,
+                             cuda_graphs=graphs(model))
         rng = random.Random(len(runs))
         out = run(engine, prompts, params, ScriptedTools(tok, turns=3, delay=lambda end: rng.choice(delays)))
         runs.append({k: (c.token_ids, c.logprobs.tolist()) for k, c in out.items()})
@@ -110,7 +119,7 @@ def test_a_seeded_call_samples_the_same_whatever_the_tools_timing(lm, resume):
 def test_batch_invariant_steps_are_exact(lm):
     """At one shape, the log-probs are still those of a plain forward."""
     model, tok = lm
-    engine = TorchEngine(model, tok, max_batch_size=4, batch_invariant=True)
+    engine = TorchEngine(model, tok, max_batch_size=4, batch_invariant=True, cuda_graphs=graphs(model))
     prompts = make_prompts([5, 19, 11])
     params = SamplingParams(n=2, temperature=0.9, max_new_tokens=12, stop=STOPS, seed=3, max_total_tokens=200)
     out = run(engine, prompts, params, ScriptedTools(tok, turns=2))
@@ -118,7 +127,7 @@ def test_batch_invariant_steps_are_exact(lm):
     for (p, _), c in out.items():
         sampled = torch.tensor(c.mask if c.mask else [True] * len(c.token_ids))
         ref, ids = reference_logprobs(model, prompts[p], c.token_ids, 0.9)
-        torch.testing.assert_close(c.logprobs[sampled], ref.gather(1, ids[:, None]).squeeze(1)[sampled], atol=2e-5,
+        torch.testing.assert_close(c.logprobs[sampled], ref.gather(1, ids[:, None]).squeeze(1).cpu()[sampled], atol=2e-5,
                                    rtol=0)
 
 
