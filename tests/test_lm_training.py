@@ -458,7 +458,7 @@ def test_data_parallel_matches_one_process(data_parallel, shard):
     uneven = (snapshot(model), (first["grad_norm"] + second["grad_norm"]) / 2, (first["loss"] + second["loss"]) / 2)
 
     for key, (weights, grad_norm, loss) in (("even", even), ("uneven", uneven)):
-        (w0, h0, s0), (w1, h1, s1) = ranks[0][key], ranks[1][key]
+        (w0, h0, s0), (_, h1, s1) = ranks[0][key], ranks[1][key]
         assert h0 == h1  # bit-identical replicas
         assert s0["optimizer_steps"] == s1["optimizer_steps"] == (4 if key == "even" else 2)
         # Adam hides a constant gradient scale in the weights; the norm does not.
