@@ -214,7 +214,7 @@ def test_a_stored_profile_that_does_not_load_is_measured_again(tmp_path, monkeyp
     path = tmp_path / "profile.json"
     cfg = load_config("embodied/ppo_cartpole", ["cluster.cpu_slots=2", f"placement.profile={path}"])
     fresh = Profile(key="k", hardware={"cpu": "x"}, points=[], profiling_s=1.5)
-    monkeypatch.setattr(profiling, "profile", lambda cfg, cluster, log: dataclasses.replace(fresh))
+    monkeypatch.setattr(profiling, "profile", lambda cfg, cluster, log, pool=None: dataclasses.replace(fresh))
     for text in ('{"key": "k", "hardware": {"cp', '{"points": 3}', "[]"):
         path.write_text(text)
         with pytest.raises(ProfileError, match="profile.json holds no profile"):

@@ -122,7 +122,7 @@ def test_a_run_whose_simulator_hangs_stops_with_a_report(cluster, tmp_path):
     assert (ended["state"], ended["done"]) == ("hung", 1) and ended["message"].endswith(f"report: {report}")
 
 
-def test_deaths_in_a_row_end_the_run_in_a_paragraph(cluster, tmp_path):
+def test_deaths_in_a_row_end_the_run_in_a_paragraph(cluster, pool, tmp_path):
     """The env workers' processes end at the 20th step of each of their lives, in the first
     update, with ``runner.max_restarts=1``: no checkpoint comes between the deaths, so the
     second ends the run in one paragraph (deaths with checkpoints between go on:
@@ -131,7 +131,7 @@ def test_deaths_in_a_row_end_the_run_in_a_paragraph(cluster, tmp_path):
                  "algorithm.minibatch_size=32", *TWO_SLOTS, "runner.total_env_steps=1024",
                  "runner.checkpoint_every=1", "runner.max_restarts=1", "runner.progress=false",
                  f"runner.out_dir={tmp_path}"]  # 8 updates
-    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster, pool)
     try:
         with pytest.raises(RunFailed) as failed:
             runner.train()

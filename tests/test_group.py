@@ -325,6 +325,36 @@ def test_a_pool_reuses_processes_re_pins_them_and_drops_their_state(cluster):
             ray.get_actor(name, namespace="m2flow")
 
 
+def test_a_pooled_group_whose_rank_died_starts_anew_only_that_rank(cluster):
+    """What a run's restart does: the living rank goes back to the pool, the dead one is ended,
+    and the group made again at once (the dead rank's name maybe not yet free) takes the living
+    process and starts a new one in the dead one's place. A pool handed to one run ends, once
+    that run's groups started, the processes they left idle."""
+    import signal
+
+    import ray
+
+    from m2flow.runtime.pool import WorkerPool
+
+    pool = WorkerPool(for_one_run=True)
+    two = Placement.from_config({"again": "0-1"}, cluster)["again"]
+    first = WorkerGroup(Echo, two, name="again", pool=pool)
+    pids = first.pids()
+    os.kill(pids[1], signal.SIGKILL)
+    first.shutdown()
+    second = WorkerGroup(Echo, two, kwargs={"scale": 2}, name="again", pool=pool)
+    again = second.pids()
+    assert again[0] == pids[0] and again[1] not in pids
+    assert second.times(3).wait() == [6, 6]
+    spare = WorkerGroup(Echo, Placement.from_config({"spare": "0"}, cluster)["spare"], name="spare", pool=pool)
+    spare.shutdown()  # idle in the pool
+    pool.started()
+    with pytest.raises(ValueError):
+        ray.get_actor("spare:0", namespace="m2flow")
+    second.shutdown()
+    pool.close()
+
+
 def test_where_slots_share_cores_a_process_computes_with_its_share_of_them(cluster):
     """The fixture's 4 slots over 2 cores are half a core each: a process on two of them is
     pinned to both cores (slot s pins core s mod 2) but computes with one thread, as a process

@@ -75,12 +75,12 @@ def test_select_keeps_each_groups_best_above_the_floor():
     assert out.items[0].extras["reward"].tolist() == pytest.approx([0.9, 0.3, 0.45, 0.4])
 
 
-def test_it_survives_a_killed_worker(cluster, tmp_path):
+def test_it_survives_a_killed_worker(cluster, pool, tmp_path):
     """The select worker (the flow's own component) killed after step 2's checkpoint: the run
     starts its groups again from it and trains steps 1-5 once each."""
     overrides = ["runner.steps=5", "runner.checkpoint_every=1"]
     history, _, killed = _run(FLOW.runner, PRESET, overrides, cluster, tmp_path,
-                              kills=[("step_000002.safetensors", "select", 0)])
+                              kills=[("step_000002.safetensors", "select", 0)], pool=pool)
     assert killed == [("select", 0)]
     assert "restart 1 of at most 3: select-" in (tmp_path / "log.txt").read_text()
     assert [row["step"] for row in history if not math.isnan(row.get("step_s", math.nan))] == [1, 2, 3, 4, 5]

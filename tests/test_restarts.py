@@ -55,9 +55,8 @@ class Killer(threading.Thread):
 
 def _run(runner_cls, preset, overrides, cluster, out, kills=(), keep=None, pool=None):
     """The run's history, its actor's weights hash and what was killed; ``keep``: a dict that
-    gets the runner's metrics. ``pool``: for an undisturbed run only (a killed process is no
-    pool's)."""
-    assert pool is None or not kills
+    gets the runner's metrics; ``pool``: the tests' shared processes (a killed one is replaced
+    in it)."""
     runner = runner_cls(load_config(preset, [*overrides, f"runner.out_dir={out}", "runner.progress=false"]), cluster,
                         pool)
     killer = Killer(runner, out, kills)
@@ -81,7 +80,8 @@ def test_embodied_run_survives_an_env_worker_and_an_actor_rank_killed(cluster, p
     straight, weights, _ = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "a",
                                 pool=pool)
     history, hit, killed = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "b",
-                                kills=[("update_000002.safetensors", "env", 0), ("update_000005.safetensors", "actor", 1)])
+                                kills=[("update_000002.safetensors", "env", 0), ("update_000005.safetensors", "actor", 1)],
+                                pool=pool)
     assert killed == [("env", 0), ("actor", 1)]
     log = (tmp_path / "b" / "log.txt").read_text()
     assert log.count("restart ") == 2 and "restart 1 of at most 1: env-" in log and " rank 0 died in " in log
@@ -174,7 +174,7 @@ def test_embodied_async_run_survives_a_rollout_worker_killed(cluster, pool, tmp_
     straight, weights, _ = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "a",
                                 pool=pool)
     history, hit, killed = _run(EmbodiedRunner, "embodied/ppo_cartpole", overrides, cluster, tmp_path / "b",
-                                kills=[("update_000004.safetensors", "env", 1)])
+                                kills=[("update_000004.safetensors", "env", 1)], pool=pool)
     assert killed == [("env", 1)]
     assert (tmp_path / "b" / "log.txt").read_text().count("restart ") == 1
     assert [row["update"] for row in history] == list(range(8))
@@ -190,7 +190,8 @@ def test_reasoning_run_survives_the_rollout_and_an_actor_rank_killed(cluster, po
     straight, weights, _ = _run(ReasoningRunner, "reasoning/grpo_arith_tiny", overrides, cluster, tmp_path / "a",
                                 pool=pool)
     history, hit, killed = _run(ReasoningRunner, "reasoning/grpo_arith_tiny", overrides, cluster, tmp_path / "b",
-                                kills=[("step_000001.safetensors", "rollout", 0), ("step_000003.safetensors", "actor", 0)])
+                                kills=[("step_000001.safetensors", "rollout", 0), ("step_000003.safetensors", "actor", 0)],
+                                pool=pool)
     assert killed == [("rollout", 0), ("actor", 0)]
     log = (tmp_path / "b" / "log.txt").read_text()
     assert "restart 1 of at most 3: rollout-" in log  # then the actor's, after checkpoints or at once

@@ -23,12 +23,12 @@ def _start_overrides(tmp_path, *more):
             "runner.total_env_steps=256", "runner.progress=false", f"runner.out_dir={tmp_path / 'run'}", *more]
 
 
-def test_a_worker_that_dies_while_the_run_starts_is_started_again(cluster, tmp_path):
+def test_a_worker_that_dies_while_the_run_starts_is_started_again(cluster, pool, tmp_path):
     """An env worker's process ends in its constructor, once (a simulator that crashes as it is
     made): every group starts again, counted as a restart of the run's budget, and the run
     finishes (before, the run ended while it started)."""
     overrides = _start_overrides(tmp_path, "runner.max_restarts=1")  # 2 updates
-    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster)
+    runner = EmbodiedRunner(load_config("embodied/ppo_cartpole", overrides), cluster, pool)
     try:
         history = runner.train()
     finally:

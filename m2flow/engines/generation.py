@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,6 +87,67 @@ class TurnEnd:
     @property
     def turn_ids(self) -> list[int]:
         return self.token_ids[self.turn_start:]
+
+
+def sequence_seed(seed: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
+    """The seed of one sample's own random stream in a call that takes turns (``turn``: of one
+    of its turns, for an engine that seeds each turn's request): the same for the same call
+    seed, prompt and sample, whichever other sequences share its steps."""
+    return (seed * 1_000_003 + prompt_index * 10_007 + sample_index * 101 + turn) % 2**63
+
+
+@dataclass
+class SampleInFlight:
+    """A sample while it is generated, over its turns: the tokens after the prompt so far (the
+    model's and its tools'), each one's log-prob (0: not sampled) and weights version (-1: not
+    sampled), and, once a tool's answer was appended, whether the model sampled each."""
+
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # of the last turn, once it is over
+    mask: list[bool] | None = None    # made when a turn first appends tokens
+    turn_start: int = 0               # where the current turn's tokens begin
+    turns: int = 1
+
+    def room(self, limit: int) -> int:
+        """The tokens it may still grow by under ``limit`` (prompt and tokens together)."""
+        return limit - len(self.prompt) - len(self.tokens)
+
+    def add_sampled(self, tokens: list[int], logprobs: list[float], version: int) -> None:
+        self.tokens += tokens
+        self.logprobs += logprobs
+        self.versions += [version] * len(tokens)
+        if self.mask is not None:
+            self.mask += [True] * len(tokens)
+
+    def turn_end(self, limit: int) -> TurnEnd:
+        return TurnEnd(self.prompt_index, self.sample_index, self.prompt, list(self.tokens), self.turn_start,
+                       self.finish_reason, self.turns, self.room(limit))
+
+    def take_answer(self, appended: list[int] | None, limit: int) -> bool:
+        """Appends a tool's answer and starts the next turn: True. False when the answer ends
+        the sample instead: none (done after all), or more tokens than leave room to sample one
+        after them (it ends at "length")."""
+        if not appended or len(appended) >= self.room(limit):
+            self.finish_reason = "length" if appended else self.finish_reason
+            return False
+        if self.mask is None:
+            self.mask = [True] * len(self.tokens)
+        self.tokens += appended
+        self.logprobs += [0.0] * len(appended)
+        self.versions += [-1] * len(appended)
+        self.mask += [False] * len(appended)
+        self.turn_start, self.turns, self.finish_reason = len(self.tokens), self.turns + 1, None
+        return True
+
+    def completion(self, text: str, with_versions: bool = True) -> Completion:
+        return Completion(self.prompt_index, self.sample_index, self.tokens,
+                          torch.tensor(self.logprobs, dtype=torch.float32), self.finish_reason, text,
+                          self.versions if with_versions else None, self.mask, self.turns)
 
 
 class GenerationEngine(ABC):

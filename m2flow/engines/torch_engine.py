@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -53,7 +53,8 @@ from transformers.cache_utils import DynamicCache
 from m2flow.engines.decode_graphs import DecodeGraphs
 from m2flow.engines.kv_slots import SlotKVCache
 from m2flow.engines.sampling import sample_tokens
-from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, TurnEnd, validate_prompts
+from m2flow.engines.generation import (Completion, GenerationEngine, SampleInFlight, SamplingParams, TurnEnd,
+                                      sequence_seed, validate_prompts)
 from m2flow.engines.scoring import kv_cache_of, with_kv_cache
 from m2flow.engines.weights import weights_hash
 
@@ -63,19 +64,8 @@ TurnEnded = Callable[[TurnEnd], "Future[list[int] | None] | None"]
 
 
 @dataclass
-class _Sequence:
-    prompt_index: int
-    sample_index: int
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    # -- multi-turn (a call with ``turn_ended``) --
-    generator: torch.Generator | None = None  # its own random stream
-    mask: list[bool] | None = None            # made when a turn first appends tokens
-    turn_start: int = 0                       # where the current turn's tokens begin
-    turns: int = 1
+class _Sequence(SampleInFlight):
+    generator: torch.Generator | None = None  # its own random stream (a call that takes turns)
     parked: LayerKV | None = None             # its KV while its tools run (rollout.resume="park")
 
     @property
@@ -311,7 +301,7 @@ class TorchEngine(GenerationEngine):
     def _stream(self, seed: int, prompt_index: int, sample_index: int) -> torch.Generator:
         """A sequence's own random stream: the same for the same seed, prompt and sample."""
         stream = torch.Generator(device=self.device)
-        stream.manual_seed((seed * 1_000_003 + prompt_index * 10_007 + sample_index) % 2**63)
+        stream.manual_seed(sequence_seed(seed, prompt_index, sample_index))
         return stream
 
     def _row_kv(self, row: int, length: int) -> Callable[[], LayerKV]:
@@ -325,11 +315,10 @@ class TorchEngine(GenerationEngine):
         its KV, ``layer_kv``, parked)."""
         if turn_ended is None:
             return True
-        room = self._limit(params) - seq.prompt_length - len(seq.tokens)
-        if room <= 0:
+        limit = self._limit(params)
+        if seq.room(limit) <= 0:
             return True
-        answer = turn_ended(TurnEnd(seq.prompt_index, seq.sample_index, seq.prompt, list(seq.tokens), seq.turn_start,
-                                    seq.finish_reason, seq.turns, room))
+        answer = turn_ended(seq.turn_end(limit))
         if answer is None:
             return True
         if self.resume == "park":
@@ -347,21 +336,11 @@ class TorchEngine(GenerationEngine):
         finished = []
         for answer in sorted(done, key=lambda f: (tools[f].prompt_index, tools[f].sample_index)):
             seq = tools.pop(answer)
-            appended = answer.result()  # a hook that raises is a bug: the call ends with it
-            room = self._limit(params) - seq.prompt_length - len(seq.tokens)
-            if not appended or len(appended) >= room:  # no room left to sample a token after them
-                seq.finish_reason = "length" if appended else seq.finish_reason
+            if seq.take_answer(answer.result(), self._limit(params)):  # a hook's error (a bug) ends the call
+                resumed.append(seq)
+            else:
                 seq.parked = None
                 finished.append(seq)
-                continue
-            if seq.mask is None:
-                seq.mask = [True] * len(seq.tokens)
-            seq.tokens += appended
-            seq.logprobs += [0.0] * len(appended)
-            seq.versions += [-1] * len(appended)
-            seq.mask += [False] * len(appended)
-            seq.turn_start, seq.turns, seq.finish_reason = len(seq.tokens), seq.turns + 1, None
-            resumed.append(seq)
         return finished
 
     def _extend(self, seq: _Sequence) -> tuple[LayerKV, torch.Tensor]:
@@ -481,10 +460,7 @@ class TorchEngine(GenerationEngine):
 
     def _collect(self, seq: _Sequence, groups: dict[int, list[Completion]], params: SamplingParams):
         group = groups.setdefault(seq.prompt_index, [])
-        group.append(Completion(seq.prompt_index, seq.sample_index, seq.tokens,
-                                torch.tensor(seq.logprobs, dtype=torch.float32), seq.finish_reason,
-                                self.tokenizer.decode(seq.tokens, skip_special_tokens=True), seq.versions,
-                                seq.mask, seq.turns))
+        group.append(seq.completion(self.tokenizer.decode(seq.tokens, skip_special_tokens=True)))
         if len(group) == params.n:
             del groups[seq.prompt_index]
             yield sorted(group, key=lambda c: c.sample_index)

@@ -49,11 +49,11 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 
 import torch
 
-from m2flow.engines.generation import Completion, GenerationEngine, SamplingParams, TurnEnd, validate_prompts
+from m2flow.engines.generation import (Completion, GenerationEngine, SampleInFlight, SamplingParams, TurnEnd,
+                                      sequence_seed, validate_prompts)
 from m2flow.engines.weights import weights_hash
 
 GPU_MEMORY_UTILIZATION = 0.5  # the default share of the GPU: room for a collocated actor
@@ -204,49 +204,40 @@ class VLLMEngine(GenerationEngine):
         """Each sample a request per turn; between its turns it waits for its tools' answer (see
         the module docstring). Groups come out as in ``_generate``."""
         engine = self.llm.llm_engine
-        pending: dict[str, _Trajectory] = {}
-        tools: dict[Future, _Trajectory] = {}
+        pending: dict[str, SampleInFlight] = {}
+        tools: dict[Future, SampleInFlight] = {}
         groups: dict[int, list[Completion]] = {}
 
-        def submit(t: _Trajectory) -> None:
+        def submit(t: SampleInFlight) -> None:
             request_id = f"m2flow-{next(self.request_ids)}"
             pending[request_id] = t
             context = t.prompt + t.tokens
             engine.add_request(request_id, {"prompt_token_ids": context}, self.vllm.SamplingParams(
                 n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                 max_tokens=min(params.max_new_tokens, limit - len(context)), stop=list(params.stop),
-                include_stop_str_in_output=True, seed=(seed * 1_000_003 + t.prompt_index * 10_007 + t.sample_index
-                                                       * 101 + t.turns) % 2**63,
+                include_stop_str_in_output=True, seed=sequence_seed(seed, t.prompt_index, t.sample_index, t.turns),
                 logprobs=0, skip_special_tokens=True, output_kind=self.vllm.sampling_params.RequestOutputKind.FINAL_ONLY))
 
-        def done(t: _Trajectory) -> Iterator[list[Completion]]:
+        def done(t: SampleInFlight) -> Iterator[list[Completion]]:
             group = groups.setdefault(t.prompt_index, [])
-            group.append(Completion(t.prompt_index, t.sample_index, t.tokens, torch.tensor(t.logprobs, dtype=torch.float32),
-                                    t.finish_reason, self.tokenizer.decode(t.tokens, skip_special_tokens=True),
-                                    None, t.mask if False in t.mask else None, t.turns))
+            group.append(t.completion(self.tokenizer.decode(t.tokens, skip_special_tokens=True), with_versions=False))
             if len(group) == params.n:
                 del groups[t.prompt_index]
                 yield sorted(group, key=lambda c: c.sample_index)
 
         for i, prompt in enumerate(prompts):
             for j in range(params.n):
-                submit(_Trajectory(i, j, prompt))
+                submit(SampleInFlight(i, j, prompt))
         try:
             while pending or tools:
                 if tools:  # waits only when no request is in flight
                     answered, _ = wait(list(tools), timeout=0 if pending else None, return_when=FIRST_COMPLETED)
                     for answer in answered:
-                        t, appended = tools.pop(answer), answer.result()
-                        room = limit - len(t.prompt) - len(t.tokens)
-                        if not appended or len(appended) >= room:
-                            t.finish_reason = "length" if appended else t.finish_reason
+                        t = tools.pop(answer)
+                        if t.take_answer(answer.result(), limit):
+                            submit(t)
+                        else:
                             yield from done(t)
-                            continue
-                        t.tokens += appended
-                        t.logprobs += [0.0] * len(appended)
-                        t.mask += [False] * len(appended)
-                        t.turn_start, t.turns = len(t.tokens), t.turns + 1
-                        submit(t)
                 if not pending:
                     continue
                 if not engine.has_unfinished_requests():
@@ -255,13 +246,10 @@ class VLLMEngine(GenerationEngine):
                     if not (out.finished and out.request_id in pending):
                         continue
                     t, (o,) = pending.pop(out.request_id), out.outputs
-                    t.tokens += list(o.token_ids)
-                    t.logprobs += [step[token].logprob for token, step in zip(o.token_ids, o.logprobs)]
-                    t.mask += [True] * len(o.token_ids)
+                    t.add_sampled(list(o.token_ids), [step[token].logprob for token, step in zip(o.token_ids, o.logprobs)],
+                                  version=0)  # dropped: done() leaves the versions out
                     t.finish_reason = "length" if o.finish_reason == "length" else "stop"
-                    room = limit - len(t.prompt) - len(t.tokens)
-                    answer = turn_ended(TurnEnd(t.prompt_index, t.sample_index, t.prompt, list(t.tokens), t.turn_start,
-                                                t.finish_reason, t.turns, room)) if room > 0 else None
+                    answer = turn_ended(t.turn_end(limit)) if t.room(limit) > 0 else None
                     if answer is None:
                         yield from done(t)
                     else:
@@ -276,20 +264,6 @@ class VLLMEngine(GenerationEngine):
         logprobs = [step[token].logprob for token, step in zip(out.token_ids, out.logprobs)]
         return Completion(prompt_index, out.index, list(out.token_ids), torch.tensor(logprobs, dtype=torch.float32),
                           "length" if out.finish_reason == "length" else "stop", out.text)
-
-
-@dataclass
-class _Trajectory:
-    """A sample that takes turns: its tokens after the prompt so far, theirs and the tools'."""
-    prompt_index: int
-    sample_index: int
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[bool] = field(default_factory=list)
-    turn_start: int = 0
-    turns: int = 1
-    finish_reason: str = "stop"
 
 
 class WorkerExtension:

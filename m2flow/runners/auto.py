@@ -20,6 +20,7 @@ from m2flow.runners.profiling import load_or_profile, profile_path
 from m2flow.runners.schedule import schedule_of
 from m2flow.runners.start import gpu_slots_of
 from m2flow.runtime import Cluster
+from m2flow.runtime.pool import WorkerPool
 
 
 def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes: int = 1,
@@ -44,10 +45,10 @@ def choose(cfg: DictConfig, prof: Profile, num_devices: int | None = None, nodes
                 trainer_devices_per_proc=opts.get("trainer_devices_per_proc", 1), **s.knobs())
 
 
-def auto_plan(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> DictConfig:
+def auto_plan(cfg: DictConfig, cluster: Cluster | None = None, log=print, pool: WorkerPool | None = None) -> DictConfig:
     """``placement.mode=auto``: a copy of ``cfg`` that runs the plan chosen for it (profiled
-    on ``cluster`` if a profile is to be made)."""
-    prof, _ = load_or_profile(cfg, cluster, log)
+    on ``cluster`` if a profile is to be made, the probes' processes left in ``pool``)."""
+    prof, _ = load_or_profile(cfg, cluster, log, pool)
     model = CostModel(prof)
     err, share, slow = model.held_out_error(), model.share_report(), model.contention_report()
     log("cost model (held-out error per fit: leave one point out):\n" + model.report()

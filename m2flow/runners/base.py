@@ -75,7 +75,10 @@ class Runner:
         self.components = self.flow.components(cfg)
         self.workflow = self.flow.workflow_of(cfg)
         self._own_cluster = cluster is None
-        self.pool = pool
+        # The run's processes go back to a pool when its groups end: a restart re-initialises
+        # the living ones and starts anew only those that died (``Recovery``).
+        self._own_pool = pool is None
+        self.pool = pool or WorkerPool()
         # On an embedded Ray the devices are known before it starts: a plan or config that
         # cannot run fails before any process does.
         known = (len(cluster.devices), cluster.device_kind) if cluster else local_devices(cfg.cluster)
@@ -112,7 +115,7 @@ class Runner:
         self.placement = self.plan.placement(self.cluster)
         self.fused = self.plan.fused(self.workflow)
         run = uuid.uuid4().hex[:6]
-        names = self.pool.tag if self.pool else run  # a pool's processes keep their names
+        names = self.pool.tag  # a pool's processes keep their names
         host = self.plan.hosts(self.workflow)
         processes = [c for c in self.components if c not in host]
         devices = {c: self.placement[c].device_indices for c in processes}
@@ -130,6 +133,7 @@ class Runner:
         self.channels = {ch: Channel.create(f"{ch}-{run}", **({"prefetch": prefetch[ch]} if ch in prefetch else {}))
                          for ch in self.channels_of()}
         start_together(*self.distinct_groups, channels=list(self.channels.values()), locks=locks)
+        self.pool.started()
         # weight sync and the data streams, anew for these groups (the version and the stream
         # keys carry on from the last groups'); the weights go out again before the next step
         last = getattr(self, "streams", None)
@@ -228,7 +232,9 @@ class Runner:
             channel.destroy()
         self.close_components()
         for g in self.distinct_groups:
-            g.shutdown()
+            g.shutdown(to_pool=not self._own_pool)  # a pool of its own ends with the run
+        if self._own_pool:
+            self.pool.close()  # what a restart left idle (a plan of fewer ranks)
         if self._own_cluster:
             self.cluster.shutdown()
         self.out_lock.release()

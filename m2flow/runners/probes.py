@@ -93,6 +93,7 @@ def probe_config(s: Schedule, run: ProbeRun, tmp: Path, updates: int) -> DictCon
     slug = run.name.replace(" ", "-").replace(",", "").replace("=", "")
     for k, v in s.length(updates).items() | run.overrides.items() | {
             "runner.out_dir": str(tmp / slug), "runner.progress": False, "runner.resume": None,
+            "runner.max_restarts": 0,  # a probe whose process died measured nothing worth keeping
             "runner.max_staleness": run.plan.run_ahead,
             "placement.plan": str(run.plan.save(tmp / f"{slug}.yaml"))}.items():
         OmegaConf.update(cfg, k, v, merge=False)

@@ -66,17 +66,19 @@ def profile_path(cfg: DictConfig) -> Path:
     return Path("runs/profiles") / (key_of(cfg).replace(":", "-").replace("/", "_") + ".json")
 
 
-def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profile:
+def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print, pool: WorkerPool | None = None) -> Profile:
     """Measures the flow of ``cfg`` on this hardware (see the module's docstring). The
     profiling time counts from a started cluster (a run starts one anyway: ``run`` lends the
-    profile its own)."""
+    profile its own). ``pool``: the probes' processes are left in it, for the run that
+    profiling plans (else they end with it)."""
     s = schedule_of(cfg)
     own = cluster is None
     cluster = cluster or start_cluster(cfg.cluster)
     start = time.perf_counter()
     n, kind = len(cluster.devices), cluster.device_kind
     prof = Profile(key_of(cfg), hardware() | {"devices": n, "kind": kind})
-    pool = WorkerPool()  # the runs share their worker processes: each is started once
+    own_pool = pool is None
+    pool = pool or WorkerPool()  # the runs share their worker processes: each is started once
     forwarded_all, made_all = 0.0, 0  # the trainer's rows over the probes' timed updates
     try:
         with tempfile.TemporaryDirectory(prefix="m2flow-profile-") as tmp:
@@ -127,7 +129,8 @@ def profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> Profi
                                     if rows and all("completion_length" in r for r in rows) else {}))
                 log(f"profile: {run.name}: {step:.3f} s a step ({time.perf_counter() - t0:.1f} s)")
     finally:
-        pool.close()
+        if own_pool:
+            pool.close()
         stop = time.perf_counter()  # shutting the cluster down is no part of profiling
         if own:
             cluster.shutdown()
@@ -179,9 +182,11 @@ def refit_hidden_costs(cfg: DictConfig, prof: Profile) -> list[Probe]:
     return measured
 
 
-def load_or_profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) -> tuple[Profile, Path]:
+def load_or_profile(cfg: DictConfig, cluster: Cluster | None = None, log=print,
+                    pool: WorkerPool | None = None) -> tuple[Profile, Path]:
     """The profile of ``cfg`` on this hardware: the stored one when its preset, config and
-    hardware match, else a new one (stored), measured on ``cluster`` if given."""
+    hardware match, else a new one (stored), measured on ``cluster`` if given (its processes
+    left in ``pool``, if given)."""
     path = profile_path(cfg)
     known = (len(cluster.devices), cluster.device_kind) if cluster else local_devices(cfg.cluster)
     prof = None
@@ -198,7 +203,7 @@ def load_or_profile(cfg: DictConfig, cluster: Cluster | None = None, log=print) 
         else:
             log(f"profile: reusing {path} (measured in {prof.profiling_s:.1f} s)")
             return prof, path
-    prof = profile(cfg, cluster, log=log)
+    prof = profile(cfg, cluster, log=log, pool=pool)
     prof.config = OmegaConf.to_container(cfg, resolve=True)
     prof.save(path)
     log(f"profile: {path}, measured in {prof.profiling_s:.1f} s")

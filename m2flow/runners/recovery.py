@@ -74,7 +74,7 @@ class Recovery:
             if p.stop.signum is not None:  # the signal reached the workers too
                 p.halted = f"and the worker processes with it ({e.group} rank {e.rank} ended)"
                 raise self.stopped(log) from None
-        if not isinstance(e, WorkerDiedError) or run.pool is not None:
+        if not isinstance(e, WorkerDiedError):
             raise e
         run.elastic.check_nodes(log, e)
         if p.in_a_row >= run.cfg.runner.max_restarts:
@@ -87,8 +87,8 @@ class Recovery:
         again, as a death mid-run does, counted against ``runner.max_restarts``: the run's loop
         begins with those restarts. An exception a worker raises while it starts (a setting it
         refuses, a bug) is no death: it would be raised again, and ends the run at once; so
-        does a death while a signal stops the run, and any in a pooled run (profiling). With no
-        restart left, ``RunFailed`` in one paragraph."""
+        does a death while a signal stops the run. With no restart left (profiling's runs have
+        none), ``RunFailed`` in one paragraph."""
         run, p = self.runner, self.progress
         allowed = run.cfg.runner.max_restarts
         while True:
@@ -96,7 +96,7 @@ class Recovery:
                 run.start_groups()
                 return
             except WorkerDiedError as e:
-                if run.pool is not None or stop.requested() is not None:
+                if stop.requested() is not None:
                     raise
                 self._log_at_start(f"{e}\n\nthe worker's whole traceback:\n{e.traceback}", console=False)
                 if p.restarts >= allowed:
@@ -146,13 +146,14 @@ class Recovery:
                     raise
 
     def _restart(self) -> None:
-        """New processes for every group (the living ones' state is the checkpoint's now) and
-        new channels; the weights go out again before the next step."""
+        """Every group starts again, with new channels: the living processes go back to the
+        run's pool and are re-initialised (their state is the checkpoint's now), those that
+        died (or do not answer) start anew; the weights go out again before the next step."""
         run = self.runner
-        for g in run.distinct_groups:
-            g.kill()
-        for channel in run.channels.values():
+        for channel in run.channels.values():  # first: a call still reading one then ends
             channel.destroy()
+        for g in run.distinct_groups:
+            g.shutdown()
         run.start_groups()
 
     def head_changed(self, head: HeadMonitor, log: RunLog, checkpoint: bool) -> None:

@@ -226,11 +226,11 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return ray.get([a._m2flow_ping.remote() for a in self.actors])
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0, to_pool: bool = True) -> None:
         """Lets every rank release what it holds (shared memory), then ends the processes;
-        with a pool, gives them back to it instead once each has dropped its state (a rank
-        that does not within ``timeout_s`` is ended)."""
-        if self.pool is not None:
+        with a pool (and ``to_pool``), gives them back to it instead once each has dropped its
+        state (a rank that does not within ``timeout_s`` is ended)."""
+        if self.pool is not None and to_pool:
             refs = [a._m2flow_recycle.remote() for a in self.actors]
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
             for rank, ref, actor in zip(self.placement.ranks(), refs, self.actors):

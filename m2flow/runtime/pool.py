@@ -25,10 +25,14 @@ class WorkerPool:
     process of each rank from it when that rank (group name and rank, worker class, node, and
     on GPUs the same devices) ran before, and re-initialises it, instead of starting a process
     and importing everything anew; its ``shutdown`` gives the processes back with their
-    state dropped. ``close`` ends them."""
+    state dropped. ``close`` ends them.
 
-    def __init__(self) -> None:
+    ``for_one_run``: a pool that profiling hands to the run it planned: once that run's groups
+    started (``started``), the processes they did not take are ended."""
+
+    def __init__(self, for_one_run: bool = False) -> None:
         self.tag = uuid.uuid4().hex[:6]  # the runs that share the pool name their groups alike
+        self.for_one_run = for_one_run
         self._idle: dict[str, tuple[type, str, tuple, Any]] = {}  # actor name -> (class, node, devices, actor)
 
     def take(self, name: str, cls: type, node_id: str, devices: tuple) -> Any | None:
@@ -37,7 +41,7 @@ class WorkerPool:
             return None
         if _fits(got, cls, node_id, devices):
             return got[3]
-        _kill_named(name, got[3])  # its name is the new rank's
+        _kill_named((name, got[3]))  # its name is the new rank's
         return None
 
     def holds(self, cls: type, placement: ComponentPlacement, name: str) -> bool:
@@ -65,13 +69,17 @@ class WorkerPool:
         """Ends the idle processes of ``group``'s ranks beyond ``world_size``: a group's size
         is read off the names of its running ranks."""
         for name in [n for n in self._idle if n.rpartition(":")[0] == group and int(n.rpartition(":")[2]) >= world_size]:
-            _kill_named(name, self._idle.pop(name)[3])
+            _kill_named((name, self._idle.pop(name)[3]))
+
+    def started(self) -> None:
+        """A run's groups started: a pool ``for_one_run`` ends the processes they left idle."""
+        if self.for_one_run:
+            self.close()
 
     def close(self) -> None:
         """Ends the idle processes; returns once their names are free, so that the pool's
         next runs start processes named as these were."""
-        for name, (_, _, _, actor) in self._idle.items():
-            _kill_named(name, actor)
+        _kill_named(*((name, actor) for name, (_, _, _, actor) in self._idle.items()))
         self._idle.clear()
 
 
@@ -82,20 +90,32 @@ def _fits(idle: tuple[type, str, tuple, Any], cls: type, node_id: str, devices: 
     return idle[0] is cls and idle[1] == node_id and same_devices
 
 
-def _new_actor(cls: type, name: str, node_id: str) -> Any:
-    """A worker process (its class's module imported; ``_m2flow_init`` not yet called)."""
-    return actor_class(cls).options(name=name, namespace=NAMESPACE, num_cpus=ACTOR_CPUS,
-                                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-
-
-def _kill_named(name: str, actor: Any, timeout_s: float = 10.0) -> None:
-    """Kills an actor and waits until its name is free."""
-    ray.kill(actor, no_restart=True)
+def _new_actor(cls: type, name: str, node_id: str, timeout_s: float = 10.0) -> Any:
+    """A worker process (its class's module imported; ``_m2flow_init`` not yet called). A name
+    still held by a process just ended (a restart replaces it) is waited for."""
+    options = actor_class(cls).options(name=name, namespace=NAMESPACE, num_cpus=ACTOR_CPUS,
+                                       scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         try:
-            ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"worker {name} still registered {timeout_s}s after it was killed")
+            return options.remote()
+        except ValueError as e:
+            if "already taken" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _kill_named(*named: tuple[str, Any], timeout_s: float = 10.0) -> None:
+    """Kills actors (name, handle) and waits until their names are free."""
+    for _, actor in named:
+        ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    for name, _ in named:
+        while True:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {name} still registered {timeout_s}s after it was killed")
+            time.sleep(0.02)
