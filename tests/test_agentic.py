@@ -111,3 +111,25 @@ def test_eval_scores_the_last_turn_and_writes_each_trajectory(cluster, pool, tmp
     for e in examples:
         assert e["turns"] >= 1 and e["ended"] in ("answered", "max_turns", "turn_cut", "no_room")
         assert isinstance(e["trajectory"], str) and e["tool_calls"] >= e["turns"] - 1  # a turn follows calls
+
+
+def test_it_runs_under_placement_auto(cluster, pool, tmp_path):
+    """Profiled on the tests' cluster (the probes on its shared processes), planned, and run on
+    the plan chosen."""
+    import json
+
+    from m2flow.runners.auto import auto_plan
+
+    cfg = load_config(PRESET, ["runner.steps=2", "runner.eval_every=0", "runner.progress=false", "placement=auto",
+                               f"placement.profile={tmp_path / 'profile.json'}", f"runner.out_dir={tmp_path / 'run'}"])
+    planned = auto_plan(cfg, cluster, log=lambda *_: None, pool=pool)
+    runner = FLOW.runner(planned, cluster=cluster, pool=pool)
+    try:
+        rows = runner.train(trace=False)
+    finally:
+        runner.close()
+    steps = [r for r in rows if not math.isnan(r.get("step_s", math.nan))]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["turns"] >= 1 and r["completion_tokens"] > 0 for r in steps)
+    prof = json.loads((tmp_path / "profile.json").read_text())
+    assert {"rollout", "reward", "inference", "actor"} <= {p["component"] for p in prof["points"]}
+    assert (tmp_path / "run" / "plan.yaml").is_file() and prof["hardware"]["devices"] == len(cluster.devices)
