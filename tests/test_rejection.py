@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from m2flow.config import load_config
-from m2flow.runners import run, status
+from m2flow.runners import status
 from m2flow.runners.rejection import FLOW, SelectWorker
 from m2flow.engines.batch import SequenceBatch
 from test_restarts import _run
@@ -87,12 +87,20 @@ def test_it_survives_a_killed_worker(cluster, pool, tmp_path):
     assert status.read(tmp_path)["state"] == "finished"
 
 
-def test_it_runs_under_placement_auto(tmp_path):
-    """Profiled (its select worker among the components measured), planned and run."""
+def test_it_runs_under_placement_auto(cluster, pool, tmp_path):
+    """Profiled (its select worker among the components measured) on the tests' cluster and
+    shared processes, planned and run (``m2flow.runners.run`` profiles on a cluster of its own:
+    tests/test_auto.py)."""
+    from m2flow.runners.auto import auto_plan
+
     profile = tmp_path / "profile.json"
-    cfg = load_config(PRESET, ["runner.steps=2", "runner.eval_every=0", "cluster.cpu_slots=2", "placement=auto",
-                               f"placement.profile={profile}", "runner.progress=false", f"runner.out_dir={tmp_path / 'a'}"])
-    rows = run(cfg)
+    cfg = load_config(PRESET, ["runner.steps=2", "runner.eval_every=0", "placement=auto", f"placement.profile={profile}",
+                               "runner.progress=false", f"runner.out_dir={tmp_path / 'a'}"])
+    runner = FLOW.runner(auto_plan(cfg, cluster, log=lambda *_: None, pool=pool), cluster=cluster, pool=pool)
+    try:
+        rows = runner.train(trace=False)
+    finally:
+        runner.close()
     assert [row["step"] for row in rows if not math.isnan(row.get("step_s", math.nan))] == [1, 2]
     assert status.read(tmp_path / "a")["state"] == "finished" and (tmp_path / "a" / "plan.yaml").is_file()
     points = json.loads(profile.read_text())["points"]
