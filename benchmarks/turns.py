@@ -16,7 +16,7 @@ sequence rejoins the batch:
 Every side but ``variable`` decodes batch-invariant steps (``TorchEngine(batch_invariant=True)``:
 one shape for every step, each prompt prefilled alone), meant to make ``sleep`` and
 ``no_sleep`` the same trajectories to the last bit whichever sequences share a step;
-``same_trajectories`` reports whether they were (on SmolLM2 they were not yet: docs/agentic.md).
+``same_trajectories`` reports whether they were (docs/agentic.md: what held on SmolLM2).
 The sides' sampled tokens differ by well under 1% then, so their rates still compare;
 ``prefill`` and ``variable`` compute the same sequences with other roundings.
 

@@ -10,6 +10,9 @@
 #           tiny agentic preset trained on the GPU, its checkpoint evaluated (m2flow eval), and
 #           the preset again under placement=auto over the GPU made two devices, and
 #           disaggregated there one step ahead (weights reach the rollout between decode steps)
+#   restart the tiny GRPO preset disaggregated over the GPU made two devices, its rollout's
+#           process killed after the checkpoint of step 4: the run restarts from it (the living
+#           processes kept) and finishes
 #   tests   the CUDA tests: devices, CUDA IPC and NCCL (tests/test_gpu.py); the engine's
 #           decode steps as CUDA graphs, with weights taken in flight and prompts joining a
 #           call in progress (tests/test_engine.py)
@@ -21,13 +24,14 @@
 #           runs/gpu/pairs.jsonl) keeps each side as it ends, so a pair cut short by its time
 #           limit is finished by running this part again
 #
-# Each part has a time limit (AGENTIC_S, TESTS_S, ENGINE_S, PAIR_S seconds, for each command) and a part that fails or runs
-# out does not stop the next; the script's status is that of the last part that failed.
+# Each part's commands have a time limit each (AGENTIC_S, RESTART_S, TESTS_S, ENGINE_S, PAIR_S
+# seconds), and a part that fails or runs out does not stop the next; the script's status is
+# that of the last part that failed.
 # SEED picks the pair's seed (default 3), PYTHON the interpreter.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [agentic] [tests] [engine] [pair]}
+out=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [agentic] [restart] [tests] [engine] [pair]}
 shift
-parts=${*:-agentic tests engine pair}
+parts=${*:-agentic restart tests engine pair}
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
@@ -70,6 +74,30 @@ for part in $parts; do
         cp "$runs/tool_arith_tiny/metrics.csv" "$out/agentic_metrics.csv" 2>/dev/null
         cp "$runs/tool_arith_tiny_auto/metrics.csv" "$out/agentic_auto_metrics.csv" 2>/dev/null
         ;;
+    restart)
+        runs=${RUNS:-runs/gpu}
+        dir="$runs/restart"
+        rm -rf "$dir"
+        echo "== restart: the tiny GRPO preset disaggregated over the GPU made two devices, its rollout killed" \
+            | tee -a "$out/restart.log"
+        timeout "${RESTART_S:-300}" "$py" -m m2flow train reasoning/grpo_arith_tiny runner.steps=10 \
+            runner.checkpoint_every=2 runner.eval_every=0 cluster.gpu_slots=2 placement.mode=disaggregated \
+            runner.out_dir="$dir" >>"$out/restart.log" 2>&1 &
+        train=$!
+        others="^ray::(LMActorWorker|InferenceWorker|RewardWorker)"
+        for _ in $(seq 1500); do [ -e "$dir/checkpoints/step_000004.safetensors" ] && break; sleep 0.2; done
+        before=$(pgrep -f -d " " "$others")
+        pkill -9 -f "^ray::LMRolloutWorker" && echo "killed the rollout's process" | tee -a "$out/restart.log"
+        for _ in $(seq 1500); do [ -e "$dir/checkpoints/step_000008.safetensors" ] && break; sleep 0.2; done
+        echo "the other components' processes before the kill: $before; after the restart: $(pgrep -f -d " " \
+            "$others")" | tee -a "$out/restart.log"
+        wait "$train"
+        rc=$?
+        echo "== restart: exit $rc" | tee -a "$out/restart.log"
+        grep -h " restart [0-9]" "$dir/log.txt" | tee -a "$out/restart.log"
+        cp "$dir/metrics.csv" "$out/restart_metrics.csv" 2>/dev/null
+        [ "$rc" -eq 0 ] || status=$rc
+        ;;
     tests)
         run tests "${TESTS_S:-300}" "$py" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
         run tests "${TESTS_S:-300}" "$py" -m pytest -q -p no:cacheprovider -rs tests/test_engine.py \
@@ -88,7 +116,7 @@ for part in $parts; do
         cp "$journal" "$out/" 2>/dev/null
         ;;
     *)
-        echo "unknown part $part: agentic, tests, engine or pair" >&2
+        echo "unknown part $part: agentic, restart, tests, engine or pair" >&2
         exit 2
         ;;
     esac
