@@ -16,6 +16,15 @@ from m2flow.engines.generation import Completion
 PRESET = "agentic/tool_arith_tiny"
 
 
+def _train(cfg, cluster, pool):
+    """The run's metrics rows, and the runner (closed)."""
+    runner = FLOW.runner(cfg, cluster=cluster, pool=pool)
+    try:
+        return runner.train(trace=False), runner
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["tools.names=[]"], "tools.names"),
     (["tools.names=[no_such_module:tool]"], "tools.names"),
@@ -68,11 +77,7 @@ def test_it_trains_on_multi_turn_trajectories(cluster, pool, tmp_path, overrides
                     "(scripts/gpu_checks.sh runs it over the GPU made two devices)")
     cfg = load_config(PRESET, ["runner.steps=2", "runner.eval_every=0", "runner.progress=false",
                                f"runner.out_dir={tmp_path}", *overrides])
-    runner = FLOW.runner(cfg, cluster=cluster, pool=pool)
-    try:
-        rows = runner.train(trace=False)
-    finally:
-        runner.close()
+    rows, runner = _train(cfg, cluster, pool)
     steps = [r for r in rows if not math.isnan(r.get("step_s", math.nan))]
     assert [r["step"] for r in steps] == list(range(1, cfg.runner.steps + 1))
     for r in steps:
@@ -96,11 +101,7 @@ def test_eval_scores_the_last_turn_and_writes_each_trajectory(cluster, pool, tmp
     overrides = [f"runner.out_dir={tmp_path / 'run'}", "runner.progress=false", "runner.steps=1",
                  "placement.mode=custom", *(f"placement.components.{c}=0" for c in ("rollout", "reward", "inference",
                                                                                      "actor"))]
-    runner = FLOW.runner(load_config(PRESET, overrides), cluster=cluster, pool=pool)
-    try:
-        history = runner.train(trace=False)
-    finally:
-        runner.close()
+    history, _ = _train(load_config(PRESET, overrides), cluster, pool)
     main(["eval", PRESET, "checkpoint=auto", *overrides])
     result = json.loads((tmp_path / "run" / "checkpoints" / "step_000001.eval.json").read_text())
     assert result["reward"] == pytest.approx(history[-1]["eval_reward"], abs=1e-6)
@@ -122,12 +123,7 @@ def test_it_runs_under_placement_auto(cluster, pool, tmp_path):
 
     cfg = load_config(PRESET, ["runner.steps=2", "runner.eval_every=0", "runner.progress=false", "placement=auto",
                                f"placement.profile={tmp_path / 'profile.json'}", f"runner.out_dir={tmp_path / 'run'}"])
-    planned = auto_plan(cfg, cluster, log=lambda *_: None, pool=pool)
-    runner = FLOW.runner(planned, cluster=cluster, pool=pool)
-    try:
-        rows = runner.train(trace=False)
-    finally:
-        runner.close()
+    rows, _ = _train(auto_plan(cfg, cluster, log=lambda *_: None, pool=pool), cluster, pool)
     steps = [r for r in rows if not math.isnan(r.get("step_s", math.nan))]
     assert [r["step"] for r in steps] == [1, 2] and all(r["turns"] >= 1 and r["completion_tokens"] > 0 for r in steps)
     prof = json.loads((tmp_path / "profile.json").read_text())

@@ -89,6 +89,22 @@ class TurnEnd:
         return self.token_ids[self.turn_start:]
 
 
+def length_limit(params: SamplingParams, max_positions: int | None) -> int | None:
+    """The most tokens a sequence may hold, prompt included: ``params.max_total_tokens`` or the
+    model's context, the smaller (None: neither is known)."""
+    bounds = [b for b in (params.max_total_tokens, max_positions) if b]
+    return min(bounds) if bounds else None
+
+
+def turn_limit(params: SamplingParams, max_positions: int | None) -> int:
+    """``length_limit``, which a call that takes turns must have."""
+    limit = length_limit(params, max_positions)
+    if limit is None:
+        raise ValueError("a call that takes turns needs params.max_total_tokens: the model's context length is not "
+                         "known")
+    return limit
+
+
 def sequence_seed(seed: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
     """The seed of one sample's own random stream in a call that takes turns (``turn``: of one
     of its turns, for an engine that seeds each turn's request): the same for the same call

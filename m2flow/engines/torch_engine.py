@@ -54,7 +54,7 @@ from m2flow.engines.decode_graphs import DecodeGraphs
 from m2flow.engines.kv_slots import SlotKVCache
 from m2flow.engines.sampling import sample_tokens
 from m2flow.engines.generation import (Completion, GenerationEngine, SampleInFlight, SamplingParams, TurnEnd,
-                                      sequence_seed, validate_prompts)
+                                      length_limit, sequence_seed, turn_limit, validate_prompts)
 from m2flow.engines.scoring import kv_cache_of, with_kv_cache
 from m2flow.engines.weights import weights_hash
 
@@ -146,9 +146,8 @@ class TorchEngine(GenerationEngine):
         if self.offloaded:
             raise RuntimeError("the engine is offloaded: call onload() before generate()")
         checked = validate_prompts(prompts, self.model.config.vocab_size, self.max_positions)
-        if turn_ended is not None and self._limit(params) is None:
-            raise ValueError("a call that takes turns needs params.max_total_tokens: the model's context length "
-                             "is not known")
+        if turn_ended is not None:
+            turn_limit(params, self.max_positions)  # a bound, or a ValueError now
         return self._generate(checked, params, between, more, turn_ended)  # validated now, not at the first next()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
@@ -187,9 +186,7 @@ class TorchEngine(GenerationEngine):
         return min(capacity, self.max_positions) if self.max_positions else capacity
 
     def _limit(self, params: SamplingParams) -> int | None:
-        """The most tokens a sequence may hold, prompt included (None: no bound known)."""
-        bounds = [b for b in (params.max_total_tokens, self.max_positions) if b]
-        return min(bounds) if bounds else None
+        return length_limit(params, self.max_positions)
 
     @torch.inference_mode()  # torch re-enters it around each resumption, so callers never run in it
     def _generate(self, prompts: list[list[int]], params: SamplingParams, between: Callable[[], None] | None,

@@ -53,7 +53,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import torch
 
 from m2flow.engines.generation import (Completion, GenerationEngine, SampleInFlight, SamplingParams, TurnEnd,
-                                      sequence_seed, validate_prompts)
+                                      sequence_seed, turn_limit, validate_prompts)
 from m2flow.engines.weights import weights_hash
 
 GPU_MEMORY_UTILIZATION = 0.5  # the default share of the GPU: room for a collocated actor
@@ -120,11 +120,8 @@ class VLLMEngine(GenerationEngine):
                                    getattr(self.config, "max_position_embeddings", None))
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
         if turn_ended is not None:
-            bounds = [b for b in (params.max_total_tokens, getattr(self.config, "max_position_embeddings", None)) if b]
-            if not bounds:
-                raise ValueError("a call that takes turns needs params.max_total_tokens: the model's context length "
-                                 "is not known")
-            return self._generate_turns(checked, params, seed, turn_ended, min(bounds))
+            limit = turn_limit(params, getattr(self.config, "max_position_embeddings", None))
+            return self._generate_turns(checked, params, seed, turn_ended, limit)
         return self._generate(checked, params, seed)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
