@@ -6,6 +6,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import ray
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from m2flow.runtime.channel_actor import OK, ChannelActor
 from m2flow.runtime.errors import WorkerError
 from m2flow.runtime.group import WorkerGroup
 from m2flow.runtime.placement import Placement
+from m2flow.runtime.pool import WorkerPool
 from m2flow.runtime.trace import get_tracer
 from m2flow.runtime.worker import Worker
 
@@ -276,13 +278,13 @@ def test_names_are_unique(channel):
 def test_calls_that_overtake_each_other_keep_the_producers_order():
     async def main():
         actor = ChannelActor("local", "uid", 0, None, False)  # the actor's logic, without Ray
-        late = asyncio.ensure_future(actor.put_batch("p", 1, [(None, b"b", 1.0), (None, b"c", 1.0)]))
+        late = asyncio.ensure_future(actor.put_batch("uid", "p", 1, [(None, b"b", 1.0), (None, b"c", 1.0)]))
         await asyncio.sleep(0.01)
         assert not late.done() and await actor.qsize(None) == 0  # waits for call 0 of "p"
-        assert await actor.put("q", 0, None, b"other", 1.0, None, False) == OK
-        assert await actor.put("p", 0, None, b"a", 1.0, None, False) == OK
+        assert await actor.put("uid", "q", 0, None, b"other", 1.0, None, False) == OK
+        assert await actor.put("uid", "p", 0, None, b"a", 1.0, None, False) == OK
         assert await late == OK
-        status, entries = await actor.get(None, 0, 10)
+        status, entries = await actor.get("uid", None, 0, 10)
         assert [blob for blob, _ in entries] == [b"other", b"a", b"b", b"c"]
 
     asyncio.run(main())
@@ -331,18 +333,63 @@ def test_items_given_back_go_ahead_of_those_a_waiting_batch_took():
     async def main():
         actor = ChannelActor("local", "uid", 0, None, False)
         for seq, blob in enumerate((b"1", b"2", b"3")):
-            assert await actor.put("p", seq, "k", blob, 1.0, None, False) == OK
-        status, prefetched = await actor.get("k", 0, 3)  # a reader takes all three, uses the first
+            assert await actor.put("uid", "p", seq, "k", blob, 1.0, None, False) == OK
+        status, prefetched = await actor.get("uid", "k", 0, 3)  # a reader takes all three, uses the first
         assert [b for b, _ in prefetched] == [b"1", b"2", b"3"]
-        batch = asyncio.ensure_future(actor.get("k", 10, 1, 2.0))  # another waits for a weight of 2
+        batch = asyncio.ensure_future(actor.get("uid", "k", 10, 1, 2.0))  # another waits for a weight of 2
         await asyncio.sleep(0.01)
-        assert await actor.put("p", 3, "k", b"4", 1.0, None, False) == OK
+        assert await actor.put("uid", "p", 3, "k", b"4", 1.0, None, False) == OK
         await asyncio.sleep(0.01)
         assert not batch.done()  # it holds item 4, a weight of 1
-        await actor.requeue("k", prefetched[1:])  # the first reader's leftovers come back
+        await actor.requeue("uid", "k", prefetched[1:])  # the first reader's leftovers come back
         status, entries = await batch
         assert status == OK and [b for b, _ in entries] == [b"2", b"3"]
-        _, rest = await actor.get("k", 0, 10)
+        _, rest = await actor.get("uid", "k", 0, 10)
         assert [b for b, _ in rest] == [b"4"] and (await actor.stats())["gets"] == 6
 
     asyncio.run(main())
+
+
+def test_a_released_channel_lends_its_actor_to_the_next_of_its_name_and_refuses_old_handles(workers):
+    """A channel given to a pool (``release``) is the next channel of its name without a
+    process start; the handles on the one before, here and in a worker, are refused, and
+    their items (put or given back) do not reach the new one."""
+    producers, _ = workers
+    pool, name = WorkerPool(), f"test-kept-{next(_names)}"
+    old = Channel.create(name, maxsize=4, pool=pool)
+    old.put("old", key="k")
+    old.flush()
+    prefetched = Channel.connect(name, prefetch=4)
+    old.put("old 2", key="k")
+    old.flush()
+    assert prefetched.get("k", timeout=10) == "old"  # and holds "old 2": given back when dropped
+    old.release(pool)
+    new = Channel.create(name, maxsize=2, pool=pool)
+    assert new._actor._actor_id == old._actor._actor_id  # the same process
+    assert new.maxsize == 2 and new.stats()["puts"] == 0 and new.qsize("k") == 0
+    with pytest.raises(ChannelClosed):
+        old.put("stale", key="k", timeout=5)
+    with pytest.raises(WorkerError, match="ChannelClosed"):
+        producers.put_one(old, "stale from a worker", timeout=5, ranks=[0]).wait(timeout=30)
+    del prefetched
+    gc.collect()
+    new.put("new", key="k")
+    new.flush()
+    assert new.get("k", timeout=10) == "new"
+    with pytest.raises(ChannelEmpty):
+        new.get_nowait("k")  # nothing of the old channel's came back into it
+    old.close()  # an old handle's close leaves the new channel open
+    new.put("still open", key="k", timeout=5)
+    assert new.get("k", timeout=10) == "still open"
+
+    # a kept actor that died meanwhile: the next channel of its name starts a new one
+    new.release(pool)
+    ray.kill(new._actor, no_restart=True)
+    again = Channel.create(name, pool=pool)
+    assert again._actor._actor_id != new._actor._actor_id
+    again.put(1, timeout=30)
+    assert again.get(timeout=10) == 1
+    again.release(pool)
+    pool.close()
+    with pytest.raises(LookupError):
+        Channel.connect(name)

@@ -20,7 +20,6 @@ update); everything else it declares, the runner reads from its ``Flow``.
 from __future__ import annotations
 
 import copy
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -114,8 +113,7 @@ class Runner:
         ``Streams``: at the run's start, and again at each restart (``Recovery``)."""
         self.placement = self.plan.placement(self.cluster)
         self.fused = self.plan.fused(self.workflow)
-        run = uuid.uuid4().hex[:6]
-        names = self.pool.tag  # a pool's processes keep their names
+        names = self.pool.tag  # a pool's processes and channels keep their names
         host = self.plan.hosts(self.workflow)
         processes = [c for c in self.components if c not in host]
         devices = {c: self.placement[c].device_indices for c in processes}
@@ -130,7 +128,8 @@ class Runner:
         for c, h in host.items():  # a fused component's calls go to its host's processes
             self.groups[c] = self.groups[h]
         prefetch = self.flow.prefetch
-        self.channels = {ch: Channel.create(f"{ch}-{run}", **({"prefetch": prefetch[ch]} if ch in prefetch else {}))
+        self.channels = {ch: Channel.create(f"{ch}-{names}", pool=self.pool,
+                                            **({"prefetch": prefetch[ch]} if ch in prefetch else {}))
                          for ch in self.channels_of()}
         start_together(*self.distinct_groups, channels=list(self.channels.values()), locks=locks)
         self.pool.started()
@@ -229,7 +228,7 @@ class Runner:
         # that will not write again) then fails, and what is asked of the workers next is not
         # queued behind it.
         for channel in self.channels.values():
-            channel.destroy()
+            channel.destroy() if self._own_pool else channel.release(self.pool)
         self.close_components()
         for g in self.distinct_groups:
             g.shutdown(to_pool=not self._own_pool)  # a pool of its own ends with the run

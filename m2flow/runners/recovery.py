@@ -146,12 +146,13 @@ class Recovery:
                     raise
 
     def _restart(self) -> None:
-        """Every group starts again, with new channels: the living processes go back to the
-        run's pool and are re-initialised (their state is the checkpoint's now), those that
-        died (or do not answer) start anew; the weights go out again before the next step."""
+        """Every group starts again, with new channels: the living processes and channel
+        actors go back to the run's pool and are re-initialised (their state is the
+        checkpoint's now), those that died (or do not answer) start anew; the weights go out
+        again before the next step."""
         run = self.runner
         for channel in run.channels.values():  # first: a call still reading one then ends
-            channel.destroy()
+            channel.release(run.pool)
         for g in run.distinct_groups:
             g.shutdown()
         run.start_groups()

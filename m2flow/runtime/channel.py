@@ -27,6 +27,12 @@ many more on their way.
 
 Order: FIFO per key, and a process's puts keep their order (sequence numbers per
 process, since an async actor may start calls out of order).
+
+A runner that starts one flow several times (profiling plans, restarts) gives its channels'
+actors to its ``WorkerPool`` (``release``) and takes them back for the next channels of the
+same names (``create(..., pool=)``): a reset instead of a process start. Each channel has a
+``uid`` that its handles send along, so that the calls of a handle on the channel before
+are refused.
 """
 
 from __future__ import annotations
@@ -47,12 +53,14 @@ from ray import cloudpickle
 from m2flow.runtime import comm, payload
 from m2flow.runtime.channel_actor import CLOSED, FULL, OK, TIMEOUT, Blob, ChannelActor, Entry
 from m2flow.runtime.names import NAMESPACE
+from m2flow.runtime.pool import WorkerPool, _kill_named
 from m2flow.runtime.trace import get_tracer
 
 # Like worker groups: a sliver of a CPU, so that a 2-core node can still place it.
 ACTOR_CPUS = 0.01
 PUT_WINDOW = 32
 PREFETCH = 16
+RESET_TIMEOUT_S = 10.0
 
 
 class ChannelClosed(Exception):
@@ -93,8 +101,8 @@ class _Producer:
     the producer, the bigger the batches, and a lone put still leaves at once.
     """
 
-    def __init__(self, name: str, actor: Any) -> None:
-        self.name, self.actor = name, actor
+    def __init__(self, name: str, uid: str, actor: Any) -> None:
+        self.name, self.uid, self.actor = name, uid, actor
         self.id = uuid.uuid4().hex
         self.seq = itertools.count()
         self.cond = threading.Condition()
@@ -128,7 +136,7 @@ class _Producer:
         with self.cond:
             self._check(key)
             self._ship()
-            return self.actor.put.remote(self.id, next(self.seq), key, blob, weight, timeout, nowait)
+            return self.actor.put.remote(self.uid, self.id, next(self.seq), key, blob, weight, timeout, nowait)
 
     def flush(self) -> None:
         with self.cond:
@@ -152,7 +160,7 @@ class _Producer:
 
     def _ship(self) -> None:
         if self.outbox:
-            ref = self.actor.put_batch.remote(self.id, next(self.seq), self.outbox)
+            ref = self.actor.put_batch.remote(self.uid, self.id, next(self.seq), self.outbox)
             self.inflight.append((ref, len(self.outbox)))
             self.outbox = []
             self.cond.notify_all()
@@ -191,15 +199,15 @@ _producers_lock = threading.Lock()
 def _producer(name: str, uid: str, actor: Any) -> _Producer:
     with _producers_lock:
         if uid not in _producers:
-            _producers[uid] = _Producer(name, actor)
+            _producers[uid] = _Producer(name, uid, actor)
         return _producers[uid]
 
 
-def _give_back(actor: Any, buffers: dict[Hashable, deque[Entry]]) -> None:
+def _give_back(actor: Any, uid: str, buffers: dict[Hashable, deque[Entry]]) -> None:
     for key, entries in buffers.items():
         if entries:
             try:
-                actor.requeue.remote(key, list(entries))
+                actor.requeue.remote(uid, key, list(entries))
             except Exception:  # the channel is gone, and its items with it
                 return
 
@@ -217,21 +225,30 @@ class Channel:
         self._actor, self._uid = actor, uid
         self._producer = _producer(name, uid, actor)
         self._buffers: dict[Hashable, deque[Entry]] = {}  # prefetched, per key
-        weakref.finalize(self, _give_back, actor, self._buffers).atexit = False
+        weakref.finalize(self, _give_back, actor, uid, self._buffers).atexit = False
 
     @classmethod
     def create(cls, name: str, maxsize: int = 0, max_weight: float | None = None, *,
-               put_window: int = PUT_WINDOW, prefetch: int = PREFETCH) -> Channel:
+               put_window: int = PUT_WINDOW, prefetch: int = PREFETCH, pool: WorkerPool | None = None) -> Channel:
         """Starts the channel's actor. ``maxsize``: items (0 = unbounded); ``max_weight``:
-        total weight; a put waits while either bound would be passed."""
+        total weight; a put waits while either bound would be passed. ``pool``: takes the
+        actor of a channel of this name ``release``d to it, if there is one (a round trip
+        instead of a process start)."""
         if maxsize < 0 or (max_weight is not None and max_weight <= 0):
             raise ValueError(f"channel {name!r}: maxsize must be >= 0 and max_weight > 0")
-        taken = f"a channel named {name!r} already exists; attach to it with Channel.connect({name!r})"
-        if _lookup(name) is not None:
-            raise ValueError(taken)
         # Decided once: shared memory needs producer and consumer on one node.
         multi_node = len([n for n in ray.nodes() if n["Alive"]]) > 1
         uid = uuid.uuid4().hex
+        kept = pool.take(_actor_name(name), ChannelActor, "", ()) if pool is not None else None
+        if kept is not None:
+            try:
+                ray.get(kept.reset.remote(uid, maxsize, max_weight, multi_node), timeout=RESET_TIMEOUT_S)
+                return cls(name, kept, uid, maxsize, multi_node, put_window=put_window, prefetch=prefetch)
+            except Exception:  # noqa: BLE001 - its process died: a new one instead
+                _kill_named((_actor_name(name), kept))
+        taken = f"a channel named {name!r} already exists; attach to it with Channel.connect({name!r})"
+        if _lookup(name) is not None:
+            raise ValueError(taken)
         try:
             actor = _RemoteChannelActor.options(
                 name=_actor_name(name), namespace=NAMESPACE, num_cpus=ACTOR_CPUS, max_concurrency=10_000,
@@ -292,13 +309,24 @@ class Channel:
         try:
             self.flush()
         finally:
-            ray.get(self._actor.close.remote())
+            ray.get(self._actor.close.remote(self._uid))
             self._producer.mark_closed()
 
     def destroy(self) -> None:
         """Kills the channel's actor; items still in it are lost."""
         self._producer.mark_closed()
         ray.kill(self._actor, no_restart=True)
+
+    def release(self, pool: WorkerPool) -> None:
+        """Ends the channel as ``destroy`` does (its waiting calls return closed, its items
+        are lost), but gives its actor to ``pool`` for the next channel of this name."""
+        self._producer.mark_closed()
+        try:
+            ray.get(self._actor.reset.remote(None), timeout=RESET_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - dead or stuck: the next channel starts a new one
+            _kill_named((_actor_name(self.name), self._actor))
+            return
+        pool.give(_actor_name(self.name), ChannelActor, "", (), self._actor)
 
     def _pack(self, item: Any) -> Blob:
         skeleton, tensors = payload.flatten(item)
@@ -323,14 +351,14 @@ class Channel:
         buf = self._buffers.get(key)
         if not buf:
             with self._span("get", key):
-                status, entries = ray.get(self._actor.get.remote(key, timeout, self.prefetch))
+                status, entries = ray.get(self._actor.get.remote(self._uid, key, timeout, self.prefetch))
             buf = self._fill(key, status, entries, timeout)
         return self._unpack(buf.popleft())
 
     def get_nowait(self, key: Hashable = None) -> Any:
         buf = self._buffers.get(key)
         if not buf:
-            status, entries = ray.get(self._actor.get.remote(key, 0, self.prefetch))
+            status, entries = ray.get(self._actor.get.remote(self._uid, key, 0, self.prefetch))
             if status == TIMEOUT:
                 raise ChannelEmpty(f"channel {self.name!r} has no item with key {key!r}")
             buf = self._fill(key, status, entries, 0)
@@ -342,7 +370,7 @@ class Channel:
         taken, need = self._take_buffered(key, target_weight)
         if need > 0:
             with self._span("get_batch", key):
-                reply = ray.get(self._actor.get.remote(key, timeout, 1, need))
+                reply = ray.get(self._actor.get.remote(self._uid, key, timeout, 1, need))
             taken += self._batch_reply(key, taken, reply, timeout)
         return [self._unpack(e) for e in taken]
 

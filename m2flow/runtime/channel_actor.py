@@ -55,10 +55,18 @@ def _resolve(waiter: _Put | _Get, status: int) -> None:
 
 class ChannelActor:
     """All methods run on one event loop and never await between reading and changing
-    state, so each is atomic; waiting calls park on a future that others resolve."""
+    state, so each is atomic; waiting calls park on a future that others resolve.
+
+    The calls that change it carry the channel's ``uid``: an actor kept for a later channel
+    of the same name (``reset``) refuses the calls of the handles of the one before
+    (``CLOSED``), and ignores their ``requeue`` and ``close``."""
 
     def __init__(self, name: str, uid: str, maxsize: int, max_weight: float | None, multi_node: bool):
-        self.name, self.uid, self.maxsize, self.max_weight, self.multi_node = name, uid, maxsize, max_weight, multi_node
+        self.name = name
+        self._clear(uid, maxsize, max_weight, multi_node)
+
+    def _clear(self, uid: str | None, maxsize: int, max_weight: float | None, multi_node: bool) -> None:
+        self.uid, self.maxsize, self.max_weight, self.multi_node = uid, maxsize, max_weight, multi_node
         self.items: dict[Hashable, deque[Entry]] = {}
         self.count, self.weight = 0, 0.0
         self.closed = False
@@ -67,6 +75,14 @@ class ChannelActor:
         self.putters: deque[_Put] = deque()  # admitted in order, waiting for room
         self.getters: dict[Hashable, deque[_Get]] = {}
         self.puts = self.gets = 0  # items in and out so far: a run's progress
+
+    async def reset(self, uid: str | None, maxsize: int = 0, max_weight: float | None = None,
+                    multi_node: bool = False) -> None:
+        """Ends the channel as ``close`` does, drops what it holds, and makes it a new, empty
+        channel ``uid`` (None: a channel that refuses every call, kept for a later one)."""
+        self._close()
+        self._clear(uid, maxsize, max_weight, multi_node)
+        self.closed = uid is None
 
     async def info(self) -> tuple[str, int, float | None, bool]:
         return self.uid, self.maxsize, self.max_weight, self.multi_node
@@ -81,9 +97,11 @@ class ChannelActor:
                 "waiting_getters": {repr(k): len(w) for k, w in self.getters.items()},
                 "waiting_putters": len(self.putters) + sum(len(e) for e in self.early.values())}
 
-    async def put(self, producer: str, seq: int, key: Hashable, blob: Blob, weight: float,
+    async def put(self, uid: str, producer: str, seq: int, key: Hashable, blob: Blob, weight: float,
                   timeout: float | None, nowait: bool) -> int:
         """One put that the caller waits for: its status is OK, CLOSED, FULL or TIMEOUT."""
+        if uid != self.uid:
+            return CLOSED
         p = _Put(key, blob, weight, nowait)
         self._arrive(producer, seq, [p])
         if p.status is None:
@@ -95,8 +113,10 @@ class ChannelActor:
                     self.putters.remove(p)
         return p.status
 
-    async def put_batch(self, producer: str, seq: int, entries: list[tuple[Hashable, Blob, float]]) -> int:
+    async def put_batch(self, uid: str, producer: str, seq: int, entries: list[tuple[Hashable, Blob, float]]) -> int:
         """Pipelined puts: returns OK once all are in the channel, CLOSED if any was refused."""
+        if uid != self.uid:
+            return CLOSED
         puts = [_Put(key, blob, weight, False) for key, blob, weight in entries]
         self._arrive(producer, seq, puts)
         last = puts[-1]  # admitted in order: the last one is in when all are
@@ -105,8 +125,10 @@ class ChannelActor:
             await last.future
         return CLOSED if any(p.status == CLOSED for p in puts) else OK
 
-    async def get(self, key: Hashable, timeout: float | None, max_items: int = 1,
+    async def get(self, uid: str, key: Hashable, timeout: float | None, max_items: int = 1,
                   target: float | None = None) -> tuple[int, list[Entry]]:
+        if uid != self.uid:
+            return CLOSED, []
         g = _Get(max_items, target)
         self.getters.setdefault(key, deque()).append(g)
         self._pump()
@@ -122,10 +144,15 @@ class ChannelActor:
             return TIMEOUT, []
         return g.status, g.taken
 
-    async def requeue(self, key: Hashable, entries: list[Entry]) -> None:
-        self._requeue(key, entries)
+    async def requeue(self, uid: str, key: Hashable, entries: list[Entry]) -> None:
+        if uid == self.uid:
+            self._requeue(key, entries)
 
-    async def close(self) -> None:
+    async def close(self, uid: str) -> None:
+        if uid == self.uid:
+            self._close()
+
+    def _close(self) -> None:
         self.closed = True
         for p in itertools.chain(self.putters, *(ps for e in self.early.values() for ps in e.values())):
             _resolve(p, CLOSED)

@@ -1,5 +1,5 @@
-"""WorkerPool: worker processes kept between groups of the same names, and the start and
-end of a worker's process."""
+"""WorkerPool: worker processes (and channel actors) kept between groups (channels) of the
+same names, and the start and end of a worker's process."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class WorkerPool:
     process of each rank from it when that rank (group name and rank, worker class, node, and
     on GPUs the same devices) ran before, and re-initialises it, instead of starting a process
     and importing everything anew; its ``shutdown`` gives the processes back with their
-    state dropped. ``close`` ends them.
+    state dropped. ``close`` ends them. A channel ``release``d to the pool keeps its actor
+    for the next channel of its name in the same way (``Channel.create(..., pool=)``).
 
     ``for_one_run``: a pool that profiling hands to the run it planned: once that run's groups
     started (``started``), the processes they did not take are ended."""
@@ -63,7 +64,7 @@ class WorkerPool:
 
     def ready(self) -> None:
         """Waits until every idle process is up (a prestarted one may still be importing)."""
-        ray.get([actor._m2flow_ping.remote() for _, _, _, actor in self._idle.values()])
+        ray.get([actor.__ray_ready__.remote() for _, _, _, actor in self._idle.values()])  # channel actors too
 
     def trim(self, group: str, world_size: int) -> None:
         """Ends the idle processes of ``group``'s ranks beyond ``world_size``: a group's size
