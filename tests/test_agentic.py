@@ -82,6 +82,8 @@ def test_it_trains_on_multi_turn_trajectories(cluster, pool, tmp_path, overrides
     assert [r["step"] for r in steps] == list(range(1, cfg.runner.steps + 1))
     for r in steps:
         assert r["turns"] >= 1 and 0 <= r["answered"] <= 1 and 0 <= r["tool_token_share"] < 1
+        assert 0 <= r["tool_latency_p50"] <= r["tool_latency_p95"] < cfg.tools.timeout_s + 1
+        assert r["tool_wait_s"] >= 0 and (r["tool_calls"] > 0 or r["tool_wait_s"] == 0)
         assert r["completion_tokens"] > 0 and math.isfinite(r["loss"])
         assert math.isclose(sum(v for k, v in r.items() if k.startswith("staleness_")), 1.0)
         assert all(int(k.rpartition("_")[2]) <= cfg.runner.max_staleness for k in r if k.startswith("staleness_"))
@@ -104,10 +106,14 @@ def test_eval_scores_the_last_turn_and_writes_each_trajectory(cluster, pool, tmp
     history, _ = _train(load_config(PRESET, overrides), cluster, pool)
     main(["eval", PRESET, "checkpoint=auto", *overrides])
     result = json.loads((tmp_path / "run" / "checkpoints" / "step_000001.eval.json").read_text())
-    assert result["reward"] == pytest.approx(history[-1]["eval_reward"], abs=1e-6)
-    assert result["prompts"] == 8 and 0 <= result["tool_call_rate"] <= 1
     lines = (tmp_path / "run" / "checkpoints" / "step_000001.eval.examples.jsonl").read_text().splitlines()
     examples = [json.loads(line) for line in lines]
+    assert result["reward"] == pytest.approx(history[-1]["eval_reward"], abs=1e-6)
+    assert result["prompts"] == 8 and 0 <= result["tool_call_rate"] <= 1
+    called = [e for e in examples if e["tool_calls"]]
+    for share, rows in ((result["accuracy_with_tool_call"], called),
+                        (result["accuracy_without_tool_call"], [e for e in examples if not e["tool_calls"]])):
+        assert share == (sum(e["solved"] for e in rows) / len(rows) if rows else None)
     assert [e["index"] for e in examples] == list(range(8))
     for e in examples:
         assert e["turns"] >= 1 and e["ended"] in ("answered", "max_turns", "turn_cut", "no_room")

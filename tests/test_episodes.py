@@ -5,6 +5,7 @@ tiny model taught one tool-using conversation: the trajectory's tokens are exact
 ``apply_chat_template`` of its conversation, and the log-probs those of a plain forward."""
 
 import json
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -92,6 +93,26 @@ def test_calls_may_run_elsewhere(turns):
     hook = ToolTurns(Toolbox([load("calculator")]), tok, {tok.eos_token_id}, run=run)
     answer = hook(end_of(tok, calls_text(("calculator", {"expression": "3**4"}))))
     assert "81" in tok.decode(answer.result(timeout=30)) and sent == [["calculator"]]
+
+
+def test_the_time_a_trajectory_waits_on_its_tools_is_kept(turns):
+    """``Episode.waited_s``: from a turn's end until its results' tokens are ready, summed over
+    its turns; each result keeps the time its call took."""
+    _, tok = turns
+
+    def slow(toolbox, calls):
+        done = Future()
+        threading.Timer(0.2, lambda: done.set_result(toolbox.run(calls))).start()
+        return done
+
+    hook = ToolTurns(Toolbox([load("calculator")]), tok, {tok.eos_token_id}, run=slow, max_turns=3)
+    call = calls_text(("calculator", {"expression": "2+2"}))
+    for turn in (1, 2):
+        hook(end_of(tok, call, turns=turn)).result(timeout=30)
+    assert hook(end_of(tok, "4", turns=3)) is None
+    episode = hook.take(0, 0)
+    assert 0.4 <= episode.waited_s < 5 and len(episode.results) == 2
+    assert all(0 <= r.seconds < 0.2 for turn in episode.results for r in turn)  # the calls, not the wait before them
 
 
 # -- end to end: a tiny model taught one conversation -------------------------------------

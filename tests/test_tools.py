@@ -252,6 +252,16 @@ def test_calls_of_a_turn_run_in_parallel(toolbox):
     assert all(0.25 < r.seconds < 0.55 for r in results)
 
 
+def test_each_call_is_a_span_of_the_trace_on_its_own_thread(toolbox):
+    from m2flow.runtime.trace import get_tracer
+
+    get_tracer().drain()
+    toolbox.run([call("sleepy", seconds=0.1), call("weather", city="Rome")])
+    spans = [e for e in get_tracer().drain() if e.get("cat") == "tool"]
+    assert sorted(e["name"] for e in spans) == ["tool sleepy", "tool weather"]
+    assert len({e["tid"] for e in spans}) == 2 and max(e["dur"] for e in spans) >= 0.1e6
+
+
 def test_calls_to_one_stateful_tool_run_in_order(toolbox):
     results = toolbox.run([call("counter", step=1), call("sleepy", seconds=0.1), call("counter", step=2),
                            call("counter", step=3)])

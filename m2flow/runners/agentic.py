@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, List, Mapping
 
+import numpy as np
 from omegaconf import DictConfig
 
 from m2flow.config.schema import AT_LEAST_1, POSITIVE, ReasoningConfig, RolloutConfig, opt, section
@@ -111,13 +112,17 @@ class ToolRolloutWorker(LMRolloutWorker):
             report.tool_errors += sum(episode.errors.values())
             report.answered += episode.ended == ANSWERED
             report.tool_tokens += c.mask.count(False) if c.mask else 0
+            report.tool_seconds += [r.seconds for turn in episode.results for r in turn]
+            report.tool_wait_s += episode.waited_s
 
 
 class AgenticMetrics(reasoning.ReasoningMetrics):
     """The reasoning flow's row (docs/reasoning.md), and the tools': ``turns`` (the model's, per
     trajectory), ``tool_calls`` (per trajectory), ``tool_error_rate`` (of the calls),
-    ``answered`` (the share of trajectories whose last turn made no call) and ``tool_token_share``
-    (of a trajectory's tokens after the prompt, the tools')."""
+    ``answered`` (the share of trajectories whose last turn made no call), ``tool_token_share``
+    (of a trajectory's tokens after the prompt, the tools'), ``tool_latency_p50`` and
+    ``tool_latency_p95`` (seconds a call took; 0 in a step with none) and ``tool_wait_s`` (the
+    seconds a trajectory spent waiting on its tools' results, out of the batch)."""
 
     def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
         row = super().row(i, report, step_s, time_s)
@@ -127,6 +132,9 @@ class AgenticMetrics(reasoning.ReasoningMetrics):
                 "tool_error_rate": sum(r.tool_errors for r in rollout) / max(1, calls),
                 "answered": sum(r.answered for r in rollout) / n}
         row["tool_token_share"] = sum(r.tool_tokens for r in rollout) / max(1, row["completion_tokens"])
+        seconds = np.array([s for r in rollout for s in r.tool_seconds] or [0.0])
+        row |= {"tool_latency_p50": float(np.percentile(seconds, 50)), "tool_latency_p95": float(np.percentile(seconds, 95)),
+                "tool_wait_s": sum(r.tool_wait_s for r in rollout) / n}
         return row
 
 
@@ -138,8 +146,9 @@ class AgenticRunner(reasoning.ReasoningRunner):
 
 def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``m2flow eval``: the reasoning flow's scores of one greedy trajectory per prompt, its
-    last turn scored; and ``tool_call_rate``, the share of trajectories that made a call, and
-    per prompt its whole trajectory, its turns and calls."""
+    last turn scored; ``tool_call_rate``, the share of trajectories that made a call, the
+    accuracy of those that did and of those that did not (None where there are none), and
+    ``tool_wait_s``; and per prompt its whole trajectory, its turns and calls."""
     plain, model, tokenizer = checkpoint_lm(cfg, ckpt)
     prompts = eval_prompts(cfg)
     r = plain["rollout"]
@@ -159,7 +168,15 @@ def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any
         c, episode = out[i]
         example |= {"trajectory": tokenizer.decode(c.token_ids), "turns": c.turns, "tool_calls": episode.tool_calls,
                     "tool_errors": sum(episode.errors.values()), "ended": episode.ended}
-    return summary | {"tool_call_rate": sum(e["tool_calls"] > 0 for e in examples) / max(1, len(examples))}, examples
+    called = [e for e in examples if e["tool_calls"]]
+    uncalled = [e for e in examples if not e["tool_calls"]]
+    return summary | {"tool_call_rate": len(called) / max(1, len(examples)),
+                      "accuracy_with_tool_call": _accuracy(called), "accuracy_without_tool_call": _accuracy(uncalled),
+                      "tool_wait_s": sum(out[i][1].waited_s for i in out) / max(1, len(out))}, examples
+
+
+def _accuracy(examples: list[dict[str, Any]]) -> float | None:
+    return sum(e["solved"] for e in examples) / len(examples) if examples else None
 
 
 FLOW = Flow(

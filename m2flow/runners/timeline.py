@@ -1,8 +1,9 @@
 """A run's trace, read back: what each component's processes did and when.
 
 Every process records spans (``m2flow.runtime.trace``): its group calls, channel waits, device
-lock waits and holds, point-to-point receives, and (language models) the onloads and offloads
-of a context switch. At the end of a run the runner writes them all to ``trace.json`` (open it
+lock waits and holds, point-to-point receives, (language models) the onloads and offloads
+of a context switch, and each tool call (category ``tool``, on the thread that ran it: it
+overlaps the rollout's decoding, so it is a row of its own in Perfetto, not a state below). At the end of a run the runner writes them all to ``trace.json`` (open it
 in Perfetto) and draws the last update as ``timeline.png``; ``m2flow trace RUN_DIR`` prints
 the per-component summary.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,11 +36,13 @@ ANSWERED, MAX_TURNS, TURN_CUT, NO_ROOM = "answered", "max_turns", "turn_cut", "n
 class Episode:
     """One trajectory's tool use: the calls of each turn that made some, their results, and
     why the trajectory ended (None while it goes on; ``NO_ROOM``: its last results would have
-    crossed the total bound)."""
+    crossed the total bound), and ``waited_s``: the seconds it spent out of the batch, from the
+    end of each turn that made calls until the tokens of their results were ready."""
 
     calls: list[list[ToolCall | ToolResult]] = dataclasses.field(default_factory=list)
     results: list[list[ToolResult]] = dataclasses.field(default_factory=list)
     ended: str | None = None
+    waited_s: float = 0.0
     toolbox: Toolbox | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -111,6 +114,7 @@ class ToolTurns:
         episode.calls.append(calls)
         head = self.after if ended_by_eos else self.end + self.after
         answer: Future = Future()
+        asked = time.monotonic()
 
         def answered(results: Future) -> None:
             try:
@@ -119,6 +123,7 @@ class ToolTurns:
                 tokens = self.tokenizer.encode(head + render_results(done, self.tokenizer), add_special_tokens=False)
                 if len(tokens) >= end.room:
                     episode.ended = NO_ROOM
+                episode.waited_s += time.monotonic() - asked
                 answer.set_result(tokens)
             except BaseException as e:  # noqa: BLE001 - the engine raises it
                 answer.set_exception(e)

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from m2flow.runtime.trace import get_tracer
 from m2flow.tools.base import (RAISED, TIMEOUT, TOO_MANY_CALLS, UNKNOWN_TOOL, Tool, ToolCall, ToolError,
                                ToolResult, error_result, load)
 from m2flow.tools.cut import cut
@@ -98,10 +99,12 @@ class Toolbox:
                 results[place] = result
 
     def call(self, call: ToolCall) -> ToolResult:
-        """One call's result, whatever the tool does (short of hanging)."""
+        """One call's result, whatever the tool does (short of hanging); a span of the run's
+        trace (category ``tool``), so that the timeline shows tool work."""
         started = time.monotonic()
         try:
-            text = self.tools[call.name].call(call.arguments)
+            with get_tracer().span(f"tool {call.name}", cat="tool"):
+                text = self.tools[call.name].call(call.arguments)
         except ToolError as e:
             return error_result(call.id, call.name, e.kind, str(e), time.monotonic() - started)
         except Exception as e:  # noqa: BLE001 -- a tool's exception is the model's observation

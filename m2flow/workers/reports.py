@@ -109,6 +109,8 @@ class GenerateReport(RolloutReport):
     tool_errors: int = 0  # of them, those answered with an error
     answered: int = 0  # completions whose last turn made no call (the model answered)
     tool_tokens: int = 0  # of completion_tokens, those the tools' results (and the turns' separators) added
+    tool_seconds: list[float] = field(default_factory=list)  # each call's time, as the tool ran it
+    tool_wait_s: float = 0.0  # the seconds the completions spent waiting on their tools' results, summed
 
 
 @dataclass(kw_only=True)
