@@ -1,4 +1,5 @@
-"""Command line: ``m2flow train PRESET [key=value ...]``, ``m2flow config PRESET [key=value ...]``,
+"""Command line: ``m2flow train PRESET [key=value ...]``, ``m2flow sft PRESET [key=value ...]``
+(a supervised preset's run), ``m2flow config PRESET [key=value ...]``,
 ``m2flow profile PRESET [key=value ...]``, ``m2flow plan (PRESET | --profile FILE) [--devices N]
 [--nodes M]``, ``m2flow eval PRESET checkpoint=FILE [episodes=N] [out=FILE] [key=value ...]``,
 ``m2flow trace RUN_DIR``, ``m2flow status RUN_DIR``, ``m2flow presets``, ``m2flow demo``.
@@ -22,8 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--debug", action="store_true", help="show the traceback of a config error or a worker's failure")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a preset, e.g. embodied/ppo_cartpole placement.mode=hybrid")
+    sft = sub.add_parser("sft", help="supervised fine-tuning on chats, e.g. sft/calc_tiny; the model it writes "
+                                     "starts a later run (model.path=<runner.out_dir>/model)")
     config = sub.add_parser("config", help="print the resolved config of a preset with overrides (YAML)")
-    for p in (train, config):
+    for p in (train, sft, config):
         p.add_argument("preset", help="a preset name (m2flow presets lists them) or a YAML file")
         p.add_argument("overrides", nargs="*", help="key.path=value overrides")
     config.add_argument("--docs", action="store_true", help="add each key's doc as a comment")
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def command(args: argparse.Namespace) -> None:
-    if args.command == "train":
+    if args.command in ("train", "sft"):
         from m2flow.config import load_config
         from m2flow.runners import run
         from m2flow.runners.status import RunFailed
@@ -85,6 +88,13 @@ def command(args: argparse.Namespace) -> None:
         from m2flow.runtime.watchdog import RunHung
 
         cfg = load_config(args.preset, args.overrides)
+        if (args.command == "sft") != (cfg.flow == "sft"):
+            from m2flow.config import ConfigError
+
+            raise ConfigError("flow", f"m2flow {args.command} runs " + (
+                f"a supervised preset (flow: sft, e.g. sft/calc_tiny); {args.preset}'s flow is {cfg.flow}: "
+                "m2flow train runs it" if args.command == "sft" else "an RL preset; a supervised one (flow: sft) "
+                "runs with m2flow sft"))
         try:
             run(cfg)
         except (WorkerError, RunHung, RunFailed) as e:  # one paragraph here; the whole traceback is in the run's log
@@ -94,6 +104,9 @@ def command(args: argparse.Namespace) -> None:
             traced = f"\n({whose}whole traceback: {cfg.runner.out_dir}/log.txt)" if getattr(e, "traced", True) else ""
             print(f"m2flow: {e}{traced}", file=sys.stderr)
             raise SystemExit(1) from None
+        if args.command == "sft":
+            model = f"{cfg.runner.out_dir}/model"
+            print(f"model: {model} (a run starts from it with model.path={model})")
     elif args.command == "config":
         from m2flow.config import load_config, to_yaml
 

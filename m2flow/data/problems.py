@@ -30,7 +30,9 @@ class Prompt:
     token_ids: tuple[int, ...]
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a .jsonl (blank lines skipped) or .parquet file; one that is not a JSON
+    object is an error naming its line."""
     if path.suffix not in (".parquet", ".jsonl", ".json"):
         raise ValueError(f"{path}: expected a .jsonl or .parquet file")
     if not path.is_file():
@@ -66,7 +68,7 @@ def load_problems(
     be kept whole, since the rewards take the last ``\\boxed{}`` of a reference."""
     path = Path(path)
     problems = []
-    for i, row in enumerate(_read_rows(path)):
+    for i, row in enumerate(read_rows(path)):
         missing = [k for k in (question_key, answer_key) if k not in row]
         if missing:
             raise KeyError(f"{path} row {i}: no field {missing[0]!r} (fields: {sorted(row)})")

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "values", "returns", "behaviour_logprobs", "versions")
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "values", "returns", "behaviour_logprobs", "versions",
+                "position_ids")
 
 
 @dataclass
@@ -50,6 +51,9 @@ class SequenceBatch:
     returns: Tensor | None = None
     behaviour_logprobs: Tensor | None = None  # the sampling log-probs, kept where old_logprobs are recomputed
     versions: Tensor | None = None  # int64: the policy version that sampled each token
+    # int64, packed rows only (several sequences in one row, e.g. supervised chats): each
+    # sequence's positions from 0; a token attends to its own sequence's tokens only
+    position_ids: Tensor | None = None
     ids: Tensor | None = None  # int64 [B, 2]: each row's sample, (its prompt's index, its index in the prompt's group)
     extras: dict[str, Any] = field(default_factory=dict)
 

@@ -99,13 +99,18 @@ def token_logprobs(model: nn.Module, batch: SequenceBatch, temperature: float, w
     only completion tokens are scored: 0 on prompt tokens too."""
     from transformers import PreTrainedModel  # here: importing transformers is slow and not always needed
 
-    if layout is not None and isinstance(model, PreTrainedModel):
+    if layout is not None and batch.position_ids is None and isinstance(model, PreTrainedModel):
         return _shared_prompt_logprobs(model, batch, layout, temperature, with_entropy)
     ids, mask = batch.input_ids, batch.attention_mask
-    # Explicit positions: 0.. on each row's real tokens whatever the padding side, rather
-    # than relying on a model's own derivation from the mask.
-    positions = (mask.long().cumsum(dim=1) - 1).clamp_(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, :-1]
+    if batch.position_ids is not None:
+        # Packed rows: with no attention mask, transformers reads the sequences off the
+        # positions (each starts again at 0) and lets a token attend to its own sequence only.
+        logits = model(input_ids=ids, position_ids=batch.position_ids, use_cache=False).logits[:, :-1]
+    else:
+        # Explicit positions: 0.. on each row's real tokens whatever the padding side, rather
+        # than relying on a model's own derivation from the mask.
+        positions = (mask.long().cumsum(dim=1) - 1).clamp_(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, :-1]
     logprobs, entropy = _scores(logits, ids[:, 1:], mask[:, 1:].bool(), temperature, with_entropy)
     pad = (1, 0)
     return nn.functional.pad(logprobs, pad), None if entropy is None else nn.functional.pad(entropy, pad)

@@ -65,7 +65,7 @@ def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
         except ValueError:  # PlanError and ConfigError among them
             return False
 
-    sized = ", ".join(f"{k} {v}" for k, v in variant.items())
+    sized = ", ".join(f"{k} {v}" for k, v in (variant or variant_overrides).items())
     out = [ProbeRun("collocated", "collocated", of("collocated", n), every)]
     if n > 1 and s.sized_on_one_device:
         out.append(ProbeRun(f"collocated on device 0, {sized}", "sized",

@@ -51,8 +51,10 @@ class Streams:
         """Starts a sync without waiting for it: the trainer's push (the weights of version
         ``updates``) into every receiver's mailbox and, with ``pull``, each receiver's pull,
         which takes pushes in order until it has that version (without: the receivers take
-        them themselves). None when the weights have not changed since the last sync."""
-        if self.synced == self.updates:
+        them themselves). None when the weights have not changed since the last sync, or when
+        nothing receives them (a supervised flow)."""
+        if self.synced == self.updates or not self.receivers:
+            self.synced = self.updates
             return None
         self.synced = self.updates
         return [self.trainer.call("push_weights", [g.name for g in self.receivers], ranks=self.senders),

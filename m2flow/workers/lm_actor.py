@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from m2flow.algorithms import (
     rloo_advantages,
 )
 from m2flow.engines.batch import SequenceBatch, concat_batches
+from m2flow.engines.scoring import compute_logprobs
 from m2flow.engines.trainer import Accumulated, LMTrainer, LossScale
 from m2flow.runtime import Channel, Clock, DeviceLock, Worker, dispatch
 from m2flow.runtime.files import save_tensors
@@ -140,6 +142,29 @@ class LMActorWorker(Worker):
                 pass
             return
         save_tensors(path, {name: t.detach().to("cpu").contiguous() for name, t in self.trainer.named_weights()})
+
+    def save_model(self, path: str) -> None:
+        """The weights and the tokenizer as a transformers checkpoint directory at ``path`` (a
+        later run's ``model.path``), written whole or not at all. Replicated ranks only."""
+        import shutil
+        import tempfile
+
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        self.trainer.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+
+    def held_out_loss(self, batch: SequenceBatch) -> float:
+        """The mean negative log-likelihood of ``batch``'s learned tokens (``completion_mask``)
+        under the current weights: a supervised run's held-out loss."""
+        t = self.trainer
+        logp = compute_logprobs(t.model, batch, t.max_tokens, 1.0, autocast_dtype=t.autocast_dtype, share_prompts=False)
+        learned = batch.completion_mask.bool()
+        return float(-logp[learned].sum() / max(1, int(learned.sum())))
 
     # -- training ---------------------------------------------------------------------
     def train(self, batches_in: Channel, key: int = 0) -> LMTrainReport:
