@@ -11,6 +11,7 @@ from m2flow.config import ConfigError, load_config
 from m2flow.data.prompts import load_prompts
 from m2flow.models.lm import byte_tokenizer
 from m2flow.runners.agentic import FLOW, ToolRolloutWorker
+from m2flow.engines.batch import SequenceBatch
 from m2flow.engines.generation import Completion
 
 PRESET = "agentic/tool_arith_tiny"
@@ -50,7 +51,7 @@ def test_the_prompts_offer_the_tools_and_a_too_small_bound_is_named(tmp_path):
 
 def test_a_trajectorys_tool_tokens_are_out_of_the_loss_and_the_reward_reads_its_last_turn():
     worker = ToolRolloutWorker.__new__(ToolRolloutWorker)
-    worker.tokenizer, worker.version = byte_tokenizer(), 3
+    worker.tokenizer, worker.version, worker.calls = byte_tokenizer(), 3, {(7, 0): 1}
     from m2flow.engines.generation import SamplingParams
     worker.params = SamplingParams(n=1)
     tok = worker.tokenizer
@@ -61,7 +62,22 @@ def test_a_trajectorys_tool_tokens_are_out_of_the_loss_and_the_reward_reads_its_
     batch = worker._batch([({"index": 7, "token_ids": [5, 6, 7], "answer": "42"}, [c])])
     assert batch.completion_mask[0, 3:3 + len(ids)].tolist() == [int(m) for m in mask]
     assert batch.completion_mask[0, :3].sum() == 0 and batch.extras["text"] == ["42"]
-    assert batch.ids.tolist() == [[7, 0]]
+    assert batch.ids.tolist() == [[7, 0]] and batch.extras["tool_calls"] == [1] and worker.calls == {}
+
+
+def test_the_reward_worker_counts_the_answers_solved_with_and_without_a_call():
+    import numpy as np
+
+    from m2flow.rewards import Scores
+    from m2flow.runners.agentic import ToolRewardWorker
+
+    worker = ToolRewardWorker.__new__(ToolRewardWorker)
+    worker.tallies = {5: [0, 0, 0, 0]}
+    batch = SequenceBatch.from_completions([[1]] * 4, [[2]] * 4, pad_id=0)
+    batch.extras["tool_calls"] = [2, 0, 1, 0]
+    parts = {"a": np.array([1.0, 1.0, 0.0, 0.5], np.float32), "b": np.array([1.0, 1.0, 1.0, 1.0], np.float32)}
+    worker.counted(5, batch, Scores(np.zeros(4, np.float32), parts, np.zeros(4, bool)))
+    assert worker.tallies[5] == [2, 1, 2, 1]  # with a call: rows 0 (solved) and 2; without: 1 (solved) and 3
 
 
 @pytest.mark.parametrize("overrides", [["algorithm.old_logprobs=recompute"],
@@ -84,6 +100,9 @@ def test_it_trains_on_multi_turn_trajectories(cluster, pool, tmp_path, overrides
         assert r["turns"] >= 1 and 0 <= r["answered"] <= 1 and 0 <= r["tool_token_share"] < 1
         assert 0 <= r["tool_latency_p50"] <= r["tool_latency_p95"] < cfg.tools.timeout_s + 1
         assert r["tool_wait_s"] >= 0 and (r["tool_calls"] > 0 or r["tool_wait_s"] == 0)
+        with_call, without = r["solved_with_tool_call"], r["solved_without_tool_call"]
+        assert all(0 <= x <= 1 or math.isnan(x) for x in (with_call, without))
+        assert r["tool_calls"] > 0 or (math.isnan(with_call) and 0 <= without <= 1)  # no call: all are without
         assert r["completion_tokens"] > 0 and math.isfinite(r["loss"])
         assert math.isclose(sum(v for k, v in r.items() if k.startswith("staleness_")), 1.0)
         assert all(int(k.rpartition("_")[2]) <= cfg.runner.max_staleness for k in r if k.startswith("staleness_"))

@@ -18,6 +18,7 @@ row are its own.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, List, Mapping
 
@@ -28,13 +29,17 @@ from m2flow.config.schema import AT_LEAST_1, POSITIVE, ReasoningConfig, RolloutC
 from m2flow.config.validate import ConfigError, check_reasoning
 from m2flow.data.prompts import eval_prompts
 from m2flow.engines import SamplingParams, build_engine
+from m2flow.engines.batch import SequenceBatch
 from m2flow.runners import reasoning
 from m2flow.runners.evaluate import checkpoint_lm
 from m2flow.runners.flow import Flow
+from m2flow.rewards import Scores
+from m2flow.runtime import Channel
 from m2flow.tools import Toolbox
 from m2flow.tools.episodes import ANSWERED, ToolTurns
 from m2flow.workers.lm_rollout import LMRolloutWorker, engine_options
-from m2flow.workers.reports import GenerateReport
+from m2flow.workers.reports import GenerateReport, RewardReport
+from m2flow.workers.reward import RewardWorker
 
 
 @dataclass
@@ -96,6 +101,7 @@ class ToolRolloutWorker(LMRolloutWorker):
         self.toolbox = Toolbox.load(cfg["tools"]["names"])
         self.params = dataclasses.replace(self.params, max_total_tokens=cfg["rollout"]["max_total_tokens"])
         self.hook: ToolTurns | None = None
+        self.calls: dict[tuple[int, int], int] = {}  # (prompt, sample) -> its calls, until its batch goes out
 
     def turn_options(self) -> dict:
         """A new engine call's hook: its trajectories' tool use is counted as their groups go out."""
@@ -114,6 +120,46 @@ class ToolRolloutWorker(LMRolloutWorker):
             report.tool_tokens += c.mask.count(False) if c.mask else 0
             report.tool_seconds += [r.seconds for turn in episode.results for r in turn]
             report.tool_wait_s += episode.waited_s
+            self.calls[(prompt["index"], c.sample_index)] = episode.tool_calls
+
+    def _batch(self, groups: list[tuple[dict, list]]) -> SequenceBatch:
+        """The rollout's batch, and each row's tool calls (``extras["tool_calls"]``: the reward
+        worker counts the answers solved with and without them)."""
+        batch = super()._batch(groups)
+        batch.extras["tool_calls"] = [self.calls.pop((p["index"], c.sample_index)) for p, group in groups for c in group]
+        return batch
+
+
+@dataclass(kw_only=True)
+class ToolRewardReport(RewardReport):
+    with_call: int = 0  # completions whose trajectory made a tool call
+    solved_with_call: int = 0  # of them, solved (every reward function at 1 or more)
+    without_call: int = 0
+    solved_without_call: int = 0
+
+
+class ToolRewardWorker(RewardWorker):
+    """The reward worker, counting the answers solved with a tool call and without one."""
+
+    def __init__(self, cfg: dict):
+        super().__init__(cfg)
+        self.tallies: dict[int, list[int]] = {}  # stream key -> the report's four counts
+
+    def score(self, samples_in: Channel, scored_out: Channel, num_groups: int, key: int = 0) -> ToolRewardReport:
+        self.tallies[key] = [0, 0, 0, 0]
+        report = super().score(samples_in, scored_out, num_groups, key)
+        counts = dict(zip(("with_call", "solved_with_call", "without_call", "solved_without_call"),
+                          self.tallies.pop(key)))
+        return ToolRewardReport(**{f.name: getattr(report, f.name) for f in dataclasses.fields(report)}, **counts)
+
+    def counted(self, key: int, batch: SequenceBatch, scores: Scores) -> None:
+        solved = np.all(np.stack([part >= 1.0 for part in scores.parts.values()]), axis=0)
+        called = np.array(batch.extras["tool_calls"]) > 0
+        tally = self.tallies[key]
+        tally[0] += int(called.sum())
+        tally[1] += int((solved & called).sum())
+        tally[2] += int((~called).sum())
+        tally[3] += int((solved & ~called).sum())
 
 
 class AgenticMetrics(reasoning.ReasoningMetrics):
@@ -121,8 +167,10 @@ class AgenticMetrics(reasoning.ReasoningMetrics):
     trajectory), ``tool_calls`` (per trajectory), ``tool_error_rate`` (of the calls),
     ``answered`` (the share of trajectories whose last turn made no call), ``tool_token_share``
     (of a trajectory's tokens after the prompt, the tools'), ``tool_latency_p50`` and
-    ``tool_latency_p95`` (seconds a call took; 0 in a step with none) and ``tool_wait_s`` (the
-    seconds a trajectory spent waiting on its tools' results, out of the batch)."""
+    ``tool_latency_p95`` (seconds a call took; 0 in a step with none), ``tool_wait_s`` (the
+    seconds a trajectory spent waiting on its tools' results, out of the batch), and
+    ``solved_with_tool_call`` and ``solved_without_tool_call``: the share solved of the
+    trajectories that made a call, and of those that did not (nan where there are none)."""
 
     def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
         row = super().row(i, report, step_s, time_s)
@@ -135,6 +183,10 @@ class AgenticMetrics(reasoning.ReasoningMetrics):
         seconds = np.array([s for r in rollout for s in r.tool_seconds] or [0.0])
         row |= {"tool_latency_p50": float(np.percentile(seconds, 50)), "tool_latency_p95": float(np.percentile(seconds, 95)),
                 "tool_wait_s": sum(r.tool_wait_s for r in rollout) / n}
+        (reward,) = report["reward"]
+        row["solved_with_tool_call"] = reward.solved_with_call / reward.with_call if reward.with_call else math.nan
+        row["solved_without_tool_call"] = (reward.solved_without_call / reward.without_call if reward.without_call
+                                           else math.nan)
         return row
 
 
@@ -180,7 +232,8 @@ def _accuracy(examples: list[dict[str, Any]]) -> float | None:
 
 
 FLOW = Flow(
-    "agentic", reasoning.WORKFLOW, {**reasoning.WORKERS, "rollout": ToolRolloutWorker}, AgenticRunner,
+    "agentic", reasoning.WORKFLOW, {**reasoning.WORKERS, "rollout": ToolRolloutWorker, "reward": ToolRewardWorker},
+    AgenticRunner,
     config=AgenticConfig, check=check, length_key="runner.steps", shape=reasoning.shape, knobs=reasoning.knobs,
     length=reasoning.length, probe_sizes=reasoning.probe_sizes, duration="step_s", probe_updates=2,
     sized_on_one_device=False, overlap_probe_updates=3, stateful=("rollout", "actor", "critic"),

@@ -28,6 +28,7 @@ from m2flow.config.schema import (AT_LEAST_1, BaseConfig, ModelConfig, Reasoning
                                   ReasoningPlacementConfig, ReasoningRunnerConfig, opt, section)
 from m2flow.config.validate import ConfigError, check_custom_placement, check_model
 from m2flow.data.chats import calculation_chats, load_chats, packed_rows
+from m2flow.engines.batch import SequenceBatch
 from m2flow.flow import Plan, Workflow
 from m2flow.flow.simulate import Shape
 from m2flow.runners import reasoning
@@ -108,23 +109,24 @@ class DataReport(Report):
 
 
 class DataWorker(Worker):
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, train: list[dict], test: list[dict]):
+        """``train``, ``test``: the chats (read by the driver: a file need not be on this node)."""
         from m2flow.models.lm import load_tokenizer
 
         tokenizer = load_tokenizer(cfg["model"]["path"])
-        train, test = chats(cfg)
         size = cfg["data"]["max_tokens"]
         self.train, self.test = packed_rows(train, tokenizer, size), packed_rows(test, tokenizer, size)
         self.per_step, self.seed = cfg["data"]["rows_per_step"], cfg["seed"]
+        self.orders: dict[int, list[int]] = {}  # epoch -> its order of the rows
 
     def rows_of(self, step: int) -> list[tuple[int, int]]:
         """Step ``step``'s rows as (row, epoch): each epoch a new order, drawn from the seed."""
         n, out = len(self.train), []
         for k in range(step * self.per_step, (step + 1) * self.per_step):
             epoch = k // n
-            order = list(range(n))
-            random.Random(f"m2flow-sft:{self.seed}:{epoch}").shuffle(order)
-            out.append((order[k % n], epoch))
+            if epoch not in self.orders:
+                self.orders[epoch] = random.Random(f"m2flow-sft:{self.seed}:{epoch}").sample(range(n), n)
+            out.append((self.orders[epoch][k % n], epoch))
         return out
 
     def batches(self, batches_out: Channel, step: int, version: int, readers: int, key: int = 0) -> DataReport:
@@ -142,7 +144,7 @@ class DataWorker(Worker):
         return DataReport(**clock.report(), rows=len(batch), tokens=int(batch.attention_mask.sum()),
                           learned=int(batch.completion_mask.sum()), collected=[tuple(i) for i in ids])
 
-    def held_out(self) -> Any:
+    def held_out(self) -> SequenceBatch:
         return self.test
 
 
@@ -150,7 +152,7 @@ class SFTRunner(Runner):
     def prepare(self) -> None:
         self.plain = OmegaConf.to_container(self.cfg, resolve=True)
         try:
-            chats(self.plain)  # a file that is no chat file fails before any process starts
+            self.chats = chats(self.plain)  # a file that is no chat file fails before any process starts
         except (ValueError, OSError) as e:
             raise ConfigError("data.source", str(e)) from None
         from m2flow.models.lm import max_positions
@@ -165,7 +167,7 @@ class SFTRunner(Runner):
         self.actor_cfg = self.plain | {"rollout": {"temperature": 1.0, "max_new_tokens": self.cfg.data.max_tokens}}
 
     def worker_args(self, component: str, take_turns: bool) -> tuple:
-        return (self.plain,) if component == "data" else (self.actor_cfg, take_turns, self.plan.offload)
+        return (self.plain, *self.chats) if component == "data" else (self.actor_cfg, take_turns, self.plan.offload)
 
     def launch(self, key: int, trained_by: int) -> dict[str, GroupHandle]:
         """The rows of the step that the weights of version ``trained_by`` train on: step ``trained_by``."""

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from m2flow.algorithms import dynamic_sampling_keep, overlong_penalty
-from m2flow.rewards import RewardScorer
+from m2flow.engines.batch import SequenceBatch
+from m2flow.rewards import RewardScorer, Scores
 from m2flow.runtime import Channel, Clock, Worker
 from m2flow.workers.lm_common import END
 from m2flow.workers.reports import RewardReport
@@ -40,6 +41,7 @@ class RewardWorker(Worker):
             with clock.busy():
                 seen += batch.extras["groups"]
                 scores = self.scorer.score(batch.extras["text"], batch.extras["answer"])
+                self.counted(key, batch, scores)
                 timed_out += int(scores.timed_out.sum())
                 rewards = torch.from_numpy(scores.total)
                 rewards_all.append(scores.total)
@@ -70,6 +72,10 @@ class RewardWorker(Worker):
                             groups_kept=kept, groups=seen, reward_timeouts=timed_out, dropped=dropped,
                             parts={f"reward_{_short(k)}": float(np.concatenate(v).mean())
                                    for k, v in parts_all.items()})
+
+    def counted(self, key: int, batch: SequenceBatch, scores: Scores) -> None:
+        """A batch of stream ``key`` scored (before the overlong penalty and dynamic sampling):
+        for a flow's own reward worker to count more; nothing here."""
 
     def score_texts(self, texts: list[str], answers: list[str]) -> dict:
         """Mean scores of finished texts (evaluation)."""
