@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from m2flow.config import ConfigError, load_config
 from m2flow.data.prompts import load_prompts
@@ -51,7 +52,7 @@ def test_the_prompts_offer_the_tools_and_a_too_small_bound_is_named(tmp_path):
 
 def test_a_trajectorys_tool_tokens_are_out_of_the_loss_and_the_reward_reads_its_last_turn():
     worker = ToolRolloutWorker.__new__(ToolRolloutWorker)
-    worker.tokenizer, worker.version, worker.calls = byte_tokenizer(), 3, {(7, 0): 1}
+    worker.tokenizer, worker.version, worker.calls = byte_tokenizer(), 3, {(7, 0): (3, 1, 1)}
     from m2flow.engines.generation import SamplingParams
     worker.params = SamplingParams(n=1)
     tok = worker.tokenizer
@@ -62,22 +63,55 @@ def test_a_trajectorys_tool_tokens_are_out_of_the_loss_and_the_reward_reads_its_
     batch = worker._batch([({"index": 7, "token_ids": [5, 6, 7], "answer": "42"}, [c])])
     assert batch.completion_mask[0, 3:3 + len(ids)].tolist() == [int(m) for m in mask]
     assert batch.completion_mask[0, :3].sum() == 0 and batch.extras["text"] == ["42"]
-    assert batch.ids.tolist() == [[7, 0]] and batch.extras["tool_calls"] == [1] and worker.calls == {}
+    assert batch.ids.tolist() == [[7, 0]] and worker.calls == {}
+    assert (batch.extras["tool_calls"], batch.extras["malformed_calls"], batch.extras["tool_errors"]) == ([3], [1], [1])
 
 
-def test_the_reward_worker_counts_the_answers_solved_with_and_without_a_call():
+def test_the_reward_worker_takes_the_tool_penalties_off_and_counts_the_answers_solved_with_a_call():
     import numpy as np
 
     from m2flow.rewards import Scores
     from m2flow.runners.agentic import ToolRewardWorker
 
     worker = ToolRewardWorker.__new__(ToolRewardWorker)
-    worker.tallies = {5: [0, 0, 0, 0]}
+    worker.tallies, worker.penalties = {5: [0, 0, 0, 0, 0.0]}, (0.5, 0.25)
     batch = SequenceBatch.from_completions([[1]] * 4, [[2]] * 4, pad_id=0)
-    batch.extras["tool_calls"] = [2, 0, 1, 0]
+    batch.extras |= {"tool_calls": [2, 0, 3, 0], "malformed_calls": [1, 0, 0, 0], "tool_errors": [0, 0, 2, 0]}
     parts = {"a": np.array([1.0, 1.0, 0.0, 0.5], np.float32), "b": np.array([1.0, 1.0, 1.0, 1.0], np.float32)}
-    worker.counted(5, batch, Scores(np.zeros(4, np.float32), parts, np.zeros(4, bool)))
-    assert worker.tallies[5] == [2, 1, 2, 1]  # with a call: rows 0 (solved) and 2; without: 1 (solved) and 3
+    shaping = worker.shaping(5, batch, Scores(np.zeros(4, np.float32), parts, np.zeros(4, bool)))
+    assert shaping.tolist() == [-0.5, 0.0, -0.5, 0.0]  # one malformed call; two other errors
+    assert worker.tallies[5] == [2, 1, 2, 1, 1.0]  # with a call: rows 0 (solved) and 2; without: 1 (solved) and 3
+
+
+def test_the_penalties_reach_the_rewards_the_advantages_are_made_of():
+    from m2flow.runners.agentic import ToolRewardWorker
+    from m2flow.workers.lm_common import END
+
+    class Channel:
+        def __init__(self, items=()):
+            self.items = list(items)
+
+        def get(self, key):
+            return self.items.pop(0)
+
+        def put(self, item, key, weight=None):
+            self.items.append(item)
+
+        def flush(self):
+            pass
+
+    cfg = load_config(PRESET, ["tools.malformed_penalty=0.5", "tools.error_penalty=0.25"])
+    worker = ToolRewardWorker(OmegaConf.to_container(cfg, resolve=True))
+    batch = SequenceBatch.from_completions([[1]] * 2, [[2]] * 2, pad_id=0)
+    batch.extras |= {"groups": 1, "group_size": 2, "text": ["12", "ab"], "answer": ["", ""],
+                     "tool_calls": [3, 0], "malformed_calls": [1, 0], "tool_errors": [2, 0]}
+    out = Channel()
+    try:
+        report = worker.score(Channel([batch]), out, num_groups=1, key=4)
+    finally:
+        worker.close()
+    assert out.items[0].extras["reward"].tolist() == [1.0 - 0.5 - 2 * 0.25, 0.0] and out.items[1] is END
+    assert (report.reward, report.tool_penalty, report.with_call, report.without_call) == (0.5, 1.0, 1, 1)
 
 
 @pytest.mark.parametrize("overrides", [["algorithm.old_logprobs=recompute"],
@@ -99,7 +133,7 @@ def test_it_trains_on_multi_turn_trajectories(cluster, pool, tmp_path, overrides
     for r in steps:
         assert r["turns"] >= 1 and 0 <= r["answered"] <= 1 and 0 <= r["tool_token_share"] < 1
         assert 0 <= r["tool_latency_p50"] <= r["tool_latency_p95"] < cfg.tools.timeout_s + 1
-        assert r["tool_wait_s"] >= 0 and (r["tool_calls"] > 0 or r["tool_wait_s"] == 0)
+        assert r["tool_wait_s"] >= 0 and (r["tool_calls"] > 0 or r["tool_wait_s"] == r["tool_penalty"] == 0)
         with_call, without = r["solved_with_tool_call"], r["solved_without_tool_call"]
         assert all(0 <= x <= 1 or math.isnan(x) for x in (with_call, without))
         assert r["tool_calls"] > 0 or (math.isnan(with_call) and 0 <= without <= 1)  # no call: all are without

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any, List, Mapping
 
 import numpy as np
+import torch
 from omegaconf import DictConfig
 
-from m2flow.config.schema import AT_LEAST_1, POSITIVE, ReasoningConfig, RolloutConfig, opt, section
+from m2flow.config.schema import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ReasoningConfig, RolloutConfig, opt, section
 from m2flow.config.validate import ConfigError, check_reasoning
 from m2flow.data.prompts import eval_prompts
 from m2flow.engines import SamplingParams, build_engine
@@ -36,6 +37,7 @@ from m2flow.runners.flow import Flow
 from m2flow.rewards import Scores
 from m2flow.runtime import Channel
 from m2flow.tools import Toolbox
+from m2flow.tools.base import MALFORMED
 from m2flow.tools.episodes import ANSWERED, ToolTurns
 from m2flow.workers.lm_rollout import LMRolloutWorker, engine_options
 from m2flow.workers.reports import GenerateReport, RewardReport
@@ -51,6 +53,11 @@ class ToolsConfig:
     timeout_s: float = opt(10.0, "seconds a call may take: then it is answered with an error", within=POSITIVE)
     max_response_tokens: int = opt(256, "a result's tokens at most: a longer one is cut and marked", within=AT_LEAST_1)
     threads: int = opt(8, "calls running at once, per rollout rank", within=AT_LEAST_1)
+    malformed_penalty: float = opt(0.0, "taken off a trajectory's reward for each malformed call it made",
+                                   within=NON_NEGATIVE)
+    error_penalty: float = opt(0.0, "taken off a trajectory's reward for each call answered with another error "
+                                    "(a tool that raised, timed out, an unknown tool, bad arguments, too many calls)",
+                               within=NON_NEGATIVE)
 
 
 @dataclass
@@ -101,7 +108,8 @@ class ToolRolloutWorker(LMRolloutWorker):
         self.toolbox = Toolbox.load(cfg["tools"]["names"])
         self.params = dataclasses.replace(self.params, max_total_tokens=cfg["rollout"]["max_total_tokens"])
         self.hook: ToolTurns | None = None
-        self.calls: dict[tuple[int, int], int] = {}  # (prompt, sample) -> its calls, until its batch goes out
+        # (prompt, sample) -> its calls, malformed ones and other errors, until its batch goes out
+        self.calls: dict[tuple[int, int], tuple[int, int, int]] = {}
 
     def turn_options(self) -> dict:
         """A new engine call's hook: its trajectories' tool use is counted as their groups go out."""
@@ -120,13 +128,17 @@ class ToolRolloutWorker(LMRolloutWorker):
             report.tool_tokens += c.mask.count(False) if c.mask else 0
             report.tool_seconds += [r.seconds for turn in episode.results for r in turn]
             report.tool_wait_s += episode.waited_s
-            self.calls[(prompt["index"], c.sample_index)] = episode.tool_calls
+            errors = episode.errors
+            self.calls[(prompt["index"], c.sample_index)] = (episode.tool_calls, errors[MALFORMED],
+                                                             sum(errors.values()) - errors[MALFORMED])
 
     def _batch(self, groups: list[tuple[dict, list]]) -> SequenceBatch:
-        """The rollout's batch, and each row's tool calls (``extras["tool_calls"]``: the reward
-        worker counts the answers solved with and without them)."""
+        """The rollout's batch, and each row's tool calls, malformed calls and other errors
+        (``extras``: the reward worker's penalties and counts)."""
         batch = super()._batch(groups)
-        batch.extras["tool_calls"] = [self.calls.pop((p["index"], c.sample_index)) for p, group in groups for c in group]
+        counts = [self.calls.pop((p["index"], c.sample_index)) for p, group in groups for c in group]
+        for name, values in zip(("tool_calls", "malformed_calls", "tool_errors"), zip(*counts)):
+            batch.extras[name] = list(values)
         return batch
 
 
@@ -136,30 +148,39 @@ class ToolRewardReport(RewardReport):
     solved_with_call: int = 0  # of them, solved (every reward function at 1 or more)
     without_call: int = 0
     solved_without_call: int = 0
+    tool_penalty: float = 0.0  # the malformed and error penalties taken off the rewards, summed
 
 
 class ToolRewardWorker(RewardWorker):
-    """The reward worker, counting the answers solved with a tool call and without one."""
+    """The reward worker, taking the tool penalties off each trajectory's reward (before the
+    group's advantages, so a trajectory that erred ranks below its group's others that reached
+    the same answer cleanly) and counting the answers solved with a tool call and without one."""
 
     def __init__(self, cfg: dict):
         super().__init__(cfg)
-        self.tallies: dict[int, list[int]] = {}  # stream key -> the report's four counts
+        self.penalties = (cfg["tools"]["malformed_penalty"], cfg["tools"]["error_penalty"])
+        self.tallies: dict[int, list[float]] = {}  # stream key -> the report's counts
 
     def score(self, samples_in: Channel, scored_out: Channel, num_groups: int, key: int = 0) -> ToolRewardReport:
-        self.tallies[key] = [0, 0, 0, 0]
+        self.tallies[key] = [0, 0, 0, 0, 0.0]
         report = super().score(samples_in, scored_out, num_groups, key)
-        counts = dict(zip(("with_call", "solved_with_call", "without_call", "solved_without_call"),
+        counts = dict(zip(("with_call", "solved_with_call", "without_call", "solved_without_call", "tool_penalty"),
                           self.tallies.pop(key)))
         return ToolRewardReport(**{f.name: getattr(report, f.name) for f in dataclasses.fields(report)}, **counts)
 
-    def counted(self, key: int, batch: SequenceBatch, scores: Scores) -> None:
+    def shaping(self, key: int, batch: SequenceBatch, scores: Scores) -> torch.Tensor:
         solved = np.all(np.stack([part >= 1.0 for part in scores.parts.values()]), axis=0)
         called = np.array(batch.extras["tool_calls"]) > 0
+        malformed, errors = (torch.tensor(batch.extras[k], dtype=torch.float32) for k in ("malformed_calls",
+                                                                                          "tool_errors"))
+        penalty = self.penalties[0] * malformed + self.penalties[1] * errors
         tally = self.tallies[key]
         tally[0] += int(called.sum())
         tally[1] += int((solved & called).sum())
         tally[2] += int((~called).sum())
         tally[3] += int((solved & ~called).sum())
+        tally[4] += float(penalty.sum())
+        return -penalty
 
 
 class AgenticMetrics(reasoning.ReasoningMetrics):
@@ -168,7 +189,8 @@ class AgenticMetrics(reasoning.ReasoningMetrics):
     ``answered`` (the share of trajectories whose last turn made no call), ``tool_token_share``
     (of a trajectory's tokens after the prompt, the tools'), ``tool_latency_p50`` and
     ``tool_latency_p95`` (seconds a call took; 0 in a step with none), ``tool_wait_s`` (the
-    seconds a trajectory spent waiting on its tools' results, out of the batch), and
+    seconds a trajectory spent waiting on its tools' results, out of the batch), ``tool_penalty``
+    (the malformed and error penalties taken off a trajectory's reward, on average), and
     ``solved_with_tool_call`` and ``solved_without_tool_call``: the share solved of the
     trajectories that made a call, and of those that did not (nan where there are none)."""
 
@@ -184,6 +206,7 @@ class AgenticMetrics(reasoning.ReasoningMetrics):
         row |= {"tool_latency_p50": float(np.percentile(seconds, 50)), "tool_latency_p95": float(np.percentile(seconds, 95)),
                 "tool_wait_s": sum(r.tool_wait_s for r in rollout) / n}
         (reward,) = report["reward"]
+        row["tool_penalty"] = reward.tool_penalty / n
         row["solved_with_tool_call"] = reward.solved_with_call / reward.with_call if reward.with_call else math.nan
         row["solved_without_tool_call"] = (reward.solved_without_call / reward.without_call if reward.without_call
                                            else math.nan)

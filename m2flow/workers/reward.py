@@ -41,9 +41,11 @@ class RewardWorker(Worker):
             with clock.busy():
                 seen += batch.extras["groups"]
                 scores = self.scorer.score(batch.extras["text"], batch.extras["answer"])
-                self.counted(key, batch, scores)
+                shaping = self.shaping(key, batch, scores)
                 timed_out += int(scores.timed_out.sum())
                 rewards = torch.from_numpy(scores.total)
+                if shaping is not None:
+                    rewards = rewards + shaping
                 rewards_all.append(scores.total)
                 for name, part in scores.parts.items():
                     parts_all.setdefault(name, []).append(part)
@@ -73,9 +75,11 @@ class RewardWorker(Worker):
                             parts={f"reward_{_short(k)}": float(np.concatenate(v).mean())
                                    for k, v in parts_all.items()})
 
-    def counted(self, key: int, batch: SequenceBatch, scores: Scores) -> None:
-        """A batch of stream ``key`` scored (before the overlong penalty and dynamic sampling):
-        for a flow's own reward worker to count more; nothing here."""
+    def shaping(self, key: int, batch: SequenceBatch, scores: Scores) -> torch.Tensor | None:
+        """A batch of stream ``key`` scored: what a flow's own reward worker adds to each row's
+        reward (its penalties; the overlong penalty comes on top), and counts for its report.
+        None here: nothing."""
+        return None
 
     def score_texts(self, texts: list[str], answers: list[str]) -> dict:
         """Mean scores of finished texts (evaluation)."""
