@@ -222,3 +222,14 @@ def test_a_steps_completions_whose_scoring_timed_out_are_counted():
         worker.close()
     assert report.reward_timeouts == 1 and report.reward == 0.75
     assert out.put_items[0].extras["reward"].tolist() == [1.0, 0.0, 1.0, 1.0] and out.put_items[-1] is END
+
+
+def test_closing_a_scorer_whose_process_never_started_is_quiet():
+    """A start that raised (the caller's own module, re-imported by spawn, starting another) leaves
+    a process object never started: closing the scorer then must not hide the first error."""
+    import multiprocessing as mp
+
+    scorer = RewardScorer({"math": 1.0})
+    scorer._proc = mp.get_context("spawn").Process(target=print)
+    scorer.close()
+    assert scorer._proc is None

@@ -131,7 +131,7 @@ class RewardScorer(AbstractContextManager):
         return self._conn
 
     def _kill(self) -> None:
-        if self._proc is not None:
+        if self._proc is not None and self._proc.pid is not None:  # a process whose start failed has none
             self._proc.kill()
             self._proc.join()
         if self._conn is not None:
