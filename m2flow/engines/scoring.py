@@ -185,6 +185,15 @@ def _check_batch(batch: SequenceBatch, max_tokens: int) -> None:
         raise ValueError("empty batch: nothing to score or train on")
 
 
+def learned_nll(model: nn.Module, batch: SequenceBatch, max_tokens: int,
+                autocast_dtype: torch.dtype | None = None) -> tuple[float, int]:
+    """``(sum, count)`` of the negative log-likelihoods (at temperature 1) of ``batch``'s
+    learned tokens (``completion_mask``): a supervised held-out loss is ``sum / count``."""
+    logp = compute_logprobs(model, batch, max_tokens, 1.0, autocast_dtype=autocast_dtype, share_prompts=False)
+    learned = batch.completion_mask.bool()
+    return float(-logp[learned].sum()), int(learned.sum())
+
+
 @torch.no_grad()
 def compute_logprobs(model: nn.Module, batch: SequenceBatch, max_tokens: int, temperature: float = 1.0,
                      with_entropy: bool = False, autocast_dtype: torch.dtype | None = None,

@@ -57,6 +57,11 @@ class Scores:
     parts: dict[str, np.ndarray]  # each reward's unweighted scores, [N]
     timed_out: np.ndarray  # [N] bool
 
+    @property
+    def solved(self) -> np.ndarray:
+        """[N] bool: every reward function scored 1 or more (accuracy, with 0/1 rewards)."""
+        return np.all(np.stack([part >= 1.0 for part in self.parts.values()]), axis=0)
+
 
 def _serve(conn: Connection, specs: list[str]) -> None:
     """Worker loop: for each item, send ("ok", i, scores) once every reward has scored it,

@@ -169,7 +169,7 @@ class ToolRewardWorker(RewardWorker):
         return ToolRewardReport(**{f.name: getattr(report, f.name) for f in dataclasses.fields(report)}, **counts)
 
     def shaping(self, key: int, batch: SequenceBatch, scores: Scores) -> torch.Tensor:
-        solved = np.all(np.stack([part >= 1.0 for part in scores.parts.values()]), axis=0)
+        solved = scores.solved
         called = np.array(batch.extras["tool_calls"]) > 0
         malformed, errors = (torch.tensor(batch.extras[k], dtype=torch.float32) for k in ("malformed_calls",
                                                                                           "tool_errors"))

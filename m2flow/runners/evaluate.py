@@ -68,14 +68,15 @@ def table(result: dict) -> str:
 
 def checkpoint_lm(cfg: DictConfig, ckpt: dict) -> tuple[dict, Any, Any]:
     """A language-model flow's ``(plain config, model with the checkpoint's weights, tokenizer)``,
-    as the run's own evaluations see them: rounded to ``rollout.dtype``, on a GPU where there is one."""
+    as the run's own evaluations see them: rounded to ``rollout.dtype`` (a flow without a rollout:
+    in ``model.dtype``), on a GPU where there is one."""
     import torch
 
     from m2flow.workers.lm_common import load_model
 
     plain = OmegaConf.to_container(cfg, resolve=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_model(plain, device, plain["rollout"]["dtype"])
+    model, tokenizer = load_model(plain, device, plain.get("rollout", {}).get("dtype"))
     try:
         model.load_state_dict(checkpoints.trainer_weights(ckpt, "trainer"))  # rounded to the rollout's dtype
     except RuntimeError as e:

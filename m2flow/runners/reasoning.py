@@ -24,7 +24,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from m2flow.config.schema import ReasoningConfig
@@ -320,7 +319,7 @@ def scored(cfg: DictConfig, plain: dict, tokenizer: Any, prompts: list[dict],
     """The summary and the per-prompt rows of ``score``, for ``completions`` of ``prompts``."""
     with RewardScorer(dict(plain["reward"]["functions"]), timeout_s=plain["reward"]["timeout_s"]) as scorer:
         scores = scorer.score(completions, [p["answer"] for p in prompts])
-    full = np.all(np.stack([part >= 1.0 for part in scores.parts.values()]), axis=0)
+    full = scores.solved
     names = {k: f"reward_{k.rpartition(':')[2]}" for k in scores.parts}
     examples = [{"index": i, "prompt": tokenizer.decode(p["token_ids"]), "completion": completions[i],
                  "answer": p["answer"], "reward": float(scores.total[i]), "solved": bool(full[i]),

@@ -142,7 +142,7 @@ class DataWorker(Worker):
                 batches_out.put(END, key)
             batches_out.flush()
         return DataReport(**clock.report(), rows=len(batch), tokens=int(batch.attention_mask.sum()),
-                          learned=int(batch.completion_mask.sum()), collected=[tuple(i) for i in ids])
+                          learned=int(batch.completion_mask.sum()), collected=ids)
 
     def held_out(self) -> SequenceBatch:
         return self.test
@@ -222,22 +222,16 @@ class SFTMetrics:
 def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``m2flow eval``: the held-out chats' loss under the checkpoint's weights, and per chat its
     learned tokens and their loss."""
-    from m2flow.data.chats import packed_rows
-    from m2flow.engines.scoring import compute_logprobs
-    from m2flow.runners import checkpoint as checkpoints
-    from m2flow.workers.lm_common import load_model
+    from m2flow.engines.scoring import learned_nll
+    from m2flow.runners.evaluate import checkpoint_lm
 
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    model, tokenizer = load_model(plain, "cuda" if torch.cuda.is_available() else "cpu")
-    model.load_state_dict(checkpoints.trainer_weights(ckpt, "trainer"))
+    plain, model, tokenizer = checkpoint_lm(cfg, ckpt)
     _, test = chats(plain)
     examples = []
     for i, chat in enumerate(test):
-        batch = packed_rows([chat], tokenizer, cfg.data.max_tokens)
-        with torch.no_grad():
-            logp = compute_logprobs(model, batch, cfg.algorithm.max_tokens_per_micro_batch, share_prompts=False)
-        learned = batch.completion_mask.bool()
-        examples.append({"index": i, "learned_tokens": int(learned.sum()), "loss": float(-logp[learned].mean())})
+        total, count = learned_nll(model, packed_rows([chat], tokenizer, cfg.data.max_tokens),
+                                   cfg.algorithm.max_tokens_per_micro_batch)
+        examples.append({"index": i, "learned_tokens": count, "loss": total / max(1, count)})
     tokens = sum(e["learned_tokens"] for e in examples)
     return {"source": cfg.data.source, "chats": len(examples),
             "eval_loss": sum(e["loss"] * e["learned_tokens"] for e in examples) / max(1, tokens)}, examples

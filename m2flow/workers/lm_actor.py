@@ -46,7 +46,7 @@ from m2flow.algorithms import (
     rloo_advantages,
 )
 from m2flow.engines.batch import SequenceBatch, concat_batches
-from m2flow.engines.scoring import compute_logprobs
+from m2flow.engines.scoring import learned_nll
 from m2flow.engines.trainer import Accumulated, LMTrainer, LossScale
 from m2flow.runtime import Channel, Clock, DeviceLock, Worker, dispatch
 from m2flow.runtime.files import save_tensors
@@ -161,10 +161,8 @@ class LMActorWorker(Worker):
     def held_out_loss(self, batch: SequenceBatch) -> float:
         """The mean negative log-likelihood of ``batch``'s learned tokens (``completion_mask``)
         under the current weights: a supervised run's held-out loss."""
-        t = self.trainer
-        logp = compute_logprobs(t.model, batch, t.max_tokens, 1.0, autocast_dtype=t.autocast_dtype, share_prompts=False)
-        learned = batch.completion_mask.bool()
-        return float(-logp[learned].sum() / max(1, int(learned.sum())))
+        total, count = learned_nll(self.trainer.model, batch, self.trainer.max_tokens, self.trainer.autocast_dtype)
+        return total / max(1, count)
 
     # -- training ---------------------------------------------------------------------
     def train(self, batches_in: Channel, key: int = 0) -> LMTrainReport:
