@@ -4,6 +4,8 @@ max_turns, when its turn was cut, or when the results would cross its bound. End
 tiny model taught one tool-using conversation: the trajectory's tokens are exactly those of
 ``apply_chat_template`` of its conversation, and the log-probs those of a plain forward."""
 
+import dataclasses
+import functools
 import json
 import threading
 from concurrent.futures import Future
@@ -79,20 +81,36 @@ def test_where_a_trajectory_ends(turns):
         ToolTurns(Toolbox([]), tok, set(), max_turns=0)
 
 
-def test_calls_may_run_elsewhere(turns):
-    """``run``: a turn's calls go where the caller says (tool workers), answered through a future."""
-    _, tok = turns
-    sent = []
+def shout(text: str) -> str:
+    """Says it back, louder.
 
-    def run(toolbox, calls):
-        sent.append([c.name for c in calls])
+    Args:
+        text: what to say.
+    """
+    return text.upper()
+
+
+def test_calls_may_run_elsewhere(turns):
+    """``run``: a turn's calls go where the caller says (tool workers), by the trajectory's key,
+    answered through a future; its results are cut to the response limit by the rollout's
+    tokenizer; ``forget`` hears of each trajectory that made calls once it is out."""
+    _, tok = turns
+    sent, forgotten = [], []
+    toolbox = Toolbox([load("calculator"), load(f"{__name__}:shout")])
+
+    def run(key, calls):
+        sent.append((key, [c.name for c in calls]))
         done = Future()
-        done.set_result(toolbox.run(calls))
+        done.set_result(toolbox.run(calls, max_response_tokens=10**6))
         return done
 
-    hook = ToolTurns(Toolbox([load("calculator")]), tok, {tok.eos_token_id}, run=run)
+    hook = ToolTurns(Toolbox([]), tok, {tok.eos_token_id}, run=run, forget=forgotten.append, max_response_tokens=8)
     answer = hook(end_of(tok, calls_text(("calculator", {"expression": "3**4"}))))
-    assert "81" in tok.decode(answer.result(timeout=30)) and sent == [["calculator"]]
+    assert "81" in tok.decode(answer.result(timeout=30)) and sent == [((0, 0), ["calculator"])]
+    long = hook(dataclasses.replace(end_of(tok, calls_text(("shout", {"text": "a" * 500}))), prompt_index=1))
+    long = long.result(timeout=30)
+    assert "[cut at 8 tokens]" in tok.decode(long) and len(tok.decode(long)) < 200
+    assert hook.take(0, 0).tool_calls == 1 and forgotten == [(0, 0)]
 
 
 def test_the_time_a_trajectory_waits_on_its_tools_is_kept(turns):
@@ -100,12 +118,14 @@ def test_the_time_a_trajectory_waits_on_its_tools_is_kept(turns):
     its turns; each result keeps the time its call took."""
     _, tok = turns
 
-    def slow(toolbox, calls):
+    toolbox = Toolbox([load("calculator")])
+
+    def slow(key, calls):
         done = Future()
         threading.Timer(0.2, lambda: done.set_result(toolbox.run(calls))).start()
         return done
 
-    hook = ToolTurns(Toolbox([load("calculator")]), tok, {tok.eos_token_id}, run=slow, max_turns=3)
+    hook = ToolTurns(Toolbox([]), tok, {tok.eos_token_id}, run=slow, max_turns=3)
     call = calls_text(("calculator", {"expression": "2+2"}))
     for turn in (1, 2):
         hook(end_of(tok, call, turns=turn)).result(timeout=30)
@@ -120,6 +140,7 @@ QUESTION = "What is 12*34?"
 CALL = calls_text(("calculator", {"expression": "12*34"}))
 
 
+@functools.lru_cache(maxsize=1)  # tests/test_tool_workers.py uses it too; generating leaves it as it is
 def taught_model():
     """tiny-llama trained until it says, greedily, the conversation's two assistant turns."""
     model, tok = load_lm("tiny-llama")

@@ -311,6 +311,11 @@ def points_from_rows(shape, layout, rows: list[dict[str, Any]]) -> list[Point]:
                 out.append(Point(comp, "work", shape.items, devices, row[f"{comp}_busy_s"] / shape.repeats))
             else:
                 out.append(Point(comp, "work", sizes, devices, row[f"{comp}_busy_s"] / (shape.repeats * chunks)))
+            other = shape.beside.get(comp)  # what it calls as it works, on a process of its own
+            if other is not None and f"{other}_busy_s" in row:
+                whole = comp in shape.batched
+                out.append(Point(other, "work", shape.items if whole else sizes, layout.count(other),
+                                 row[f"{other}_busy_s"] / (shape.repeats * (1 if whole else chunks))))
         t, devices = shape.trainer, layout.count(shape.trainer)
         trained = trained_rows(shape, row)
         if shape.trainer_streams:

@@ -194,7 +194,14 @@ class Shape:
     step: from its first task to its last (a fused process's links share it). ``receivers``
     take the trainer's weights before a step's stream starts; ``in_flight``: they also take the
     pushes that come while it runs, so a stream ahead is launched without waiting for the one
-    before it to be made."""
+    before it to be made.
+
+    The chain need not be a line: ``beside`` maps a link to a component it calls while it works
+    (a rollout and its tool workers; a learner and the replay buffer it samples): that
+    component's work runs on its own process, chunk for chunk beside the link's, and a chunk
+    goes on once both are done. A cycle (rollout -> tools -> rollout, each trajectory several
+    times) is priced as its two sides' work per step side by side: while some sequences wait on
+    their tools the others decode, so the slower side sets the pace."""
 
     chain: tuple[str, ...]
     trainer: str
@@ -211,6 +218,7 @@ class Shape:
     # The trainer skips its rows a group at a time (a reasoning step's prompt groups whose samples
     # all got one reward): how many it forwards varies from step to step. 0: it does not skip.
     row_groups: int = 0
+    beside: Mapping[str, str] = field(default_factory=dict)  # a link -> the component it calls as it works
 
     @property
     def batch(self) -> int:
@@ -274,9 +282,10 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
         s = cost(t, "sync", shape.batch, trainer_dev) if changed else 0.0
         return add(Task(f"sync[{k}]", layout.process[t], t, s, deps, frozenset(), k, "sync"))
 
-    def stream(k: int, synced: int) -> list[int]:
+    def stream(k: int, synced: int) -> list[tuple[int, ...]]:
+        """Its tasks; for each chunk, the tasks the trainer's on it waits for."""
         first = len(tasks)  # the stream's tasks follow, together
-        prev = [synced] * len(sizes)
+        prev: list[tuple[int, ...]] = [(synced,)] * len(sizes)
         for r in range(shape.repeats):
             for c, size in enumerate(sizes):
                 for j, comp in enumerate(shape.chain):
@@ -286,23 +295,40 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
                     # a message to another process costs a hop (none within a fused process)
                     hop = cost(comp, "hop", size, devices) if layout.process[nxt] != layout.process[comp] else 0.0
                     if comp not in shape.batched:
-                        prev[c] = add(Task(name, layout.process[comp], comp, cost(comp, "work", size, devices) + hop,
-                                           (prev[c],), layout.held(comp), k))
+                        deps = prev[c]
+                        prev[c] = (add(Task(name, layout.process[comp], comp, cost(comp, "work", size, devices) + hop,
+                                            deps, layout.held(comp), k)),) + beside(comp, name, size, deps, k)
                     elif c == 0:  # the whole batch: its chunks end in turn (at once under a device turn)
                         whole = cost(comp, "work", shape.items, devices)
+                        deps = tuple(d for p in prev for d in p)
                         if layout.turns[comp]:
-                            prev = [add(Task(name, layout.process[comp], comp, whole + hop * len(sizes), tuple(prev),
-                                             layout.held(comp), k))] * len(sizes)
+                            prev = [(add(Task(name, layout.process[comp], comp, whole + hop * len(sizes), deps,
+                                              layout.held(comp), k)),)] * len(sizes)
+                            partner = [beside(comp, name, shape.items, deps, k)] * len(sizes)
                         else:
-                            deps, f = tuple(prev), shape.first_out
+                            f = shape.first_out
+                            partner = []
                             for i, part in enumerate(sizes):
                                 share = (1 - f) * part / shape.items + (f if i == 0 else 0.0)
-                                prev[i] = add(Task(f"{comp}[{k}.{r}.{i}]", layout.process[comp], comp,
-                                                   whole * share + hop, deps if i == 0 else (), frozenset(), k))
+                                ahead = deps if i == 0 else ()
+                                prev[i] = (add(Task(f"{comp}[{k}.{r}.{i}]", layout.process[comp], comp,
+                                                    whole * share + hop, ahead, frozenset(), k)),)
+                                partner.append(beside(comp, f"{comp}[{k}.{r}.{i}]", shape.items, ahead, k, share))
+                        prev = [p + q for p, q in zip(prev, partner)]
         _one_turn(tasks, first, shape, layout)
         on_receiver = [i for i in range(first, len(tasks)) if tasks[i].component in shape.receivers]
-        last_made.append(on_receiver[-1] if on_receiver else prev[-1])
+        last_made.append(on_receiver[-1] if on_receiver else prev[-1][0])
         return prev
+
+    def beside(comp: str, name: str, items: float, deps: tuple[int, ...], k: int,
+               share: float = 1.0) -> tuple[int, ...]:
+        """The work of the component ``comp`` calls as it works (``share`` of it on ``items``),
+        on that component's process, beside ``comp``'s task ``name``: no task where it calls none."""
+        other = shape.beside.get(comp)
+        if other is None:
+            return ()
+        seconds = cost(other, "work", items, layout.count(other)) * share
+        return (add(Task(f"{other}<{name}>", layout.process[other], other, seconds, deps, layout.held(other), k)),)
 
     ranks = layout.rank_devices(shape.trainer)
     # Streamed to several ranks, each chunk goes to whichever rank is free, its devices free (the
@@ -317,7 +343,7 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
                 alike[devs] = alike.get(devs, 0) + 1
                 pool.append((f"{layout.process[shape.trainer]}#{len(pool)}", devs if turns else frozenset()))
 
-    def train(k: int, ends: list[int]) -> None:
+    def train(k: int, ends: list[tuple[int, ...]]) -> None:
         t, proc, held = shape.trainer, layout.process[shape.trainer], layout.held(shape.trainer)
         scale = train_scale[k % len(train_scale)] if train_scale else 1.0
         if shape.trainer_streams:
@@ -326,16 +352,16 @@ def step_tasks(shape: Shape, layout: Layout, cost: Cost, steps: int, run_ahead: 
             for c, (end, size) in enumerate(zip(ends, sizes)):
                 part = size * shape.batch / shape.items * scale
                 if pool:  # any rank, in the order the chunks come; all of them then update together
-                    parts.append(add(Task(f"{t}[{k}.{c}]", proc, t, cost(t, "train", part, per_rank), (end,),
+                    parts.append(add(Task(f"{t}[{k}.{c}]", proc, t, cost(t, "train", part, per_rank), end,
                                           frozenset(), k, "train", pool=tuple(pool))))
                     continue
-                deps = (end,) + ((last,) if last is not None else ())
+                deps = end + ((last,) if last is not None else ())
                 last = add(Task(f"{t}[{k}.{c}]", proc, t, cost(t, "train", part, trainer_dev), deps, held, k, "train"))
             trained.append(add(Task(f"{t}.update[{k}]", proc, t, cost(t, "update", shape.batch, trainer_dev),
                                     tuple(parts) or (last,), held, k, "train")))
         else:
             trained.append(add(Task(f"{t}[{k}]", proc, t, cost(t, "train", shape.batch * scale, trainer_dev),
-                                    tuple(ends), held, k, "train")))
+                                    tuple(d for end in ends for d in end), held, k, "train")))
 
     if not run_ahead:
         for k in range(steps):

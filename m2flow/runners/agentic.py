@@ -8,11 +8,14 @@ is exactly the tokens the model saw, in order; the loss mask is 1 on the tokens 
 and 0 on the tools' (``SequenceBatch.completion_mask``), so the actor trains on its own
 tokens in the context of the results. The reward scores the last turn, the answer:
 
-    rollout (<-> tools) --samples--> reward --scored--> inference --batches--> actor --weights--> rollout
+    rollout (<-> tool) --samples--> reward --scored--> inference --batches--> actor --weights--> rollout
 
-The reasoning flow's runner serves it (data, evaluation, checkpoints); its components'
-rollout, its config sections (``tools``, the rollout's trajectory bounds) and its metrics
-row are its own.
+The calls run on the rollout's own threads, or (``tools.workers``) in the ``tool``
+component's processes (``workers/tool.py``), which the plan places like any other component:
+on cores of their own, so that a tool's subprocesses do not crowd the rollout's, and as many
+as the plan gives them. The reasoning flow's runner serves it (data, evaluation,
+checkpoints); its rollout, tool workers, config sections (``tools``, the rollout's
+trajectory bounds) and metrics row are its own.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from m2flow.config.validate import ConfigError, check_reasoning
 from m2flow.data.prompts import eval_prompts
 from m2flow.engines import SamplingParams, build_engine
 from m2flow.engines.batch import SequenceBatch
+from m2flow.flow import Plan, Workflow
+from m2flow.flow.simulate import Shape
 from m2flow.runners import reasoning
 from m2flow.runners.evaluate import checkpoint_lm
 from m2flow.runners.flow import Flow
+from m2flow.runners.metrics import component_times
 from m2flow.rewards import Scores
 from m2flow.runtime import Channel
 from m2flow.tools import Toolbox
@@ -42,6 +48,7 @@ from m2flow.tools.episodes import ANSWERED, ToolTurns
 from m2flow.workers.lm_rollout import LMRolloutWorker, engine_options
 from m2flow.workers.reports import GenerateReport, RewardReport
 from m2flow.workers.reward import RewardWorker
+from m2flow.workers.tool import RemoteTools, ToolWorker
 
 
 @dataclass
@@ -52,7 +59,9 @@ class ToolsConfig:
     max_calls: int = opt(8, "tool calls a turn at most: those past it are answered with an error", within=AT_LEAST_1)
     timeout_s: float = opt(10.0, "seconds a call may take: then it is answered with an error", within=POSITIVE)
     max_response_tokens: int = opt(256, "a result's tokens at most: a longer one is cut and marked", within=AT_LEAST_1)
-    threads: int = opt(8, "calls running at once, per rollout rank", within=AT_LEAST_1)
+    threads: int = opt(8, "calls running at once, per rollout rank (where the rollout runs them)", within=AT_LEAST_1)
+    workers: bool = opt(False, "the calls run in tool worker processes, the component 'tool' that the plan places "
+                               "(one per device of its own by default), rather than on the rollout's threads")
     malformed_penalty: float = opt(0.0, "taken off a trajectory's reward for each malformed call it made",
                                    within=NON_NEGATIVE)
     error_penalty: float = opt(0.0, "taken off a trajectory's reward for each call answered with another error "
@@ -93,19 +102,23 @@ def check(d: Mapping, training: bool = True) -> None:  # the rules between keys,
                                                       f"(a turn's), got {r['max_total_tokens']}")
 
 
-def tool_turns(plain: dict, toolbox: Toolbox, tokenizer: Any, eos_ids: set[int]) -> ToolTurns:
-    """The engine's ``turn_ended`` hook for the config's tools (``toolbox``) and limits."""
+def tool_turns(plain: dict, toolbox: Toolbox, tokenizer: Any, eos_ids: set[int], **where: Any) -> ToolTurns:
+    """The engine's ``turn_ended`` hook for the config's tools (``toolbox``) and limits;
+    ``where``: ``run`` and ``forget`` where the calls run elsewhere (``RemoteTools``)."""
     t = plain["tools"]
     return ToolTurns(toolbox, tokenizer, eos_ids, max_turns=t["max_turns"], max_calls=t["max_calls"],
-                     timeout=t["timeout_s"], max_response_tokens=t["max_response_tokens"], threads=t["threads"])
+                     timeout=t["timeout_s"], max_response_tokens=t["max_response_tokens"], threads=t["threads"],
+                     **where)
 
 
 class ToolRolloutWorker(LMRolloutWorker):
-    """The LM rollout, its sequences taking turns with the task's tools between them."""
+    """The LM rollout, its sequences taking turns with the task's tools between them;
+    ``tools``: the tool workers' group name and ranks, where they run the calls."""
 
-    def __init__(self, cfg: dict, take_turns: bool = False, offload: bool = True):
+    def __init__(self, cfg: dict, take_turns: bool = False, offload: bool = True, tools: tuple[str, int] | None = None):
         super().__init__(cfg, take_turns, offload)
         self.toolbox = Toolbox.load(cfg["tools"]["names"])
+        self.tool_workers, self.engine_calls = tools, 0
         self.params = dataclasses.replace(self.params, max_total_tokens=cfg["rollout"]["max_total_tokens"])
         self.hook: ToolTurns | None = None
         # (prompt, sample) -> its calls, malformed ones and other errors, until its batch goes out
@@ -115,7 +128,12 @@ class ToolRolloutWorker(LMRolloutWorker):
         """A new engine call's hook: its trajectories' tool use is counted as their groups go out."""
         if self.hook is not None:
             self.hook.close()
-        self.hook = tool_turns(self.cfg, self.toolbox, self.tokenizer, self.engine.eos_ids)
+        where = {}
+        if self.tool_workers is not None:
+            self.engine_calls += 1
+            remote = RemoteTools(*self.tool_workers, self.rank, self.engine_calls)
+            where = {"run": remote.run, "forget": remote.forget}
+        self.hook = tool_turns(self.cfg, self.toolbox, self.tokenizer, self.engine.eos_ids, **where)
         return {"turn_ended": self.hook}
 
     def count_group(self, report: GenerateReport, prompt: dict, completions: list) -> None:
@@ -183,6 +201,36 @@ class ToolRewardWorker(RewardWorker):
         return -penalty
 
 
+TOOL = "tool"  # the tool workers' component (``tools.workers``)
+
+
+def components(cfg: DictConfig) -> tuple[str, ...]:
+    """The reasoning flow's, and the tool workers where the calls run in them."""
+    return reasoning.components(cfg) + ((TOOL,) if cfg.tools.workers else ())
+
+
+def with_tools(base: Workflow) -> Workflow:
+    """The reasoning flow's workflow, and the tool workers: light (no model: they never take
+    device turns), with the components after the rollout when the makers have devices of
+    their own (their cores are then not the rollout's), one process per device unless the
+    plan says otherwise."""
+    splits = {mode: tuple((group + ((TOOL,) if share is None else ()), share) for group, share in groups)
+              for mode, groups in base.splits.items()}
+    return dataclasses.replace(base, name="agentic", components=(*base.components, TOOL), splits=splits,
+                               light=(*base.light, TOOL))
+
+
+def workflow(cfg: DictConfig) -> Workflow:
+    return with_tools(reasoning.workflow(cfg))
+
+
+def shape(cfg: DictConfig, plan: Plan, fused: bool) -> Shape:
+    """The reasoning flow's step; the rollout <-> tool cycle priced as the tool workers' work
+    beside the rollout's (``Shape.beside``)."""
+    step = reasoning.shape(cfg, plan, fused)
+    return dataclasses.replace(step, beside={"rollout": TOOL}) if TOOL in plan.components else step
+
+
 class AgenticMetrics(reasoning.ReasoningMetrics):
     """The reasoning flow's row (docs/reasoning.md), and the tools': ``turns`` (the model's, per
     trajectory), ``tool_calls`` (per trajectory), ``tool_error_rate`` (of the calls),
@@ -192,7 +240,9 @@ class AgenticMetrics(reasoning.ReasoningMetrics):
     seconds a trajectory spent waiting on its tools' results, out of the batch), ``tool_penalty``
     (the malformed and error penalties taken off a trajectory's reward, on average), and
     ``solved_with_tool_call`` and ``solved_without_tool_call``: the share solved of the
-    trajectories that made a call, and of those that did not (nan where there are none)."""
+    trajectories that made a call, and of those that did not (nan where there are none). With
+    tool workers, ``tool_busy_s`` and ``tool_idle_s`` (a rank's, on average, while at least one
+    call ran and the rest of the step)."""
 
     def row(self, i: int, report: dict[str, Any], step_s: float, time_s: float) -> dict[str, float]:
         row = super().row(i, report, step_s, time_s)
@@ -210,6 +260,8 @@ class AgenticMetrics(reasoning.ReasoningMetrics):
         row["solved_with_tool_call"] = reward.solved_with_call / reward.with_call if reward.with_call else math.nan
         row["solved_without_tool_call"] = (reward.solved_without_call / reward.without_call if reward.without_call
                                            else math.nan)
+        if TOOL in report:
+            row |= component_times({TOOL: report[TOOL]})
         return row
 
 
@@ -217,6 +269,21 @@ class AgenticRunner(reasoning.ReasoningRunner):
     def prepare(self) -> None:
         super().prepare()
         self.metrics = AgenticMetrics(self.total)
+
+    def worker_args(self, component: str, take_turns: bool) -> tuple:
+        if component == TOOL:
+            return (self.plain,)
+        args = super().worker_args(component, take_turns)
+        if component == "rollout" and TOOL in self.components:
+            return (*args, (f"{TOOL}-{self.pool.tag}", self.plan.world_size(TOOL)))
+        return args
+
+    def step(self, i: int, ahead: int = 0) -> dict[str, Any]:
+        """The reasoning flow's step, and the tool workers' calls and busy time since the last."""
+        report = super().step(i, ahead)
+        if TOOL in self.groups:
+            report[TOOL] = self.groups[TOOL].report().wait()
+        return report
 
 
 def score(cfg: DictConfig, ckpt: dict, episodes: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -255,11 +322,12 @@ def _accuracy(examples: list[dict[str, Any]]) -> float | None:
 
 
 FLOW = Flow(
-    "agentic", reasoning.WORKFLOW, {**reasoning.WORKERS, "rollout": ToolRolloutWorker, "reward": ToolRewardWorker},
+    "agentic", with_tools(reasoning.WORKFLOW),
+    {**reasoning.WORKERS, "rollout": ToolRolloutWorker, "reward": ToolRewardWorker, TOOL: ToolWorker},
     AgenticRunner,
-    config=AgenticConfig, check=check, length_key="runner.steps", shape=reasoning.shape, knobs=reasoning.knobs,
+    config=AgenticConfig, check=check, length_key="runner.steps", shape=shape, knobs=reasoning.knobs,
     length=reasoning.length, probe_sizes=reasoning.probe_sizes, duration="step_s", probe_updates=2,
     sized_on_one_device=False, overlap_probe_updates=3, stateful=("rollout", "actor", "critic"),
     resume_keys=("algorithm.name", "model.path", "tools.names"), prefetch={"batches": 1},
-    components_for=reasoning.components, workflow_for=reasoning.workflow, receivers=reasoning.receivers,
+    components_for=components, workflow_for=workflow, receivers=reasoning.receivers,
     refreshing=reasoning.refreshing, plan_options=reasoning.plan_options, score=score)

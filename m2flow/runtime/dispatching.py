@@ -14,13 +14,13 @@ import numpy as np
 import ray
 import torch
 
-from m2flow.runtime.worker import IO_GROUP
+from m2flow.runtime.worker import CALLS_GROUP, IO_GROUP
 
 # Arguments sent to several ranks above this size go through the object store once.
 _SHARE_BYTES = 100 * 1024
 
 
-def dispatch(split: str = "all", gather: str = "list", immediate: bool = False) -> Callable:
+def dispatch(split: str = "all", gather: str = "list", immediate: bool = False, concurrent: bool = False) -> Callable:
     """Declares how a group call splits its inputs across ranks and gathers outputs.
 
     split: ``"all"`` (every rank gets the same arguments), ``"scatter"`` (tensors, arrays,
@@ -32,6 +32,9 @@ def dispatch(split: str = "all", gather: str = "list", immediate: bool = False) 
     immediate: the method runs on the worker's IO threads, at once, even while a long call
     of the worker's is in progress (it must be quick and share state with the main thread
     only through what is thread-safe).
+    concurrent: the method runs on the worker's call threads, up to its class's
+    ``CALL_THREADS`` calls at once (calls that wait on something of their own: a tool); it
+    must be thread-safe.
     """
     if split not in ("all", "scatter", "per_rank"):
         raise ValueError(f"unknown split {split!r}")
@@ -40,7 +43,10 @@ def dispatch(split: str = "all", gather: str = "list", immediate: bool = False) 
 
     def mark(fn: Callable) -> Callable:
         fn._m2flow_dispatch = (split, gather)
-        return ray.method(concurrency_group=IO_GROUP)(fn) if immediate else fn
+        fn._m2flow_concurrent = concurrent
+        if immediate or concurrent:
+            return ray.method(concurrency_group=IO_GROUP if immediate else CALLS_GROUP)(fn)
+        return fn
 
     return mark
 

@@ -36,6 +36,19 @@ class WorkerDiedError(WorkerError):
     pass
 
 
+class PeerDiedError(RuntimeError):
+    """A worker's direct call to another group's rank (``runtime.peers``) found that rank's
+    process dead: a group call that fails with it is that rank's death (``WorkerDiedError``
+    naming it), which a run answers with a restart, as any death."""
+
+    def __init__(self, group: str, rank: int, method: str, reason: str):
+        super().__init__(f"{group} rank {rank} died under a call of {method}(): {reason}")
+        self.group, self.rank, self.method, self.reason = group, rank, method, reason
+
+    def __reduce__(self):  # raised in a worker, read in the driver
+        return PeerDiedError, (self.group, self.rank, self.method, self.reason)
+
+
 def death_reason(e: BaseException) -> str:
     """Ray's error for a worker's death, in a line where it runs to a page (the memory
     monitor's report: object store statistics, the processes it considered)."""

@@ -25,7 +25,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
 
 from m2flow.runtime.dispatching import _gather, _split
-from m2flow.runtime.errors import _ANSI, _DIED, WorkerDiedError, WorkerError, _death_among, death_reason, own_frames
+from m2flow.runtime.errors import _ANSI, _DIED, PeerDiedError, WorkerDiedError, WorkerError, _death_among, death_reason, own_frames
 from m2flow.runtime.placement import ComponentPlacement
 from m2flow.runtime.pool import WorkerPool, _new_actor
 from m2flow.runtime.worker import CALL_PREFIX, WorkerInfo, callable_methods
@@ -84,6 +84,10 @@ class GroupHandle:
             except GetTimeoutError:
                 self._timeout(timeout, [rank])
             except RayTaskError as e:
+                if isinstance(e.cause, PeerDiedError):  # it called a rank of another group directly, and that died
+                    p = e.cause
+                    raise WorkerDiedError(p.group, p.rank, p.method, f"the worker process died: {p.reason}", p,
+                                          str(e)) from None
                 died = _death_among(pending, DEATH_GRACE_S)  # a peer's death may be what made it fail
                 if died is not None:
                     self._died(rank_of[died[0]], died[1])

@@ -31,6 +31,9 @@ from m2flow.runtime.trace import get_tracer, set_process_name
 # long method (or blocked in recv) still answers deliveries, pings and trace requests.
 IO_GROUP = "m2flow_io"
 IO_THREADS = 4
+# Methods marked ``@dispatch(concurrent=True)`` run here, up to ``Worker.CALL_THREADS`` at once
+# (a worker that serves other workers' calls, each waiting on something of its own).
+CALLS_GROUP = "m2flow_calls"
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class WorkerInfo:
     group: str
     rank: int
     world_size: int
+    CALL_THREADS = 0  # threads for its methods marked ``@dispatch(concurrent=True)``; 0: it has none
     devices: tuple[Device, ...]
     local_rank: int
     session: str
@@ -74,6 +78,7 @@ class Worker:
     group: str
     rank: int
     world_size: int
+    CALL_THREADS = 0  # threads for its methods marked ``@dispatch(concurrent=True)``; 0: it has none
 
     @classmethod
     def reshard(cls, states: list[Any], ranks: int, *args: Any) -> list[Any]:
@@ -337,5 +342,9 @@ def actor_class(cls: type) -> Any:
         entry_points = {CALL_PREFIX + name: _traced(name, getattr(cls, name)) for name in callable_methods(cls)}
         wrapper = type(cls.__name__, (cls,), {"__init__": lambda self: None, "_m2flow_user_cls": cls,
                                               "__module__": cls.__module__, **entry_points})
-        _ACTOR_CLASSES[cls] = ray.remote(concurrency_groups={IO_GROUP: IO_THREADS})(wrapper)
+        groups = {IO_GROUP: IO_THREADS} | ({CALLS_GROUP: cls.CALL_THREADS} if cls.CALL_THREADS else {})
+        concurrent = [n for n in callable_methods(cls) if getattr(getattr(cls, n), "_m2flow_concurrent", False)]
+        if concurrent and not cls.CALL_THREADS:
+            raise TypeError(f"{cls.__name__}: {concurrent} run concurrently, but it sets no CALL_THREADS")
+        _ACTOR_CLASSES[cls] = ray.remote(concurrency_groups=groups)(wrapper)
     return _ACTOR_CLASSES[cls]

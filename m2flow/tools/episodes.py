@@ -26,7 +26,7 @@ from typing import Any
 
 from m2flow.tools.base import ToolCall, ToolResult
 from m2flow.tools.calls import parse_calls, render_results
-from m2flow.tools.run import Toolbox
+from m2flow.tools.run import Toolbox, cut_result
 
 # why a trajectory ended
 ANSWERED, MAX_TURNS, TURN_CUT, NO_ROOM = "answered", "max_turns", "turn_cut", "no_room"
@@ -74,12 +74,16 @@ def turn_separator(tokenizer: Any) -> tuple[str, str]:
 class ToolTurns:
     """The ``turn_ended`` hook of a generate call whose sequences use ``toolbox``'s tools
     (each trajectory a copy of it: stateful tools start fresh). ``run``: where a turn's
-    calls run, ``run(toolbox, calls) -> Future[list[ToolResult]]`` (default: this process's
-    threads, ``threads`` of them); ``eos_ids``: the tokens that end a turn."""
+    calls run, ``run(key, calls) -> Future[list[ToolResult]]``, ``key`` the trajectory's
+    (prompt index, sample index), and ``forget(key)`` once the trajectory is out (the tool
+    workers keep each trajectory's state); default: this process's threads, ``threads`` of
+    them. Results are cut to ``max_response_tokens`` by ``tokenizer`` here, wherever they ran.
+    ``eos_ids``: the tokens that end a turn."""
 
     def __init__(self, toolbox: Toolbox, tokenizer: Any, eos_ids: set[int], *, max_turns: int = 4,
                  max_calls: int = 8, timeout: float = 30.0, max_response_tokens: int = 512, threads: int = 8,
-                 run: Callable[[Toolbox, list], Future] | None = None):
+                 run: Callable[[tuple[int, int], list], Future] | None = None,
+                 forget: Callable[[tuple[int, int]], None] | None = None):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.toolbox, self.tokenizer, self.eos_ids = toolbox, tokenizer, set(eos_ids)
@@ -88,6 +92,7 @@ class ToolTurns:
         self.end, self.after = turn_separator(tokenizer)
         self.pool = None if run is not None else ThreadPoolExecutor(threads, thread_name_prefix="tool-turn")
         self.run_calls = run or self._run_here
+        self.forget = forget
         self.episodes: dict[tuple[int, int], Episode] = {}
         self.lock = threading.Lock()
 
@@ -109,7 +114,7 @@ class ToolTurns:
             episode.ended = MAX_TURNS
         if episode.ended:
             return None
-        if episode.toolbox is None:
+        if episode.toolbox is None and self.pool is not None:
             episode.toolbox = self.toolbox.copy()
         episode.calls.append(calls)
         head = self.after if ended_by_eos else self.end + self.after
@@ -118,7 +123,7 @@ class ToolTurns:
 
         def answered(results: Future) -> None:
             try:
-                done = results.result()
+                done = [cut_result(r, self.max_response_tokens, self.tokenizer) for r in results.result()]
                 episode.results.append(done)
                 tokens = self.tokenizer.encode(head + render_results(done, self.tokenizer), add_special_tokens=False)
                 if len(tokens) >= end.room:
@@ -128,11 +133,11 @@ class ToolTurns:
             except BaseException as e:  # noqa: BLE001 - the engine raises it
                 answer.set_exception(e)
 
-        self.run_calls(episode.toolbox, calls).add_done_callback(answered)
+        self.run_calls(key, calls).add_done_callback(answered)
         return answer
 
-    def _run_here(self, toolbox: Toolbox, calls: list) -> Future:
-        return self.pool.submit(toolbox.run, calls, timeout=self.timeout, max_calls=self.max_calls,
+    def _run_here(self, key: tuple[int, int], calls: list) -> Future:
+        return self.pool.submit(self.episodes[key].toolbox.run, calls, timeout=self.timeout, max_calls=self.max_calls,
                                 max_response_tokens=self.max_response_tokens, tokenizer=self.tokenizer)
 
     def take(self, prompt_index: int, sample_index: int) -> Episode:
@@ -140,6 +145,8 @@ class ToolTurns:
         (the engine ends a trajectory at its total bound without asking) ended ``NO_ROOM``."""
         with self.lock:
             episode = self.episodes.pop((prompt_index, sample_index), None) or Episode()
+        if self.forget is not None and episode.calls:
+            self.forget((prompt_index, sample_index))
         episode.toolbox, episode.ended = None, episode.ended or NO_ROOM
         return episode
 

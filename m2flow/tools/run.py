@@ -2,7 +2,8 @@
 failure (an unknown tool, arguments that do not fit, an exception, a timeout) turned into an
 error observation of a counted kind, and every observation cut to the response limit.
 
-Calls run on threads here; the tool workers to come run them in processes of their own. A
+Calls run on threads here: the rollout's own (``episodes.ToolTurns``), or a tool worker's
+(``workers.tool``), a process of its own. A
 call to a stateful tool waits for the calls before it to the same tool (they share one
 trajectory's state, in the order the model wrote them); calls to other tools do not wait. A
 function that hangs keeps its (daemon) thread until it returns, its call answered as timed
@@ -90,7 +91,7 @@ class Toolbox:
                     results[i] = error_result(calls[i].id, calls[i].name, TIMEOUT,
                                               f"the call did not finish within its {timeout:g} s",
                                               seconds=time.monotonic() - started)
-        return [_cut(r, max_response_tokens, tokenizer) for r in results]
+        return [cut_result(r, max_response_tokens, tokenizer) for r in results]
 
     def _run_lane(self, calls: list[ToolCall], places: list[int], results: list[ToolResult | None]) -> None:
         for call, place in zip(calls, places):
@@ -112,7 +113,8 @@ class Toolbox:
         return ToolResult(call.id, call.name, text, seconds=time.monotonic() - started)
 
 
-def _cut(result: ToolResult, max_tokens: int, tokenizer: Any) -> ToolResult:
+def cut_result(result: ToolResult, max_tokens: int, tokenizer: Any) -> ToolResult:
+    """``result`` with its text cut to ``max_tokens`` (``cut``), marked when it was."""
     text, was_cut = cut(result.text, max_tokens, tokenizer)
     return ToolResult(result.call_id, result.name, text, result.error, result.seconds, cut=True) if was_cut else result
 

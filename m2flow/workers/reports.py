@@ -126,6 +126,15 @@ class RewardReport(Report):
 
 
 @dataclass(kw_only=True)
+class ToolReport(Report):
+    """A tool worker's calls since its last report (``ToolWorker.report``): ``busy_s`` while at
+    least one ran, ``idle_s`` the rest of the time."""
+
+    calls: int = 0  # tool calls it ran (a turn's several calls count one each)
+    trajectories: int = 0  # trajectories whose stateful tools it holds now
+
+
+@dataclass(kw_only=True)
 class InferenceReport(Report):
     """The inference worker's pass over one stream (``InferenceWorker.logprobs``)."""
 
