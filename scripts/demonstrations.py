@@ -5,14 +5,13 @@ format) that ``m2flow sft`` trains on (``data.source=FILE``), to read or edit fi
 
 ``calculation``: a call of the calculator with the problem's expression, the calculator's
 result, and the answer in ``\\boxed{}`` (``m2flow.data.chats.calculation_chats``; the same
-chats as ``data.source=calculation``)."""
+chats as ``data.source=calculation``). ``invented``: a search for each entity the answer is
+found through, the search tool's passages, and the answer (``invented_chats``)."""
 
 import argparse
 import json
 
-from m2flow.data.chats import calculation_chats
-
-TASKS = {"calculation": calculation_chats}
+from m2flow.data.chats import DEMONSTRATIONS as TASKS
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

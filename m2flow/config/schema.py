@@ -27,7 +27,7 @@ REASONING_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo")  # m2f
 BACKENDS = ("torch", "vllm")  # m2flow.engines.BACKENDS
 DTYPES = ("float32", "bfloat16", "float16")  # m2flow.workers.lm_common.DTYPES
 BUILTIN_MODELS = ("smollm2", "tiny-gemma", "tiny-llama", "tiny-qwen2")  # m2flow.models.lm: SMOLLM2, TINY_CONFIGS
-BUILTIN_REWARDS = ("format", "last_number", "math")  # m2flow.rewards.scorer.BUILTIN
+BUILTIN_REWARDS = ("exact_match", "format", "last_number", "math")  # m2flow.rewards.scorer.BUILTIN
 ARITHMETIC_LEVELS = (1, 2, 3, 4, 5)  # m2flow.data.arithmetic.LEVELS
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "abs")
@@ -255,12 +255,14 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = opt("arithmetic", "the built-in arithmetic word problems | calculation (the built-in calculations "
-                                    "for tools: held-out phrasings and kinds) | a .jsonl / .parquet file")
+                                    "for tools: held-out phrasings and kinds) | invented (multi-hop questions about "
+                                    "invented entities, for the search tool's corpus 'invented') | a .jsonl / "
+                                    ".parquet file")
     question_key: str = opt("question", "a file row's question field")
     answer_key: str = opt("answer", "a file row's reference answer field")
     levels: List[int] = opt([1], "arithmetic difficulty levels (1-5)", choices=ARITHMETIC_LEVELS)
-    train_size: int = opt(MISSING, "problems generated for training (arithmetic, calculation)", within=AT_LEAST_1)
-    test_size: int = opt(MISSING, "held-out problems: generated (arithmetic, calculation) or a file's last rows",
+    train_size: int = opt(MISSING, "problems generated for training (arithmetic, calculation, invented)", within=AT_LEAST_1)
+    test_size: int = opt(MISSING, "held-out problems: generated (arithmetic, calculation, invented) or a file's last rows",
                          within=NON_NEGATIVE)
     instruction: str = opt("Put the final answer in \\boxed{}.", "appended to every question")
     prompts_per_step: int = opt(MISSING, "prompts per policy update", within=AT_LEAST_1)

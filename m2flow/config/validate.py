@@ -328,16 +328,16 @@ def check_data(data: Mapping, training: bool = True) -> None:
             raise ConfigError("data.levels", "empty: the arithmetic problems need at least one level (1-5)")
         train = data["train_size"]
         where = "data.train_size"
-    elif source == "calculation":
+    elif source in ("calculation", "invented"):
         train, where = data["train_size"], "data.train_size"
     else:
         path = Path(source)
         if path.suffix not in (".jsonl", ".json", ".parquet"):
-            raise ConfigError("data.source", f"expected arithmetic | calculation or a .jsonl / .parquet file, got "
-                                             f"{source!r}")
+            raise ConfigError("data.source", f"expected arithmetic | calculation | invented or a .jsonl / .parquet "
+                                             f"file, got {source!r}")
         if not path.is_file():
-            raise ConfigError("data.source", f"no such file {source!r} (expected arithmetic | calculation or a .jsonl "
-                                             "/ .parquet file)")
+            raise ConfigError("data.source", f"no such file {source!r} (expected arithmetic | calculation | invented "
+                                             "or a .jsonl / .parquet file)")
         rows = count_rows(path)
         if rows is None or not training:
             return  # unreadable here: loading the problems names the problem

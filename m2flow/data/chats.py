@@ -189,3 +189,29 @@ def calculation_chats(n: int, split: str, seed: int, instruction: str | None) ->
             {"role": "tool", "name": "calculator", "content": calculator.call({"expression": expression})},
             {"role": "assistant", "content": f"The answer is \\boxed{{{p.answer}}}."}]})
     return chats
+
+
+def invented_chats(n: int, split: str, seed: int, instruction: str | None) -> list[dict[str, Any]]:
+    """Demonstrations for the built-in questions about invented entities (``data.invented``):
+    the question, one search a turn for each entity the answer is found through (the
+    question's, then each that the passage found names), the search tool's own passages on
+    the built-in corpus (``invented.SEARCH``: as the presets offer it), and the answer in ``\\boxed{}``."""
+    from m2flow.data.invented import SEARCH, hops, invented_problems
+    from m2flow.tools import load
+
+    options = dict(SEARCH)
+    search = load(options.pop("path"), **options)
+    chats = []
+    for p in invented_problems(n, split, seed=seed):
+        messages = [{"role": "user", "content": f"{p.question}\n{instruction}" if instruction else p.question}]
+        for entity in hops(p):
+            call = {"type": "function", "function": {"name": "search", "arguments": {"query": entity}}}
+            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "name": "search", "content": search.call({"query": entity})}]
+        messages.append({"role": "assistant", "content": f"The answer is \\boxed{{{p.answer}}}."})
+        chats.append({"tools": [search.schema], "messages": messages})
+    return chats
+
+
+# demonstrations of the built-in tasks, by data.source: (n, split, seed, instruction) -> chats
+DEMONSTRATIONS = {"calculation": calculation_chats, "invented": invented_chats}

@@ -7,8 +7,12 @@ from omegaconf import DictConfig, OmegaConf
 from m2flow.config import ConfigError
 from m2flow.data.arithmetic import arithmetic_problems
 from m2flow.data.calculation import calculation_problems
+from m2flow.data.invented import invented_problems
 from m2flow.data.problems import Problem, build_prompts, load_problems
 from m2flow.tools import Toolbox
+
+# the built-in tasks for tools, by data.source: (n, split, seed) -> problems
+GENERATED = {"calculation": calculation_problems, "invented": invented_problems}
 
 
 def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
@@ -19,9 +23,8 @@ def load_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
         levels = list(d.levels)
         train = arithmetic_problems(d.train_size, levels, "train", seed=cfg.seed)
         test = arithmetic_problems(d.test_size, levels, "test", seed=cfg.seed)
-    elif d.source == "calculation":
-        train = calculation_problems(d.train_size, "train", seed=cfg.seed)
-        test = calculation_problems(d.test_size, "test", seed=cfg.seed)
+    elif d.source in GENERATED:
+        train, test = _generated(cfg, "train", d.train_size), _generated(cfg, "test", d.test_size)
     else:
         problems = _file_problems(cfg)
         if len(problems) <= d.test_size:
@@ -38,9 +41,17 @@ def eval_prompts(cfg: DictConfig) -> list[dict]:
     d = cfg.data
     if d.source == "arithmetic":
         return _rows(cfg, arithmetic_problems(d.test_size, list(d.levels), "test", seed=cfg.seed))
-    if d.source == "calculation":
-        return _rows(cfg, calculation_problems(d.test_size, "test", seed=cfg.seed))
+    if d.source in GENERATED:
+        return _rows(cfg, _generated(cfg, "test", d.test_size))
     return _rows(cfg, _file_problems(cfg))
+
+
+def _generated(cfg: DictConfig, split: str, n: int) -> list[Problem]:
+    """``n`` problems of a built-in task's ``split``; more than it has is a config error."""
+    try:
+        return GENERATED[cfg.data.source](n, split, seed=cfg.seed)
+    except ValueError as e:
+        raise ConfigError(f"data.{split}_size", str(e)) from None
 
 
 def _file_problems(cfg: DictConfig) -> list[Problem]:
@@ -74,7 +85,7 @@ def _rows(cfg: DictConfig, problems) -> list[dict]:
     room = max_positions(cfg.model.path)
     for p in prompts:
         if room is not None and len(p.token_ids) >= room:
-            key = "data.source" if cfg.data.source not in ("arithmetic", "calculation") else "data.instruction"
+            key = "data.source" if cfg.data.source not in ("arithmetic", *GENERATED) else "data.instruction"
             raise ConfigError(key, f"problem {p.problem.id!r}: its prompt has {len(p.token_ids)} tokens "
                                    f"(chat-formatted): no room to generate within the {room} positions of "
                                    f"{cfg.model.path}")

@@ -28,6 +28,7 @@ BUILTIN = {
     "math": "m2flow.rewards.math:math_reward",
     "format": "m2flow.rewards.math:format_reward",
     "last_number": "m2flow.rewards.math:last_number_reward",
+    "exact_match": "m2flow.rewards.match:exact_match",
 }
 _STARTUP_TIMEOUT_S = 120.0  # spawning and importing sympy on a busy 2-core machine
 

@@ -27,7 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from m2flow.config.schema import (AT_LEAST_1, BaseConfig, ModelConfig, ReasoningAlgorithmConfig,
                                   ReasoningPlacementConfig, ReasoningRunnerConfig, opt, section)
 from m2flow.config.validate import ConfigError, check_custom_placement, check_model
-from m2flow.data.chats import calculation_chats, load_chats, packed_rows
+from m2flow.data.chats import DEMONSTRATIONS, load_chats, packed_rows
 from m2flow.engines.batch import SequenceBatch
 from m2flow.flow import Plan, Workflow
 from m2flow.flow.simulate import Shape
@@ -47,10 +47,12 @@ COMPONENTS = ("data", "actor")
 @dataclass
 class SFTDataConfig:
     source: str = opt(MISSING, "the chats: a .jsonl file of {messages, tools} rows (OpenAI's message format) | "
-                               "calculation (demonstrations: the calculator tool on the built-in calculations)")
-    train_size: int = opt(1024, "calculation: demonstrations made for training", within=AT_LEAST_1)
-    test_size: int = opt(MISSING, "held-out chats: a file's last rows, or made (calculation)", within=AT_LEAST_1)
-    instruction: str = opt("Put the final answer in \\boxed{}.", "calculation: appended to every question")
+                               "calculation (demonstrations: the calculator tool on the built-in calculations) | "
+                               "invented (the search tool on the built-in questions about invented entities)")
+    train_size: int = opt(1024, "calculation, invented: demonstrations made for training", within=AT_LEAST_1)
+    test_size: int = opt(MISSING, "held-out chats: a file's last rows, or made (calculation, invented)",
+                         within=AT_LEAST_1)
+    instruction: str = opt("Put the final answer in \\boxed{}.", "calculation, invented: appended to every question")
     max_tokens: int = opt(1024, "a packed row's tokens at most (a longer chat is cut to it)", within=AT_LEAST_1)
     rows_per_step: int = opt(MISSING, "packed rows per update", within=AT_LEAST_1)
 
@@ -84,16 +86,17 @@ def check(d: Mapping, training: bool = True) -> None:  # the rules between keys,
     if d["algorithm"]["data_parallel"] != "replicate":
         raise ConfigError("algorithm.data_parallel", "must be replicate: the supervised flow does not shard yet")
     source = d["data"]["source"]
-    if source != "calculation" and not Path(source).is_file():
-        raise ConfigError("data.source", f"no file {source!r} (a .jsonl of chats, or calculation)")
+    if source not in DEMONSTRATIONS and not Path(source).is_file():
+        raise ConfigError("data.source", f"no file {source!r} (a .jsonl of chats, or {' | '.join(DEMONSTRATIONS)})")
 
 
 def chats(cfg: Mapping) -> tuple[list[dict], list[dict]]:
     """(train, held-out) chats: a file's last ``test_size`` rows are held out."""
     d = cfg["data"]
-    if d["source"] == "calculation":
-        return (calculation_chats(d["train_size"], "train", cfg["seed"], d["instruction"]),
-                calculation_chats(d["test_size"], "test", cfg["seed"], d["instruction"]))
+    if d["source"] in DEMONSTRATIONS:
+        made = DEMONSTRATIONS[d["source"]]
+        return (made(d["train_size"], "train", cfg["seed"], d["instruction"]),
+                made(d["test_size"], "test", cfg["seed"], d["instruction"]))
     rows = load_chats(d["source"])
     if len(rows) <= d["test_size"]:
         raise ValueError(f"data.source={d['source']} has {len(rows)} chats, not enough to hold out "

@@ -1,7 +1,9 @@
 """The ``search`` tool: BM25 (the ``bm25s`` library) over a local corpus, offline. The corpus
-is a list of documents (strings, or mappings with ``text`` and an optional ``title``) or a
-JSONL file of them, indexed once when the tool is made; a query returns the ``k`` best
-passages that share a word with it, numbered, each cut to ``max_chars``."""
+is a list of documents (strings, or mappings with ``text`` and an optional ``title``), a JSONL
+file of them, or the name of one that ships with the package (``CORPORA``: ``invented``, the
+facts of invented entities, ``m2flow.data.invented``), indexed once when the tool is made; a
+query returns the ``k`` best passages that share a word with it, numbered, each cut to
+``max_chars``."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 Document = str | Mapping[str, Any]
+CORPORA = Path(__file__).with_name("corpora")  # the built-in corpora: <name>.jsonl
 
 
 def read_corpus(corpus: str | Path | Sequence[Document], text_key: str = "text",
@@ -18,7 +21,8 @@ def read_corpus(corpus: str | Path | Sequence[Document], text_key: str = "text",
     """``(title, text)`` of every document: from a list, or from a JSONL file (one document
     a line: an object, or a JSON string)."""
     if isinstance(corpus, (str, Path)):
-        path = Path(corpus)
+        builtin = CORPORA / f"{corpus}.jsonl"
+        path = builtin if isinstance(corpus, str) and "/" not in corpus and builtin.is_file() else Path(corpus)
         with path.open(encoding="utf-8") as f:
             docs = [json.loads(line) for line in f if line.strip()]
     else:
