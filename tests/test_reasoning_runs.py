@@ -124,9 +124,9 @@ def test_bad_prompt_files_are_clear_errors(cluster, tmp_path):
 
     for missing in (tmp_path / "missing.jsonl", tmp_path / "missing.parquet"):
         assert config_error(missing) == (f"data.source: no such file '{missing}' (expected arithmetic | calculation "
-                                         "or a .jsonl / .parquet file)")
-    assert config_error(tmp_path / "problems.csv") == ("data.source: expected arithmetic | calculation or a .jsonl / "
-                                                       f".parquet file, got '{tmp_path / 'problems.csv'}'")
+                                         "| invented or a .jsonl / .parquet file)")
+    assert config_error(tmp_path / "problems.csv") == ("data.source: expected arithmetic | calculation | invented or a "
+                                                       f".jsonl / .parquet file, got '{tmp_path / 'problems.csv'}'")
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(problem_rows()[0]) + "\n\n{'problem': 1}\n")
     assert error(broken) == f"data.source: {broken} line 3: not JSON (Expecting property name enclosed in double quotes)"
