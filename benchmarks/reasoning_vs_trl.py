@@ -136,12 +136,34 @@ def micro_batch_tokens(cfg) -> int:
 
 
 # -- TRL ------------------------------------------------------------------------------
+def trl_clock():
+    """A trainer callback that notes the time at the start and at the end of each optimizer
+    step (``marks``) and keeps the trainer's logs (``logs``)."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.marks: list[float] = []
+            self.logs: list[dict] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.marks.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs or {}))
+
+    return Clock()
+
+
 def run_trl(spec: dict) -> dict:
     import torch
     import transformers
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from m2flow.data import build_prompts
     from m2flow.rewards.math import last_number_reward
@@ -163,20 +185,6 @@ def run_trl(spec: dict) -> dict:
     def last_number(completions, answer, **_):
         return [last_number_reward(c[-1]["content"] if isinstance(c, list) else c, a)
                 for c, a in zip(completions, answer)]
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.marks: list[float] = []
-            self.logs: list[dict] = []
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.marks.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.marks.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            self.logs.append(dict(logs or {}))
 
     class TimedGRPOTrainer(trl.GRPOTrainer):
         """GRPOTrainer, timing generation and the whole generate-and-score phase per step."""
@@ -205,7 +213,7 @@ def run_trl(spec: dict) -> dict:
         disable_tqdm=True, dataloader_num_workers=0,
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, local_files_only=True)
-    clock = Clock()
+    clock = trl_clock()
     trainer = TimedGRPOTrainer(model=model, reward_funcs=last_number, args=args,
                                train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[clock])
     trainer.train()

@@ -35,7 +35,7 @@ MAX_LINES = 150
 RUN_KEYS = ("comparison", "title", "date", "time", "commit", "command", "load", "matmul_gflops", "figures", "note")
 FIGURE_KEYS = ("label", "value", "low", "high", "n", "unit")
 # the table's order: comparisons grouped by the start of their id, in the record's order within a group
-ORDER = ("embodied_vs_sb3/", "embodied/", "reasoning_vs_trl/", "grpo/", "rollout_engine/", "continuous_rollout/", "turns/",
+ORDER = ("embodied_vs_sb3/", "embodied/", "reasoning_vs_trl/", "agentic_vs_trl/", "grpo/", "rollout_engine/", "continuous_rollout/", "turns/",
          "reasoning_modes/", "precision/", "async_grpo/", "planner/", "runtime", "micro", "soak/")
 
 
@@ -243,7 +243,8 @@ def render(runs: list[dict]) -> str:
         "- `embodied_vs_sb3.py`: `--modes` (collocated, collocated-compiled, hybrid, disaggregated, ahead, ahead2,",
         "  async, async-auto), `--sb3-configs` (SB3's four configurations by default), `--hparams peers|tuned`.",
         "- `reasoning_vs_trl.py`, `rollout_engine.py`, `precision.py`, `reasoning_modes.py`: SmolLM2-135M-Instruct",
-        "  on the CPU, `--model tiny-llama` for a quick look; `continuous_rollout.py`: the SmolLM2 preset.",
+        "  on the CPU, `--model tiny-llama` for a quick look; `continuous_rollout.py`: the SmolLM2 preset;",
+        "  `agentic_vs_trl.py`: its model made by a short warm start (`--sft-steps`) unless `--model-dir` names one.",
         "- `async_reasoning.py`: `--journal FILE` keeps each finished side, so that a run cut short, or pairs",
         "  from several runs, add up; `--control` adds on-policy in the async side's plan to each pair.",
         "- `planner.py` (a SmolLM2 sweep takes hours: `--journal` and `--resume`), `planner_replay.py` and",
