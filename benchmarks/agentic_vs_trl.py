@@ -322,8 +322,9 @@ def record(report: dict, command: str) -> None:
                             "high": s["max"], "n": s["n"], "unit": "x"})
     calls = {v: spread([x["tool_calls"] for x in report["runs"][v]], 2) for v in report["runs"]}
     line = {"comparison": f"agentic_vs_trl/{report['model']}",
-            "title": f"Multi-turn GRPO step with a calculator against TRL's GRPOTrainer(tools=) in its faster "
-                     f"configuration ({report['model']}, 4 prompts x 8, 3 turns, fp32 on CPU)",
+            "title": f"Multi-turn GRPO step with a calculator against TRL's GRPOTrainer(tools=) "
+                     f"({', '.join(v for v in report['runs'] if v.startswith('trl'))}; {report['model']}, "
+                     f"4 prompts x 8, 3 turns, fp32 on CPU)",
             "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M"), "commit": commit.strip() or None,
             "command": command.replace("python ", ".venv/bin/python ", 1), "load": [min(loads), max(loads)],
             "matmul_gflops": matmul, "figures": figures,
