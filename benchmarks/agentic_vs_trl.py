@@ -55,7 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import Run, json_safe, loaded, log, run_child, side_order, spread
+from common import Run, json_safe, loaded, log, record_readings, run_child, side_order, spread
 from reasoning_vs_trl import ratio_table, trl_clock
 
 PRESET = "agentic/tool_arith_smollm2"
@@ -308,12 +308,7 @@ def record(report: dict, command: str) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     import benchmark_table as table
 
-    loads = [x[k] for side in report["runs"].values() for x in side for k in ("load_before", "load_after")]
-    speeds = report["machine_speed"]
-    matmul = {str(t): [round(min(s["matmul_gflops"][i] for s in speeds.values())),
-                       round(max(s["matmul_gflops"][i] for s in speeds.values()))]
-              for i, t in enumerate(speeds["start"]["matmul_threads"])}
-    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], check=False, capture_output=True, text=True, cwd=ROOT).stdout
+    readings = record_readings(report, str(ROOT))
     figures = []
     for variant, label in (("m2flow_collocated", "as shipped"), ("m2flow_collocated_all_rows", "every row forwarded")):
         s = report["ratios_trl_over_m2flow"].get(variant, {}).get("vs_fastest_trl", {}).get("spread")
@@ -321,21 +316,17 @@ def record(report: dict, command: str) -> None:
             figures.append({"label": f"{label}, TRL / m2flow s/step", "value": s["median"], "low": s["min"],
                             "high": s["max"], "n": s["n"], "unit": "x"})
     calls = {v: spread([x["tool_calls"] for x in report["runs"][v]], 2) for v in report["runs"]}
-    line = {"comparison": f"agentic_vs_trl/{report['model']}",
+    model = {"smollm2": "SmolLM2-135M"}.get(report["model"], report["model"])
+    line = {"comparison": f"agentic_vs_trl/{model}",
             "title": f"Multi-turn GRPO step with a calculator against TRL's GRPOTrainer(tools=) "
-                     f"({', '.join(v for v in report['runs'] if v.startswith('trl'))}; {report['model']}, "
+                     f"({', '.join(v for v in report['runs'] if v.startswith('trl'))}; {model}, "
                      f"4 prompts x 8, 3 turns, fp32 on CPU)",
-            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M"), "commit": commit.strip() or None,
-            "command": command.replace("python ", ".venv/bin/python ", 1), "load": [min(loads), max(loads)],
-            "matmul_gflops": matmul, "figures": figures,
+            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M"), "commit": readings["commit"],
+            "command": command.replace("python ", ".venv/bin/python ", 1), "load": readings["load"],
+            "matmul_gflops": readings["matmul_gflops"], "figures": figures,
             "note": f"after {report['sft_steps']} warm-start steps; tool calls per trajectory (median over rounds): "
                     + ", ".join(f"{v} {c['median']}" for v, c in calls.items() if c)}
-    table._check_run(line)
-    with open(table.RECORD, "a") as f:
-        f.write(json.dumps(json_safe(line)) + "\n")
-    if table.main([]):
-        raise SystemExit("scripts/benchmark_table.py did not write docs/benchmarks.md")
-
+    table.append_run(json_safe(line))
 
 if __name__ == "__main__":
     main()

@@ -154,3 +154,17 @@ def read_jsonl(path: str | None) -> list[dict]:
             except json.JSONDecodeError:
                 log(f"{path}:{n}: not JSON, left out")
     return records
+
+
+def record_readings(report: dict, root: str) -> dict:
+    """The record line's ``commit``, ``load`` and ``matmul_gflops`` (scripts/benchmark_table.py)
+    of a report whose ``runs`` map each side to its repetitions (each with ``load_before`` and
+    ``load_after``) and that carries ``Run.finish``'s ``machine_speed``."""
+    loads = [x[k] for side in report["runs"].values() for x in side for k in ("load_before", "load_after")]
+    speeds = report["machine_speed"]
+    matmul = {str(t): [round(min(s["matmul_gflops"][i] for s in speeds.values())),
+                       round(max(s["matmul_gflops"][i] for s in speeds.values()))]
+              for i, t in enumerate(speeds["start"]["matmul_threads"])}
+    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], check=False, capture_output=True, text=True,
+                            cwd=root).stdout.strip()
+    return {"commit": commit or None, "load": [min(loads), max(loads)], "matmul_gflops": matmul}

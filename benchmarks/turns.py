@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Run, json_safe, loaded, log, side_order, spread  # noqa: E402
+from common import Run, json_safe, loaded, log, record_readings, side_order, spread  # noqa: E402
 
 from m2flow.data import arithmetic_problems, build_prompts  # noqa: E402
 from m2flow.engines import SamplingParams, TorchEngine  # noqa: E402
@@ -142,28 +141,18 @@ def record(result: dict, command: str) -> None:
     sys.path.insert(0, str(root / "scripts"))
     import benchmark_table as table
 
-    loads = [x[k] for side in result["runs"].values() for x in side for k in ("load_before", "load_after")]
-    speeds = result["machine_speed"]
-    matmul = {str(t): [round(min(s["matmul_gflops"][i] for s in speeds.values())),
-                       round(max(s["matmul_gflops"][i] for s in speeds.values()))]
-              for i, t in enumerate(speeds["start"]["matmul_threads"])}
-    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, cwd=root).stdout
+    readings = record_readings(result, str(root))
     line = {"comparison": f"turns/{result['model']}",
             "title": f"Multi-turn generation, {result['prompts']} prompts x {result['samples']} samples, "
                      f"{result['batch']} in flight, {result['turns']} turns, a tool of {result['tool_ms']:g} ms",
-            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M"), "commit": commit.strip() or None,
-            "command": command.replace("python ", ".venv/bin/python ", 1), "load": [min(loads), max(loads)],
-            "matmul_gflops": matmul,
+            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M"), "commit": readings["commit"],
+            "command": command.replace("python ", ".venv/bin/python ", 1), "load": readings["load"],
+            "matmul_gflops": readings["matmul_gflops"],
             "figures": [{"label": label, "value": s["median"], "low": s["min"], "high": s["max"], "n": s["n"], "unit": "x"}
                         for label, s in result["ratios"].items()],
             "note": "sampled tokens/s over the whole call; sleep / no_sleep near 1: generation does not wait on tools "
                     f"(the same trajectories with and without the sleep: {result['same_trajectories']})"}
-    table._check_run(line)
-    with open(table.RECORD, "a") as f:
-        f.write(json.dumps(json_safe(line)) + "\n")
-    if table.main([]):
-        raise SystemExit("scripts/benchmark_table.py did not write docs/benchmarks.md")
-
+    table.append_run(json_safe(line))
 
 if __name__ == "__main__":
     main()

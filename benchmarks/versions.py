@@ -326,11 +326,7 @@ def record(summary: dict, command: str) -> None:
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
     line = json_safe(record_line(summary, command))
-    table._check_run(line)
-    with open(table.RECORD, "a") as f:
-        f.write(json.dumps(line) + "\n")
-    if table.main([]):
-        raise SystemExit("scripts/benchmark_table.py did not write docs/benchmarks.md")
+    table.append_run(line)
     log(f"recorded in {table.RECORD.relative_to(REPO)} as {line['comparison']}; docs/benchmarks.md written")
 
 

@@ -341,6 +341,16 @@ def readme_mismatches(text: str, last: dict[str, dict]) -> list[str]:
     return problems
 
 
+def append_run(run: dict) -> None:
+    """Appends one run to the record, checked, and writes docs/benchmarks.md from the record
+    (a benchmark's ``--record``)."""
+    _check_run(run)
+    with open(RECORD, "a") as f:
+        f.write(json.dumps(run) + "\n")
+    if main([]):
+        raise SystemExit(f"{Path(__file__).name} did not write {PAGE.relative_to(ROOT)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
