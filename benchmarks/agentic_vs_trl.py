@@ -55,7 +55,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import Run, json_safe, loaded, log, record_readings, run_child, side_order, spread
+from common import (
+    Run,
+    json_safe,
+    loaded,
+    log,
+    record_readings,
+    run_child,
+    side_order,
+    spread,
+)
 from reasoning_vs_trl import ratio_table, trl_clock
 
 PRESET = "agentic/tool_arith_smollm2"
@@ -101,9 +110,9 @@ def prepare_model(name: str, root: Path, sft_steps: int) -> str:
     warm start on it; the directory both systems load."""
     from trl.chat_template_utils import qwen2_5_chat_template
 
-    from m2flow.models.lm import SMOLLM2, load_lm
+    from m2flow.models.lm import load_lm
 
-    model, tokenizer = load_lm(name if name != SMOLLM2 else SMOLLM2)
+    model, tokenizer = load_lm(name)
     tokenizer.chat_template = qwen2_5_chat_template
     out = root / f"{name}-qwen2.5-template"
     model.save_pretrained(out)
@@ -166,8 +175,9 @@ def run_trl(spec: dict) -> dict:
         gradient_accumulation_steps=PROMPTS_PER_STEP * SAMPLES // MICRO_BATCH, num_generations=SAMPLES,
         max_completion_length=total, max_tool_calling_iterations=TURNS - 1, temperature=TEMPERATURE, top_p=1.0,
         top_k=0, learning_rate=LR, beta=0.0, epsilon=0.2, gradient_checkpointing=spec["variant"] == "trl",
-        use_transformers_continuous_batching=spec["variant"] == "trl_cb", bf16=False, fp16=False, use_cpu=True, shuffle_dataset=False, seed=cfg.seed, logging_steps=1,
-        save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        use_transformers_continuous_batching=spec["variant"] == "trl_cb", bf16=False, fp16=False, use_cpu=True,
+        shuffle_dataset=False, seed=cfg.seed, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0,
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, local_files_only=True)
     clock = trl_clock()
@@ -327,6 +337,7 @@ def record(report: dict, command: str) -> None:
             "note": f"after {report['sft_steps']} warm-start steps; tool calls per trajectory (median over rounds): "
                     + ", ".join(f"{v} {c['median']}" for v, c in calls.items() if c)}
     table.append_run(json_safe(line))
+
 
 if __name__ == "__main__":
     main()

@@ -154,5 +154,6 @@ def record(result: dict, command: str) -> None:
                     f"(the same trajectories with and without the sleep: {result['same_trajectories']})"}
     table.append_run(json_safe(line))
 
+
 if __name__ == "__main__":
     main()
