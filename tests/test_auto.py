@@ -20,7 +20,7 @@ def lines_of(capsys):
 
 
 @pytest.mark.parametrize("preset, overrides", [
-    ("embodied/ppo_cartpole", ["runner.total_env_steps=4096", "env.num_envs=4", "runner.rollout_steps=128",
+    ("embodied/ppo_cartpole", ["runner.total_env_steps=1024", "env.num_envs=4", "runner.rollout_steps=128",
                                "algorithm.minibatch_size=128", "runner.target_return=null"]),
     pytest.param("reasoning/grpo_arith_tiny", ["runner.steps=2", "runner.eval_every=0"], marks=pytest.mark.slow),
     # may run ahead: a fourth probe, the split plan one ahead, measures the contention

@@ -110,16 +110,16 @@ def test_it_lowers_the_held_out_loss_writes_a_model_an_agentic_run_starts_from_a
     held-out loss (with no learning, it would stay as it was, to the last bit: the held-out rows and
     weights are the same at each evaluation); a run resumed from its step-2 checkpoint ends with
     the same weights; the model it writes is where an agentic run starts."""
+    import runpy
     import shutil
-    import subprocess
-    import sys
 
     from m2flow.runners.agentic import FLOW as AGENTIC
     from m2flow.engines.weights import weights_hash
 
     demos = tmp_path / "demos.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "demonstrations.py"), "calculation", "--n", "40",
-                    "--out", str(demos)], check=True, capture_output=True, timeout=120)
+    with pytest.MonkeyPatch.context() as m:  # the script as its command line runs it, in this process
+        m.setattr("sys.argv", ["demonstrations.py", "calculation", "--n", "40", "--out", str(demos)])
+        runpy.run_path(str(ROOT / "scripts" / "demonstrations.py"), run_name="__main__")
     out = tmp_path / "sft"
     base = ["runner.progress=false", "runner.steps=4", "runner.eval_every=2", "runner.checkpoint_every=2",
             f"data.source={demos}"]

@@ -4,6 +4,7 @@ run in parallel under timeouts with every failure an error observation of a coun
 cut to the response limit, the calculator and BM25 search. The python sandbox: test_sandbox.py.
 Fast: no Ray, no model."""
 
+import gzip
 import json
 import time
 
@@ -379,5 +380,9 @@ def test_search_returns_the_right_passage(tmp_path):
     path.write_text("".join(json.dumps(doc) + "\n" for doc in CORPUS))
     from_file = load("search", corpus=str(path), k=1, max_chars=20)
     assert from_file.call({"query": "capital of France"}) == "[1] Paris\nParis is the capital ..."
+    gzipped = tmp_path / "corpus.jsonl.gz"
+    gzipped.write_bytes(gzip.compress(path.read_bytes()))
+    assert load("search", corpus=str(gzipped), k=1, max_chars=20).call({"query": "capital of France"}) == \
+        "[1] Paris\nParis is the capital ..."
     with pytest.raises(ValueError, match="document 0 has no 'text'"):
         Search([{"body": "x"}])

@@ -1,5 +1,5 @@
 """A built-in task for the search tool: multi-hop questions about invented entities, whose facts
-are in a corpus that ships with the package (``m2flow/tools/corpora/invented.jsonl``, the search
+are in a corpus that ships with the package (``m2flow/tools/corpora/invented.jsonl.gz``, the search
 tool's built-in corpus ``invented``) and in no model's weights.
 
 The world (made once from a fixed seed; ``world()``): countries, towns in them, people born in
@@ -17,6 +17,7 @@ answer is a name (or a year); ``m2flow.rewards.match:exact_match`` scores it.
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from pathlib import Path
 from m2flow.data.problems import Problem
 from m2flow.tools.search import CORPORA
 
-CORPUS = CORPORA / "invented.jsonl"  # the shipped corpus: ``write_corpus`` makes it
+CORPUS = CORPORA / "invented.jsonl.gz"  # the shipped corpus: ``write_corpus`` makes it
 SEED = 2026
 SPLITS = ("train", "test")
 HELD_OUT_SHARE = 5  # every 5th entity of each kind is asked about in the held-out split only
@@ -148,9 +149,11 @@ def documents(w: World) -> list[dict[str, str]]:
 
 
 def write_corpus(path: str | Path = CORPUS) -> Path:
-    """Writes the corpus as JSON lines (the shipped file is this function's output)."""
+    """Writes the corpus as JSON lines, gzipped if the name ends in ``.gz`` (the shipped file is
+    this function's output)."""
     path = Path(path)
-    path.write_text("".join(json.dumps(d) + "\n" for d in documents(world())), encoding="utf-8")
+    text = "".join(json.dumps(d) + "\n" for d in documents(world())).encode("utf-8")
+    path.write_bytes(gzip.compress(text, mtime=0) if path.suffix == ".gz" else text)
     return path
 
 

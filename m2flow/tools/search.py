@@ -1,29 +1,30 @@
 """The ``search`` tool: BM25 (the ``bm25s`` library) over a local corpus, offline. The corpus
 is a list of documents (strings, or mappings with ``text`` and an optional ``title``), a JSONL
-file of them, or the name of one that ships with the package (``CORPORA``: ``invented``, the
-facts of invented entities, ``m2flow.data.invented``), indexed once when the tool is made; a
+file of them (gzipped when its name ends in ``.gz``), or the name of one that ships with the package (``CORPORA``: ``invented``, the
+facts of invented entities that the built-in ``invented`` questions ask about), indexed once when the tool is made; a
 query returns the ``k`` best passages that share a word with it, numbered, each cut to
 ``max_chars``."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 Document = str | Mapping[str, Any]
-CORPORA = Path(__file__).with_name("corpora")  # the built-in corpora: <name>.jsonl
+CORPORA = Path(__file__).with_name("corpora")  # the built-in corpora: <name>.jsonl.gz
 
 
 def read_corpus(corpus: str | Path | Sequence[Document], text_key: str = "text",
                 title_key: str = "title") -> list[tuple[str, str]]:
     """``(title, text)`` of every document: from a list, or from a JSONL file (one document
-    a line: an object, or a JSON string)."""
+    a line: an object, or a JSON string; gzipped if its name ends in ``.gz``)."""
     if isinstance(corpus, (str, Path)):
-        builtin = CORPORA / f"{corpus}.jsonl"
+        builtin = CORPORA / f"{corpus}.jsonl.gz"
         path = builtin if isinstance(corpus, str) and "/" not in corpus and builtin.is_file() else Path(corpus)
-        with path.open(encoding="utf-8") as f:
+        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
             docs = [json.loads(line) for line in f if line.strip()]
     else:
         docs = list(corpus)
