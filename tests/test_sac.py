@@ -1,0 +1,128 @@
+"""SAC's pieces (``m2flow/algorithms/sac.py``, ``m2flow/models/continuous.py``): the squashed
+Gaussian's density, the critic ensemble as one batched computation, the TD target, Polyak
+averaging, entropy tuning, and an update made of them that learns (and does not with lr=0)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch.distributions import AffineTransform, Normal, TanhTransform, TransformedDistribution
+
+from m2flow.algorithms.sac import actor_loss, alpha_loss, critic_loss, polyak, squashed_gaussian, subset_min, td_target
+from m2flow.models.continuous import EnsembleLayerNorm, EnsembleLinear, QEnsemble, SquashedGaussianActor
+from m2flow.replay import ReplayBuffer
+
+
+def test_the_squashed_gaussians_density_is_torch_distributions():
+    torch.manual_seed(0)
+    mean, log_std = torch.randn(64, 3), torch.randn(64, 3).clamp(-2, 0.5)
+    scale, bias = torch.tensor([1.0, 2.0, 0.5]), torch.tensor([0.0, 1.0, -0.25])
+    action, logp = squashed_gaussian(mean, log_std, scale, bias)
+    reference = TransformedDistribution(Normal(mean, log_std.exp()), [TanhTransform(), AffineTransform(bias, scale)])
+    inside = ((action - bias).abs() / scale < 0.999).all(1)  # torch's tanh inverse loses digits at the bounds
+    assert inside.sum() > 40
+    assert torch.allclose(logp[inside], reference.log_prob(action).sum(-1)[inside], atol=2e-3)
+    assert ((action - bias).abs() <= scale).all()
+    greedy, _ = squashed_gaussian(mean, log_std, scale, bias, deterministic=True)
+    assert torch.allclose(greedy, torch.tanh(mean) * scale + bias)
+    # far in the tail the density stays finite (tanh(u) rounds to 1 there)
+    _, far = squashed_gaussian(torch.full((1, 1), 30.0), torch.zeros(1, 1), torch.ones(1), torch.zeros(1))
+    assert torch.isfinite(far).all()
+
+
+def test_the_ensemble_is_each_critic_computed_alone():
+    torch.manual_seed(0)
+    q = QEnsemble(5, 2, hidden=(16, 16), members=3, layer_norm=True)
+    with torch.no_grad():  # give each member's LayerNorm its own gain
+        q.net[1].weight.normal_()
+    obs, act = torch.randn(7, 5), torch.randn(7, 2)
+    together = q(obs, act)
+    assert together.shape == (3, 7)
+    x = torch.cat([obs, act], -1)
+    for e in range(3):
+        h = x
+        for layer in q.net:
+            if isinstance(layer, EnsembleLinear):
+                h = h @ layer.weight[e] + layer.bias[e]
+            elif isinstance(layer, EnsembleLayerNorm):
+                h = torch.nn.functional.layer_norm(h, h.shape[-1:]) * layer.weight[e] + layer.bias[e]
+            else:
+                h = layer(h)
+        assert torch.allclose(together[e], h.squeeze(-1), atol=1e-5)
+
+
+def test_td_target_subset_min_polyak_and_alpha():
+    q = torch.tensor([[1.0, 5.0], [2.0, 3.0], [0.5, 4.0]])
+    assert subset_min(q).tolist() == [0.5, 3.0]
+    g = torch.Generator().manual_seed(0)
+    picked = subset_min(q, 2, g)
+    assert any(torch.equal(picked, q[list(pair)].min(0).values) for pair in ((0, 1), (0, 2), (1, 2)))
+    target = td_target(torch.tensor([1.0, 2.0]), torch.tensor([0.9, 0.0]), torch.tensor([3.0, 7.0]),
+                       torch.tensor([-1.0, -1.0]), 0.5)
+    assert target.tolist() == pytest.approx([1 + 0.9 * (3 + 0.5), 2.0])
+    assert critic_loss(q[:2], torch.tensor([1.0, 3.0])).item() == pytest.approx((0 + 4) / 2 + (1 + 0) / 2)
+    assert actor_loss(q, torch.zeros(2), 0.1).item() == pytest.approx(-(0.5 + 3.0) / 2)
+    assert actor_loss(q, torch.zeros(2), 0.1, reduce="mean").item() == pytest.approx(-(3.5 / 3 + 4.0) / 2)
+    a, b = [torch.ones(3), torch.zeros(2)], [torch.zeros(3), torch.ones(2)]
+    polyak(a, b, 0.25)
+    assert a[0].tolist() == [0.75] * 3 and a[1].tolist() == [0.25] * 2
+    # entropy below the target (logp high): the gradient step raises alpha; above it lowers alpha
+    for logp, rises in ((torch.full((4,), 3.0), True), (torch.full((4,), -5.0), False)):
+        log_alpha = torch.zeros((), requires_grad=True)
+        alpha_loss(log_alpha, logp, target_entropy=-2.0).backward()
+        assert (log_alpha.grad < 0) == rises
+
+
+def sac_update(actor, critic, target, log_alpha, optimizers, batch, target_entropy, tau=0.005):
+    obs, actions, rewards, next_obs, discounts = (torch.as_tensor(x) for x in (
+        batch.obs, batch.actions, batch.rewards, batch.next_obs, batch.discounts))
+    alpha = log_alpha.exp().detach()
+    with torch.no_grad():
+        next_actions, next_logp = actor(next_obs)
+        y = td_target(rewards, discounts, subset_min(target(next_obs, next_actions)), next_logp, alpha)
+    q_opt, pi_opt, a_opt = optimizers
+    q_opt.zero_grad()
+    critic_loss(critic(obs, actions), y).backward()
+    q_opt.step()
+    new_actions, logp = actor(obs)
+    pi_opt.zero_grad()
+    actor_loss(critic(obs, new_actions), logp, alpha).backward()
+    pi_opt.step()
+    a_opt.zero_grad()
+    alpha_loss(log_alpha, logp, target_entropy).backward()
+    a_opt.step()
+    polyak(target.parameters(), critic.parameters(), tau)
+
+
+@pytest.mark.parametrize("lr", [3e-3, 0.0])
+def test_an_update_made_of_the_pieces_learns_a_continuous_bandit(lr):
+    """One-step episodes (every transition terminates: the target is the reward), the reward
+    ``-|a - obs/2|^2``: the greedy action moves to ``obs/2`` within 300 updates at lr 3e-3
+    and stays where it began at lr 0."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    buffer = ReplayBuffer(capacity=4096, lanes=1, obs_shape=(2,), action_shape=(2,))
+    for _ in range(2000):
+        obs = rng.uniform(-1, 1, size=(1, 2)).astype(np.float32)
+        act = rng.uniform(-1, 1, size=(1, 2)).astype(np.float32)
+        reward = -((act - obs / 2) ** 2).sum(1)
+        buffer.add(obs, act, reward, np.array([True]), np.array([False]), obs)
+    actor = SquashedGaussianActor(2, [-1, -1], [1, 1], hidden=(64, 64))
+    critic = QEnsemble(2, 2, hidden=(64, 64))
+    target = copy.deepcopy(critic).requires_grad_(False)
+    log_alpha = torch.zeros((), requires_grad=True)
+    optimizers = [torch.optim.Adam(p, lr=lr) for p in (critic.parameters(), actor.parameters(), [log_alpha])]
+    test_obs = torch.as_tensor(rng.uniform(-1, 1, size=(256, 2)), dtype=torch.float32)
+
+    def error():
+        with torch.no_grad():
+            return (actor(test_obs, deterministic=True)[0] - test_obs / 2).abs().mean().item()
+
+    before = error()
+    for _ in range(300):
+        sac_update(actor, critic, target, log_alpha, optimizers, buffer.sample(128, rng), target_entropy=-2.0)
+    if lr:
+        assert error() < 0.12 < before, (before, error())
+    else:
+        assert error() == before
