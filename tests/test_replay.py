@@ -122,7 +122,8 @@ def test_a_saved_buffer_loads_and_goes_on_exactly(tmp_path):
         a.add(*args)
         b.add(*args)
     x, y = a.sample(64, np.random.default_rng(7)), b.sample(64, np.random.default_rng(7))
-    assert all(np.array_equal(getattr(x, k), getattr(y, k)) for k in ("obs", "actions", "rewards", "next_obs", "discounts"))
+    fields = ("obs", "actions", "rewards", "next_obs", "discounts")
+    assert all(np.array_equal(getattr(x, k), getattr(y, k)) for k in fields)
     # a dataset loads into a buffer of its own size; a wrapped one not into another size
     assert len(ReplayBuffer.from_file(path, n_step=3, gamma=0.9)) == len(b.load(path))
     with pytest.raises(ValueError, match="wrapped around 30 slots a lane; this one has 40"):

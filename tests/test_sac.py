@@ -1,6 +1,7 @@
 """SAC's pieces (``m2flow/algorithms/sac.py``, ``m2flow/models/continuous.py``): the squashed
 Gaussian's density, the critic ensemble as one batched computation, the TD target, Polyak
-averaging, entropy tuning, and an update made of them that learns (and does not with lr=0)."""
+averaging, entropy tuning; and the learner made of them (``m2flow/engines/sac.py``), which
+learns (and does not with lr=0) and resumes exactly."""
 
 import copy
 
@@ -10,7 +11,8 @@ import torch
 from torch.distributions import AffineTransform, Normal, TanhTransform, TransformedDistribution
 
 from m2flow.algorithms.sac import actor_loss, alpha_loss, critic_loss, polyak, squashed_gaussian, subset_min, td_target
-from m2flow.models.continuous import EnsembleLayerNorm, EnsembleLinear, QEnsemble, SquashedGaussianActor
+from m2flow.engines.sac import SACLearner
+from m2flow.models.continuous import EnsembleLayerNorm, EnsembleLinear, QEnsemble
 from m2flow.replay import ReplayBuffer
 
 
@@ -74,33 +76,12 @@ def test_td_target_subset_min_polyak_and_alpha():
         assert (log_alpha.grad < 0) == rises
 
 
-def sac_update(actor, critic, target, log_alpha, optimizers, batch, target_entropy, tau=0.005):
-    obs, actions, rewards, next_obs, discounts = (torch.as_tensor(x) for x in (
-        batch.obs, batch.actions, batch.rewards, batch.next_obs, batch.discounts))
-    alpha = log_alpha.exp().detach()
-    with torch.no_grad():
-        next_actions, next_logp = actor(next_obs)
-        y = td_target(rewards, discounts, subset_min(target(next_obs, next_actions)), next_logp, alpha)
-    q_opt, pi_opt, a_opt = optimizers
-    q_opt.zero_grad()
-    critic_loss(critic(obs, actions), y).backward()
-    q_opt.step()
-    new_actions, logp = actor(obs)
-    pi_opt.zero_grad()
-    actor_loss(critic(obs, new_actions), logp, alpha).backward()
-    pi_opt.step()
-    a_opt.zero_grad()
-    alpha_loss(log_alpha, logp, target_entropy).backward()
-    a_opt.step()
-    polyak(target.parameters(), critic.parameters(), tau)
-
-
 @pytest.mark.parametrize("lr", [3e-3, 0.0])
-def test_an_update_made_of_the_pieces_learns_a_continuous_bandit(lr):
+def test_the_learner_learns_a_continuous_bandit_and_resumes_exactly(lr):
     """One-step episodes (every transition terminates: the target is the reward), the reward
     ``-|a - obs/2|^2``: the greedy action moves to ``obs/2`` within 300 updates at lr 3e-3
-    and stays where it began at lr 0."""
-    torch.manual_seed(0)
+    and stays where it began at lr 0. A learner loaded from another's state takes the same
+    next step."""
     rng = np.random.default_rng(0)
     buffer = ReplayBuffer(capacity=4096, lanes=1, obs_shape=(2,), action_shape=(2,))
     for _ in range(2000):
@@ -108,21 +89,27 @@ def test_an_update_made_of_the_pieces_learns_a_continuous_bandit(lr):
         act = rng.uniform(-1, 1, size=(1, 2)).astype(np.float32)
         reward = -((act - obs / 2) ** 2).sum(1)
         buffer.add(obs, act, reward, np.array([True]), np.array([False]), obs)
-    actor = SquashedGaussianActor(2, [-1, -1], [1, 1], hidden=(64, 64))
-    critic = QEnsemble(2, 2, hidden=(64, 64))
-    target = copy.deepcopy(critic).requires_grad_(False)
-    log_alpha = torch.zeros((), requires_grad=True)
-    optimizers = [torch.optim.Adam(p, lr=lr) for p in (critic.parameters(), actor.parameters(), [log_alpha])]
-    test_obs = torch.as_tensor(rng.uniform(-1, 1, size=(256, 2)), dtype=torch.float32)
+    learner = SACLearner(2, [-1, -1], [1, 1], hidden=(64, 64), lr=lr)
+    test_obs = rng.uniform(-1, 1, size=(256, 2)).astype(np.float32)
 
     def error():
-        with torch.no_grad():
-            return (actor(test_obs, deterministic=True)[0] - test_obs / 2).abs().mean().item()
+        return float(np.abs(learner.act(test_obs, deterministic=True) - test_obs / 2).mean())
 
     before = error()
     for _ in range(300):
-        sac_update(actor, critic, target, log_alpha, optimizers, buffer.sample(128, rng), target_entropy=-2.0)
-    if lr:
-        assert error() < 0.12 < before, (before, error())
-    else:
+        stats = learner.update_from(buffer.sample(128, rng))
+    assert set(stats) == {"critic_loss", "actor_loss", "alpha", "entropy", "q"}
+    if not lr:
         assert error() == before
+        return
+    assert error() < 0.12 < before, (before, error())
+    again = SACLearner(2, [-1, -1], [1, 1], hidden=(64, 64), lr=lr, seed=1)
+    again.load_state(copy.deepcopy(learner.state()))
+    batch = buffer.sample(128, rng)
+    torch.manual_seed(5)
+    learner.update_from(batch)
+    torch.manual_seed(5)
+    again.update_from(batch)
+    for a, b in zip([*learner.actor.parameters(), *learner.critic.parameters(), *learner.target.parameters()],
+                    [*again.actor.parameters(), *again.critic.parameters(), *again.target.parameters()]):
+        assert torch.equal(a, b)

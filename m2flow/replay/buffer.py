@@ -85,7 +85,8 @@ class ReplayBuffer:
         if obs.shape[0] != self.lanes:
             raise ValueError(f"replay buffer: a step of {obs.shape[0]} envs, the buffer has {self.lanes} lanes")
         going_on = ~self._ended
-        if self._expected is not None and going_on.any() and not np.array_equal(obs[going_on], self._expected[going_on]):
+        expected = self._expected
+        if expected is not None and going_on.any() and not np.array_equal(obs[going_on], expected[going_on]):
             raise ValueError("replay buffer: an env's observation is not the next observation its last step gave "
                              "(pass the final observation as next_obs where an episode ends, and step every lane)")
         lanes = np.arange(self.lanes)
@@ -227,8 +228,9 @@ class ReplayBuffer:
         state = load_file(str(path))
         lanes, used = state["obs"].shape[:2]
         wrapped = bool((state["head"] > used).any())
-        buffer = cls(lanes * used if wrapped else max(capacity or 0, lanes * max(used, 2)), lanes, state["obs"].shape[2:], state["actions"].shape[2:],
-                     state["obs"].dtype, state["actions"].dtype, n_step=n_step, gamma=gamma)
+        slots = lanes * used if wrapped else max(capacity or 0, lanes * max(used, 2))
+        buffer = cls(slots, lanes, state["obs"].shape[2:], state["actions"].shape[2:], state["obs"].dtype,
+                     state["actions"].dtype, n_step=n_step, gamma=gamma)
         buffer.load_state(state)
         return buffer
 

@@ -1,0 +1,101 @@
+"""The SAC learner: the actor, the critic ensemble and its target copy, the entropy
+coefficient, their optimiser, and one gradient step on a batch of transitions, in the order
+Stable-Baselines3's SAC takes it: the entropy coefficient, then the critics against the soft
+TD target of the target critics, then the actor against the updated critics, then the target
+critics' Polyak step. The losses are ``m2flow.algorithms.sac``'s. RLPD's variants are options:
+more critics (``critics``), the target's minimum over a random subset of them
+(``target_subset``), LayerNorm in the critics, the actor against the critics' mean.
+
+Speed (the learner's step is what an off-policy run spends its time on): the critics are one
+batched computation, the optimisers fused (``torch.optim.Adam(fused=True)``), the target step
+one ``_foreach_lerp_``, and the critics take no gradient from the actor's loss."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from m2flow.algorithms.sac import actor_loss, alpha_loss, critic_loss, polyak, subset_min, td_target
+from m2flow.models.continuous import QEnsemble, SquashedGaussianActor
+
+
+class SACLearner:
+    def __init__(self, obs_dim: int, low: Sequence[float], high: Sequence[float], hidden: Sequence[int] = (256, 256),
+                 critics: int = 2, target_subset: int | None = None, layer_norm: bool = False, lr: float = 3e-4,
+                 tau: float = 0.005, target_entropy: float | None = None, init_alpha: float = 1.0,
+                 actor_reduce: str = "min", fused: bool = True, seed: int = 0):
+        torch.manual_seed(seed)
+        self.actor = SquashedGaussianActor(obs_dim, low, high, hidden)
+        self.critic = QEnsemble(obs_dim, len(low), hidden, critics, layer_norm)
+        self.target = copy.deepcopy(self.critic).requires_grad_(False)
+        self.log_alpha = torch.tensor(float(np.log(init_alpha)), requires_grad=True)
+        self.target_entropy = -float(len(low)) if target_entropy is None else float(target_entropy)
+        self.tau, self.target_subset, self.actor_reduce = tau, target_subset, actor_reduce
+        self.generator = torch.Generator().manual_seed(seed)  # the target subsets'
+        adam = dict(lr=lr, fused=fused) if fused else dict(lr=lr)
+        self.critic_opt = torch.optim.Adam(self.critic.parameters(), **adam)
+        self.actor_opt = torch.optim.Adam(self.actor.parameters(), **adam)
+        self.alpha_opt = torch.optim.Adam([self.log_alpha], **adam)
+        self.updates = 0
+
+    def update(self, obs: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor, next_obs: torch.Tensor,
+               discounts: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One gradient step of each part on a batch (``m2flow.replay.Transitions`` as
+        tensors); returns its statistics as 0-dim tensors (read them when they are logged)."""
+        new_actions, logp = self.actor(obs)
+        self.alpha_opt.zero_grad(set_to_none=True)
+        alpha_loss(self.log_alpha, logp, self.target_entropy).backward()
+        self.alpha_opt.step()
+        alpha = self.log_alpha.detach().exp()
+
+        with torch.no_grad():
+            next_actions, next_logp = self.actor(next_obs)
+            next_q = subset_min(self.target(next_obs, next_actions), self.target_subset, self.generator)
+            target = td_target(rewards, discounts, next_q, next_logp, alpha)
+        q = self.critic(obs, actions)
+        loss_q = critic_loss(q, target)
+        self.critic_opt.zero_grad(set_to_none=True)
+        loss_q.backward()
+        self.critic_opt.step()
+
+        self.critic.requires_grad_(False)  # the actor's loss moves the actor alone
+        loss_pi = actor_loss(self.critic(obs, new_actions), logp, alpha, self.actor_reduce)
+        self.actor_opt.zero_grad(set_to_none=True)
+        loss_pi.backward()
+        self.actor_opt.step()
+        self.critic.requires_grad_(True)
+
+        polyak(self.target.parameters(), self.critic.parameters(), self.tau)
+        self.updates += 1
+        return {"critic_loss": loss_q.detach(), "actor_loss": loss_pi.detach(), "alpha": alpha,
+                "entropy": -logp.detach().mean(), "q": q.detach().mean()}
+
+    def update_from(self, batch: Any) -> dict[str, torch.Tensor]:
+        """``update`` on a ``Transitions`` batch of numpy arrays."""
+        return self.update(*(torch.from_numpy(np.ascontiguousarray(getattr(batch, k))) for k in
+                             ("obs", "actions", "rewards", "next_obs", "discounts")))
+
+    @torch.no_grad()
+    def act(self, obs: np.ndarray, deterministic: bool = False) -> np.ndarray:
+        return self.actor(torch.as_tensor(obs, dtype=torch.float32), deterministic)[0].numpy()
+
+    def state(self) -> dict[str, Any]:
+        return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict(),
+                "target": self.target.state_dict(), "log_alpha": self.log_alpha.detach().clone(),
+                "optimizers": [o.state_dict() for o in (self.critic_opt, self.actor_opt, self.alpha_opt)],
+                "generator": self.generator.get_state(), "updates": self.updates}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.actor.load_state_dict(state["actor"])
+        self.critic.load_state_dict(state["critic"])
+        self.target.load_state_dict(state["target"])
+        with torch.no_grad():
+            self.log_alpha.copy_(state["log_alpha"])
+        for opt, s in zip((self.critic_opt, self.actor_opt, self.alpha_opt), state["optimizers"]):
+            opt.load_state_dict(s)
+        self.generator.set_state(state["generator"])
+        self.updates = state["updates"]
