@@ -1,4 +1,5 @@
-"""The SAC learner's gradient step against Stable-Baselines3's, on HalfCheetah-v5's shapes.
+"""The SAC and CrossQ learners' gradient steps against Stable-Baselines3's and sb3-contrib's, on
+HalfCheetah-v5's shapes.
 
 An off-policy run spends its time in the learner's step (batch 256, two 256x256 critics, an
 actor, the entropy coefficient, the target critics' Polyak step), so this is the cost that
@@ -10,14 +11,18 @@ entropy tuning towards -|A|):
 - ``sb3``: ``SAC.train(gradient_steps, batch_size=256)`` of stable-baselines3;
 - ``m2flow``: ``m2flow.engines.sac.SACLearner.update_from(buffer.sample(256))``: the critics as
   one batched computation, fused Adam, one fused Polyak call, no critic gradient from the actor;
-- ``m2flow_unfused``: the same with Adam's per-parameter loop (``fused=False``): what fusing gives.
+- ``m2flow_unfused``: the same with Adam's per-parameter loop (``fused=False``): what fusing gives;
+- ``sb3c_crossq``: sb3-contrib's ``CrossQ.train`` with its defaults (1024x1024 critics, batch
+  renormalisation, no target critics, the actor every 3 steps);
+- ``m2flow_crossq``: ``m2flow.engines.sac.CrossQLearner`` with the same defaults.
 
 Each side runs at 1 and 2 torch threads (SB3 at its faster one counts); sides alternate, each
 ``--updates`` timed steps after ``--warmup`` untimed ones, repeated ``--repeats`` times, in
 this process. Figures: updates per second, ``m2flow / sb3`` at each side's faster thread
-count and ``fused / unfused``, each with its spread over the repetitions.
+count, ``fused / unfused`` and ``m2flow CrossQ / sb3-contrib CrossQ``, each with its spread over
+the repetitions.
 
-    python benchmarks/sac_update.py                      # 3 repeats of 300 updates
+    python benchmarks/sac_update.py                      # 5 repeats of 300 updates
     python benchmarks/sac_update.py --record             # and append the run to benchmarks/record.jsonl
 """
 
@@ -35,10 +40,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Run, json_safe, loaded, log, record_readings, side_order, spread  # noqa: E402
 
-from m2flow.engines.sac import SACLearner  # noqa: E402
+from m2flow.engines.sac import CrossQLearner, SACLearner  # noqa: E402
 from m2flow.replay import ReplayBuffer  # noqa: E402
 
-SIDES = ("sb3", "m2flow", "m2flow_unfused")
+SIDES = ("sb3", "m2flow", "m2flow_unfused", "sb3c_crossq", "m2flow_crossq")
 BATCH = 256
 
 
@@ -59,10 +64,12 @@ def transitions(env_id: str, n: int, seed: int) -> tuple[list[tuple], object]:
     return out, env
 
 
-def make_sb3(env, steps: list[tuple]):
+def make_sb3(env, steps: list[tuple], crossq: bool = False):
     from stable_baselines3 import SAC
     from stable_baselines3.common.logger import configure
 
+    if crossq:
+        from sb3_contrib import CrossQ as SAC  # noqa: N814
     model = SAC("MlpPolicy", env, batch_size=BATCH, learning_starts=0, buffer_size=len(steps) + 1, device="cpu",
                 seed=0, verbose=0)
     model.set_logger(configure(None, []))
@@ -72,9 +79,10 @@ def make_sb3(env, steps: list[tuple]):
     return lambda k: model.train(gradient_steps=k, batch_size=BATCH)
 
 
-def make_m2flow(env, steps: list[tuple], fused: bool):
+def make_m2flow(env, steps: list[tuple], fused: bool = True, crossq: bool = False):
     space = env.observation_space
-    learner = SACLearner(space.shape[0], env.action_space.low, env.action_space.high, fused=fused)
+    learner = (CrossQLearner if crossq else SACLearner)(space.shape[0], env.action_space.low, env.action_space.high,
+                                                        fused=fused)
     buffer = ReplayBuffer(len(steps) + 16, 1, space.shape, env.action_space.shape)
     for obs, action, reward, terminated, truncated, next_obs in steps:
         buffer.add(obs[None], action[None], np.array([reward]), np.array([terminated]), np.array([truncated]),
@@ -102,14 +110,15 @@ def main() -> None:
     parser.add_argument("--transitions", type=int, default=20_000)
     parser.add_argument("--updates", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--record", action="store_true", help="append the run to benchmarks/record.jsonl")
     args = parser.parse_args()
     run = Run()
     steps, env = transitions(args.env, args.transitions, seed=0)
-    trainers = {"sb3": make_sb3(env, steps), "m2flow": make_m2flow(env, steps, fused=True),
-                "m2flow_unfused": make_m2flow(env, steps, fused=False)}
+    trainers = {"sb3": make_sb3(env, steps), "m2flow": make_m2flow(env, steps),
+                "m2flow_unfused": make_m2flow(env, steps, fused=False),
+                "sb3c_crossq": make_sb3(env, steps, crossq=True), "m2flow_crossq": make_m2flow(env, steps, crossq=True)}
     runs = {f"{side}-t{t}": [] for side in SIDES for t in args.threads}
     for r in range(args.repeats):
         for t in side_order(args.threads, r):
@@ -125,8 +134,11 @@ def main() -> None:
         return [x["updates_per_s"] for x in runs[f"{side}-t{t}"]], t
 
     (sb3, sb3_t), (ours, ours_t), (unfused, _) = best("sb3"), best("m2flow"), best("m2flow_unfused")
-    ratios = {f"m2flow (t{ours_t}) / SB3 (t{sb3_t}), updates/s": [a / b for a, b in zip(ours, sb3)],
-              "fused / unfused Adam, updates/s": [a / b for a, b in zip(ours, unfused)]}
+    (sb3c, sb3c_t), (crossq, crossq_t) = best("sb3c_crossq"), best("m2flow_crossq")
+    ratios = {f"SAC: m2flow (t{ours_t}) / SB3 (t{sb3_t}), updates/s": [a / b for a, b in zip(ours, sb3)],
+              f"CrossQ: m2flow (t{crossq_t}) / sb3-contrib (t{sb3c_t}), updates/s": [
+                  a / b for a, b in zip(crossq, sb3c)],
+              "SAC: fused / unfused Adam, updates/s": [a / b for a, b in zip(ours, unfused)]}
     result = {"benchmark": "sac_update", "env": args.env, "batch": BATCH, "updates": args.updates,
               "repeats": args.repeats, "threads": args.threads, "ratios": {k: spread(v, 3) for k, v in ratios.items()},
               "updates_per_s": {k: spread([x["updates_per_s"] for x in v], 1) for k, v in runs.items()},
@@ -144,8 +156,9 @@ def record(result: dict, command: str) -> None:
     readings = record_readings(result, str(root))
     rates = ", ".join(f"{k} {v['median']}" for k, v in result["updates_per_s"].items())
     line = {"comparison": f"sac_update/{result['env']}",
-            "title": f"SAC learner's gradient step against Stable-Baselines3's ({result['env']} shapes, batch "
-                     f"{result['batch']}, 256x256 actor and twin critics, sampling included)",
+            "title": f"SAC and CrossQ learners' gradient steps against Stable-Baselines3's and sb3-contrib's "
+                     f"({result['env']} shapes, batch {result['batch']}, each side's default networks, sampling "
+                     "included)",
             "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M"), "commit": readings["commit"],
             "command": command.replace("python ", ".venv/bin/python ", 1), "load": readings["load"],
             "matmul_gflops": readings["matmul_gflops"],

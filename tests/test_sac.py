@@ -11,8 +11,8 @@ import torch
 from torch.distributions import AffineTransform, Normal, TanhTransform, TransformedDistribution
 
 from m2flow.algorithms.sac import actor_loss, alpha_loss, critic_loss, polyak, squashed_gaussian, subset_min, td_target
-from m2flow.engines.sac import SACLearner
-from m2flow.models.continuous import EnsembleLayerNorm, EnsembleLinear, QEnsemble
+from m2flow.engines.sac import CrossQLearner, SACLearner
+from m2flow.models.continuous import BatchRenorm, EnsembleLayerNorm, EnsembleLinear, QEnsemble
 from m2flow.replay import ReplayBuffer
 
 
@@ -63,7 +63,7 @@ def test_td_target_subset_min_polyak_and_alpha():
     target = td_target(torch.tensor([1.0, 2.0]), torch.tensor([0.9, 0.0]), torch.tensor([3.0, 7.0]),
                        torch.tensor([-1.0, -1.0]), 0.5)
     assert target.tolist() == pytest.approx([1 + 0.9 * (3 + 0.5), 2.0])
-    assert critic_loss(q[:2], torch.tensor([1.0, 3.0])).item() == pytest.approx((0 + 4) / 2 + (1 + 0) / 2)
+    assert critic_loss(q[:2], torch.tensor([1.0, 3.0])).item() == pytest.approx(0.5 * ((0 + 4) / 2 + (1 + 0) / 2))
     assert actor_loss(q, torch.zeros(2), 0.1).item() == pytest.approx(-(0.5 + 3.0) / 2)
     assert actor_loss(q, torch.zeros(2), 0.1, reduce="mean").item() == pytest.approx(-(3.5 / 3 + 4.0) / 2)
     a, b = [torch.ones(3), torch.zeros(2)], [torch.zeros(3), torch.ones(2)]
@@ -76,33 +76,39 @@ def test_td_target_subset_min_polyak_and_alpha():
         assert (log_alpha.grad < 0) == rises
 
 
-@pytest.mark.parametrize("lr", [3e-3, 0.0])
-def test_the_learner_learns_a_continuous_bandit_and_resumes_exactly(lr):
+def bandit(rng):
     """One-step episodes (every transition terminates: the target is the reward), the reward
-    ``-|a - obs/2|^2``: the greedy action moves to ``obs/2`` within 300 updates at lr 3e-3
-    and stays where it began at lr 0. A learner loaded from another's state takes the same
-    next step."""
-    rng = np.random.default_rng(0)
+    ``-|a - obs/2|^2``, random actions."""
     buffer = ReplayBuffer(capacity=4096, lanes=1, obs_shape=(2,), action_shape=(2,))
     for _ in range(2000):
         obs = rng.uniform(-1, 1, size=(1, 2)).astype(np.float32)
         act = rng.uniform(-1, 1, size=(1, 2)).astype(np.float32)
         reward = -((act - obs / 2) ** 2).sum(1)
         buffer.add(obs, act, reward, np.array([True]), np.array([False]), obs)
+    return buffer
+
+
+def bandit_error(learner, obs):
+    return float(np.abs(learner.act(obs, deterministic=True) - obs / 2).mean())
+
+
+@pytest.mark.parametrize("lr", [3e-3, 0.0])
+def test_the_learner_learns_a_continuous_bandit_and_resumes_exactly(lr):
+    """On the bandit the greedy action moves to ``obs/2`` within 300 updates at lr 3e-3 and
+    stays where it began at lr 0. A learner loaded from another's state takes the same next
+    step."""
+    rng = np.random.default_rng(0)
+    buffer = bandit(rng)
     learner = SACLearner(2, [-1, -1], [1, 1], hidden=(64, 64), lr=lr)
     test_obs = rng.uniform(-1, 1, size=(256, 2)).astype(np.float32)
-
-    def error():
-        return float(np.abs(learner.act(test_obs, deterministic=True) - test_obs / 2).mean())
-
-    before = error()
+    before = bandit_error(learner, test_obs)
     for _ in range(300):
         stats = learner.update_from(buffer.sample(128, rng))
     assert set(stats) == {"critic_loss", "actor_loss", "alpha", "entropy", "q"}
     if not lr:
-        assert error() == before
+        assert bandit_error(learner, test_obs) == before
         return
-    assert error() < 0.12 < before, (before, error())
+    assert bandit_error(learner, test_obs) < 0.12 < before, (before, bandit_error(learner, test_obs))
     again = SACLearner(2, [-1, -1], [1, 1], hidden=(64, 64), lr=lr, seed=1)
     again.load_state(copy.deepcopy(learner.state()))
     batch = buffer.sample(128, rng)
@@ -113,3 +119,50 @@ def test_the_learner_learns_a_continuous_bandit_and_resumes_exactly(lr):
     for a, b in zip([*learner.actor.parameters(), *learner.critic.parameters(), *learner.target.parameters()],
                     [*again.actor.parameters(), *again.critic.parameters(), *again.target.parameters()]):
         assert torch.equal(a, b)
+
+
+def test_batch_renorm_normalises_by_the_batch_then_towards_the_running_statistics():
+    torch.manual_seed(0)
+    x = torch.randn(64, 5) * 3 + 1
+    plain = BatchRenorm(5, warmup_steps=2).train()
+    by_batch = (x - x.mean(0)) / (x.var(0) + 1e-3).sqrt()
+    assert torch.allclose(plain(x), by_batch, atol=1e-5)  # warm-up: the batch's statistics
+    assert torch.allclose(plain.running_mean, 0.01 * x.mean(0)) and plain.steps == 1
+    # after the warm-up: the running statistics, the correction clipped (r <= 3, |d| <= 5)
+    plain.steps.fill_(3)
+    plain.running_mean.copy_(x.mean(0))
+    plain.running_var.copy_(x.var(0))
+    assert torch.allclose(plain(x), by_batch, atol=1e-5)  # running = batch: r = 1, d = 0
+    plain.steps.fill_(3)
+    plain.running_mean.fill_(100.0)
+    plain.running_var.fill_(1e-4)
+    corrected = plain(x)
+    assert not torch.allclose(corrected, by_batch, atol=1e-2) and torch.isfinite(corrected).all()
+    plain.eval()  # evaluation: the running statistics, not updated
+    mean, var, steps = plain.running_mean.clone(), plain.running_var.clone(), int(plain.steps)
+    assert torch.allclose(plain(x), (x - mean) / (var + 1e-3).sqrt())
+    assert torch.equal(plain.running_mean, mean) and int(plain.steps) == steps
+    # an ensemble's members each have their own statistics, as a layer each would
+    xs = torch.randn(3, 64, 5) * torch.tensor([1.0, 5.0, 0.1])[:, None, None]
+    ensemble = BatchRenorm(5, members=3).train()
+    got = ensemble(xs)
+    for e in range(3):
+        assert torch.allclose(got[e], BatchRenorm(5).train()(xs[e]), atol=1e-5)
+
+
+@pytest.mark.parametrize("lr", [3e-3, 0.0])
+def test_crossq_learns_the_bandit_without_target_critics(lr):
+    """CrossQ's learner (small networks; its batch renormalisation past the warm-up from step
+    100): the greedy action reaches the bandit's optimum at lr 3e-3, not at lr 0 (where only
+    the running statistics move)."""
+    rng = np.random.default_rng(0)
+    buffer = bandit(rng)
+    learner = CrossQLearner(2, [-1, -1], [1, 1], hidden=(64, 64), actor_hidden=(64, 64), lr=lr,
+                            batch_renorm={"warmup_steps": 100})
+    assert learner.target is None and "target" not in dict(learner.critic.named_modules())
+    test_obs = rng.uniform(-1, 1, size=(256, 2)).astype(np.float32)
+    before = bandit_error(learner, test_obs)
+    for _ in range(450):
+        learner.update_from(buffer.sample(128, rng))
+    after = bandit_error(learner, test_obs)
+    assert (after < 0.12 < before) if lr else after > 0.12, (before, after)

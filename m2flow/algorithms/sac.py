@@ -51,9 +51,9 @@ def td_target(rewards: Tensor, discounts: Tensor, next_q: Tensor, next_logp: Ten
 
 
 def critic_loss(q: Tensor, target: Tensor) -> Tensor:
-    """The squared TD errors of every critic [E, B] against one target [B]: the sum over critics
-    of each one's mean (each critic learns as it would alone)."""
-    return (q - target.detach().unsqueeze(0)).pow(2).mean(1).sum()
+    """The squared TD errors of every critic [E, B] against one target [B]: half the sum over
+    critics of each one's mean (Stable-Baselines3's; each critic learns as it would alone)."""
+    return 0.5 * (q - target.detach().unsqueeze(0)).pow(2).mean(1).sum()
 
 
 def actor_loss(q: Tensor, logp: Tensor, alpha: Tensor | float, reduce: str = "min") -> Tensor:

@@ -5,6 +5,8 @@ TD target of the target critics, then the actor against the updated critics, the
 critics' Polyak step. The losses are ``m2flow.algorithms.sac``'s. RLPD's variants are options:
 more critics (``critics``), the target's minimum over a random subset of them
 (``target_subset``), LayerNorm in the critics, the actor against the critics' mean.
+``CrossQLearner``: CrossQ as sb3-contrib defines it (no target critics, batch renormalisation,
+one joint forward pass of the critics over the batch and the next observations' actions).
 
 Speed (the learner's step is what an off-policy run spends its time on): the critics are one
 batched computation, the optimisers fused (``torch.optim.Adam(fused=True)``), the target step
@@ -27,16 +29,18 @@ class SACLearner:
     def __init__(self, obs_dim: int, low: Sequence[float], high: Sequence[float], hidden: Sequence[int] = (256, 256),
                  critics: int = 2, target_subset: int | None = None, layer_norm: bool = False, lr: float = 3e-4,
                  tau: float = 0.005, target_entropy: float | None = None, init_alpha: float = 1.0,
-                 actor_reduce: str = "min", fused: bool = True, seed: int = 0):
+                 actor_reduce: str = "min", fused: bool = True, seed: int = 0,
+                 actor_hidden: Sequence[int] | None = None, batch_renorm: dict | None = None,
+                 betas: tuple[float, float] = (0.9, 0.999)):
         torch.manual_seed(seed)
-        self.actor = SquashedGaussianActor(obs_dim, low, high, hidden)
-        self.critic = QEnsemble(obs_dim, len(low), hidden, critics, layer_norm)
+        self.actor = SquashedGaussianActor(obs_dim, low, high, actor_hidden or hidden, batch_renorm).eval()
+        self.critic = QEnsemble(obs_dim, len(low), hidden, critics, layer_norm, batch_renorm).eval()
         self.target = copy.deepcopy(self.critic).requires_grad_(False)
         self.log_alpha = torch.tensor(float(np.log(init_alpha)), requires_grad=True)
         self.target_entropy = -float(len(low)) if target_entropy is None else float(target_entropy)
         self.tau, self.target_subset, self.actor_reduce = tau, target_subset, actor_reduce
         self.generator = torch.Generator().manual_seed(seed)  # the target subsets'
-        adam = dict(lr=lr, fused=fused) if fused else dict(lr=lr)
+        adam = dict(lr=lr, betas=betas, fused=fused) if fused else dict(lr=lr, betas=betas)
         self.critic_opt = torch.optim.Adam(self.critic.parameters(), **adam)
         self.actor_opt = torch.optim.Adam(self.actor.parameters(), **adam)
         self.alpha_opt = torch.optim.Adam([self.log_alpha], **adam)
@@ -84,18 +88,69 @@ class SACLearner:
         return self.actor(torch.as_tensor(obs, dtype=torch.float32), deterministic)[0].numpy()
 
     def state(self) -> dict[str, Any]:
-        return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict(),
-                "target": self.target.state_dict(), "log_alpha": self.log_alpha.detach().clone(),
+        target = self.target.state_dict() if self.target is not None else None
+        return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict(), "target": target,
+                "log_alpha": self.log_alpha.detach().clone(),
                 "optimizers": [o.state_dict() for o in (self.critic_opt, self.actor_opt, self.alpha_opt)],
                 "generator": self.generator.get_state(), "updates": self.updates}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.actor.load_state_dict(state["actor"])
         self.critic.load_state_dict(state["critic"])
-        self.target.load_state_dict(state["target"])
+        if self.target is not None:
+            self.target.load_state_dict(state["target"])
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
         for opt, s in zip((self.critic_opt, self.actor_opt, self.alpha_opt), state["optimizers"]):
             opt.load_state_dict(s)
         self.generator.set_state(state["generator"])
         self.updates = state["updates"]
+
+
+class CrossQLearner(SACLearner):
+    """CrossQ (Bhatt et al. 2024) as sb3-contrib's ``CrossQ`` defines it, with its defaults:
+    no target critics; batch renormalisation (momentum 0.01, eps 1e-3, 100,000 warm-up steps) in
+    the actor and the critics, which are wider (1024x1024); the critics' statistics taken over
+    the batch and the next observations' sampled actions in one joint forward pass; Adam with
+    lr 1e-3 and betas (0.5, 0.999); the actor and the entropy coefficient updated every
+    ``policy_delay`` steps."""
+
+    def __init__(self, obs_dim: int, low: Sequence[float], high: Sequence[float], hidden: Sequence[int] = (1024, 1024),
+                 actor_hidden: Sequence[int] = (256, 256), lr: float = 1e-3, policy_delay: int = 3,
+                 batch_renorm: dict | None = None, betas: tuple[float, float] = (0.5, 0.999), **kwargs: Any):
+        renorm = {"momentum": 0.01, "eps": 1e-3, "warmup_steps": 100_000} | (batch_renorm or {})
+        super().__init__(obs_dim, low, high, hidden, lr=lr, actor_hidden=actor_hidden, batch_renorm=renorm,
+                         betas=betas, **kwargs)
+        self.target = None  # none: the critics' own values of the next actions make the target
+        self.policy_delay = policy_delay
+
+    def update(self, obs: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor, next_obs: torch.Tensor,
+               discounts: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.updates += 1
+        alpha = self.log_alpha.detach().exp()
+        with torch.no_grad():
+            next_actions, next_logp = self.actor(next_obs)  # running statistics (eval mode)
+        self.critic.train()  # the joint batch's statistics, and the running ones updated
+        q, next_q = self.critic(torch.cat([obs, next_obs]), torch.cat([actions, next_actions])).split(len(obs), 1)
+        self.critic.eval()
+        target = td_target(rewards, discounts, subset_min(next_q.detach()), next_logp, alpha)
+        loss_q = critic_loss(q, target)
+        self.critic_opt.zero_grad(set_to_none=True)
+        loss_q.backward()
+        self.critic_opt.step()
+        stats = {"critic_loss": loss_q.detach(), "alpha": alpha, "q": q.detach().mean()}
+        if self.updates % self.policy_delay:
+            return stats
+        self.actor.train()
+        new_actions, logp = self.actor(obs)
+        self.actor.eval()
+        self.alpha_opt.zero_grad(set_to_none=True)
+        alpha_loss(self.log_alpha, logp, self.target_entropy).backward()
+        self.alpha_opt.step()
+        self.critic.requires_grad_(False)
+        loss_pi = actor_loss(self.critic(obs, new_actions), logp, alpha, self.actor_reduce)
+        self.actor_opt.zero_grad(set_to_none=True)
+        loss_pi.backward()
+        self.actor_opt.step()
+        self.critic.requires_grad_(True)
+        return stats | {"actor_loss": loss_pi.detach(), "entropy": -logp.detach().mean()}
