@@ -168,3 +168,24 @@ def record_readings(report: dict, root: str) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], check=False, capture_output=True, text=True,
                             cwd=root).stdout.strip()
     return {"commit": commit or None, "load": [min(loads), max(loads)], "matmul_gflops": matmul}
+
+
+def ratio_figures(ratios: dict[str, dict | None]) -> list[dict]:
+    """Record figures (``unit`` x) of ratios given as ``spread``s, by label; those without one left out."""
+    return [{"label": label, "value": s["median"], "low": s["min"], "high": s["max"], "n": s["n"], "unit": "x"}
+            for label, s in ratios.items() if s]
+
+
+def append_record(report: dict, root: str, command: str, comparison: str, title: str, figures: list[dict],
+                  note: str) -> None:
+    """Appends a run of ``command`` (``python benchmarks/...``) to benchmarks/record.jsonl, with the
+    readings of ``report`` (``record_readings``), and writes docs/benchmarks.md
+    (scripts/benchmark_table.py's ``append_run``)."""
+    sys.path.insert(0, os.path.join(root, "scripts"))
+    import benchmark_table as table
+
+    readings = record_readings(report, root)
+    table.append_run(json_safe({
+        "comparison": comparison, "title": title, "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M"),
+        "commit": readings["commit"], "command": command.replace("python ", ".venv/bin/python ", 1),
+        "load": readings["load"], "matmul_gflops": readings["matmul_gflops"], "figures": figures, "note": note}))

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Run, json_safe, loaded, log, record_readings, side_order, spread  # noqa: E402
+from common import Run, append_record, json_safe, loaded, log, ratio_figures, side_order, spread  # noqa: E402
 
 from m2flow.engines.sac import CrossQLearner, SACLearner  # noqa: E402
 from m2flow.replay import ReplayBuffer  # noqa: E402
@@ -149,23 +149,11 @@ def main() -> None:
 
 
 def record(result: dict, command: str) -> None:
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "scripts"))
-    import benchmark_table as table
-
-    readings = record_readings(result, str(root))
     rates = ", ".join(f"{k} {v['median']}" for k, v in result["updates_per_s"].items())
-    line = {"comparison": f"sac_update/{result['env']}",
-            "title": f"SAC and CrossQ learners' gradient steps against Stable-Baselines3's and sb3-contrib's "
-                     f"({result['env']} shapes, batch {result['batch']}, each side's default networks, sampling "
-                     "included)",
-            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M"), "commit": readings["commit"],
-            "command": command.replace("python ", ".venv/bin/python ", 1), "load": readings["load"],
-            "matmul_gflops": readings["matmul_gflops"],
-            "figures": [{"label": label, "value": s["median"], "low": s["min"], "high": s["max"], "n": s["n"], "unit": "x"}
-                        for label, s in result["ratios"].items()],
-            "note": f"median updates/s per side and thread count: {rates}"}
-    table.append_run(json_safe(line))
+    append_record(result, str(Path(__file__).resolve().parents[1]), command, f"sac_update/{result['env']}",
+                  f"SAC and CrossQ learners' gradient steps against Stable-Baselines3's and sb3-contrib's "
+                  f"({result['env']} shapes, batch {result['batch']}, each side's default networks, sampling included)",
+                  ratio_figures(result["ratios"]), f"median updates/s per side and thread count: {rates}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Run, json_safe, loaded, log, record_readings, side_order, spread  # noqa: E402
+from common import Run, append_record, json_safe, loaded, log, ratio_figures, side_order, spread  # noqa: E402
 
 from m2flow.data import arithmetic_problems, build_prompts  # noqa: E402
 from m2flow.engines import SamplingParams, TorchEngine  # noqa: E402
@@ -137,22 +137,12 @@ def main() -> None:
 
 
 def record(result: dict, command: str) -> None:
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "scripts"))
-    import benchmark_table as table
-
-    readings = record_readings(result, str(root))
-    line = {"comparison": f"turns/{result['model']}",
-            "title": f"Multi-turn generation, {result['prompts']} prompts x {result['samples']} samples, "
-                     f"{result['batch']} in flight, {result['turns']} turns, a tool of {result['tool_ms']:g} ms",
-            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M"), "commit": readings["commit"],
-            "command": command.replace("python ", ".venv/bin/python ", 1), "load": readings["load"],
-            "matmul_gflops": readings["matmul_gflops"],
-            "figures": [{"label": label, "value": s["median"], "low": s["min"], "high": s["max"], "n": s["n"], "unit": "x"}
-                        for label, s in result["ratios"].items()],
-            "note": "sampled tokens/s over the whole call; sleep / no_sleep near 1: generation does not wait on tools "
-                    f"(the same trajectories with and without the sleep: {result['same_trajectories']})"}
-    table.append_run(json_safe(line))
+    append_record(result, str(Path(__file__).resolve().parents[1]), command, f"turns/{result['model']}",
+                  f"Multi-turn generation, {result['prompts']} prompts x {result['samples']} samples, "
+                  f"{result['batch']} in flight, {result['turns']} turns, a tool of {result['tool_ms']:g} ms",
+                  ratio_figures(result["ratios"]),
+                  "sampled tokens/s over the whole call; sleep / no_sleep near 1: generation does not wait on tools "
+                  f"(the same trajectories with and without the sleep: {result['same_trajectories']})")
 
 
 if __name__ == "__main__":

@@ -144,3 +144,31 @@ def test_halfcheetah_transitions_take_at_most_1_2x_their_raw_bytes(tmp_path):
     used = lanes * int(buffer.head.max())  # the slots written, pads included
     assert buffer.nbytes * used / (lanes * buffer.size) / held <= 1.2 * raw
     assert buffer.save(tmp_path / "b.safetensors").stat().st_size / held <= 1.2 * raw
+
+
+def test_an_embodied_trajectory_adds_the_transitions_its_rows_hold():
+    """Two trajectories of the same envs in a row (the first padded, as the embodied flow pads a
+    short one) fill the buffer as the steps added one by one do; chunks of actions are refused."""
+    from m2flow.envs.trajectory import Trajectory
+
+    steps = [args for args, _ in streams(3, 20, seed=4)]
+
+    def trajectory(part, last_obs):
+        obs, actions, rewards, terminated, truncated, next_obs = (np.stack(x) for x in zip(*part))
+        return Trajectory(obs=obs, actions=actions, logp=np.zeros(obs.shape[:2], np.float32),
+                          versions=np.zeros(obs.shape[:2], np.int64), rewards=rewards, terminated=terminated,
+                          truncated=truncated, final_obs=np.where((terminated | truncated)[..., None], next_obs, obs),
+                          last_obs=last_obs, ids=np.arange(3))
+
+    one_by_one = ReplayBuffer(capacity=3 * 64, lanes=3, obs_shape=(3,), action_shape=(2,))
+    for args in steps:
+        one_by_one.add(*args)
+    by_trajectory = ReplayBuffer(capacity=3 * 64, lanes=3, obs_shape=(3,), action_shape=(2,))
+    by_trajectory.add_trajectory(trajectory(steps[:10], steps[10][0]).padded(12))
+    by_trajectory.add_trajectory(trajectory(steps[10:], steps[-1][5]))
+    mine, theirs = by_trajectory.state(), one_by_one.state()
+    assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
+    chunked = trajectory(steps[:2], steps[2][0])
+    chunked.executed = np.ones((2, 3), np.int64)
+    with pytest.raises(ValueError, match="action chunks"):
+        by_trajectory.add_trajectory(chunked)

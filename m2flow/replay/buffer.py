@@ -108,6 +108,23 @@ class ReplayBuffer:
             self.head[e] += 1
         self._expected, self._ended = next_obs.copy(), ended
 
+    def add_trajectory(self, trajectory) -> None:
+        """Every row of an embodied flow's ``Trajectory`` (``m2flow.envs.trajectory``: its envs
+        are the lanes, in order): each row's next observations are the next row's, the final
+        ones where an episode ended, ``last_obs`` after the last row. Padding rows (no weights
+        acted: version -1) are left out; action chunks are not transitions (a one-line error)."""
+        if trajectory.executed is not None:
+            raise ValueError("replay buffer: a trajectory of action chunks (policy.chunk > 1) holds no transitions")
+        rows = len(trajectory.obs)
+        for t in range(rows):
+            if (trajectory.versions[t] < 0).all():
+                continue
+            following = trajectory.obs[t + 1] if t + 1 < rows and (trajectory.versions[t + 1] >= 0).all() \
+                else trajectory.last_obs
+            ended = (trajectory.terminated[t] | trajectory.truncated[t]).reshape(-1, *[1] * (following.ndim - 1))
+            self.add(trajectory.obs[t], trajectory.actions[t], trajectory.rewards[t], trajectory.terminated[t],
+                     trajectory.truncated[t], np.where(ended, trajectory.final_obs[t], following))
+
     # -- reading ---------------------------------------------------------------------
     def _stored(self) -> np.ndarray:
         return np.minimum(self.head, self.size)
