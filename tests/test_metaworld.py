@@ -89,3 +89,23 @@ def test_a_task_it_lacks_is_a_config_error():
     cfg = load_config("embodied/ppo_metaworld_reach", ["env.id=metaworld:no-such-v3"])
     with pytest.raises(ConfigError, match=r"^env.id: cannot make 'metaworld:no-such-v3': ValueError: Invalid MT env"):
         probe_spaces(cfg)
+
+
+@pytest.mark.filterwarnings("ignore:Constant\\(s\\) may be too high")  # the scripted policy's gains
+def test_the_demonstrations_script_writes_a_buffer_of_scripted_episodes(tmp_path):
+    """scripts/robot_demonstrations.py: two 100-step reach episodes of the scripted policy, both
+    successful, written as a replay buffer file: 200 transitions, loaded as a dataset."""
+    import sys
+    from pathlib import Path
+
+    from m2flow.replay import ReplayBuffer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import robot_demonstrations
+
+    buffer, successes = robot_demonstrations.collect("reach-v3", 2, 100, seed=0)
+    assert successes == [True, True] and len(buffer) == 200
+    loaded = ReplayBuffer.from_file(buffer.save(tmp_path / "reach.safetensors"))
+    batch = loaded.sample(64, np.random.default_rng(0))
+    assert batch.obs.shape == (64, 39) and batch.actions.shape == (64, 4) and (np.abs(batch.actions) <= 1).all()
+    assert len(loaded) == 200
