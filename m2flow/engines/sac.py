@@ -26,6 +26,11 @@ from m2flow.models.continuous import QEnsemble, SquashedGaussianActor
 
 
 class SACLearner:
+    """SAC's networks, optimisers and gradient step (module docstring). ``update`` takes a
+    batch of tensors, ``update_from`` a ``Transitions`` batch; ``act`` is the policy's action
+    for observations (``deterministic``: its mean's); ``state``/``load_state`` hold everything a
+    resumed run needs to take the same next step."""
+
     def __init__(self, obs_dim: int, low: Sequence[float], high: Sequence[float], hidden: Sequence[int] = (256, 256),
                  critics: int = 2, target_subset: int | None = None, layer_norm: bool = False, lr: float = 3e-4,
                  tau: float = 0.005, target_entropy: float | None = None, init_alpha: float = 1.0,
@@ -51,10 +56,10 @@ class SACLearner:
         """One gradient step of each part on a batch (``m2flow.replay.Transitions`` as
         tensors); returns its statistics as 0-dim tensors (read them when they are logged)."""
         new_actions, logp = self.actor(obs)
+        alpha = self.log_alpha.detach().exp()  # this step's, taken before its own update (as SB3's)
         self.alpha_opt.zero_grad(set_to_none=True)
         alpha_loss(self.log_alpha, logp, self.target_entropy).backward()
         self.alpha_opt.step()
-        alpha = self.log_alpha.detach().exp()
 
         with torch.no_grad():
             next_actions, next_logp = self.actor(next_obs)
