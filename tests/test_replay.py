@@ -172,3 +172,32 @@ def test_an_embodied_trajectory_adds_the_transitions_its_rows_hold():
     chunked.executed = np.ones((2, 3), np.int64)
     with pytest.raises(ValueError, match="action chunks"):
         by_trajectory.add_trajectory(chunked)
+
+
+def test_prioritised_sampling_follows_the_priorities_and_weights_them():
+    """Prioritised: only transitions are drawn (never a pad, never a lane's newest slot), new
+    ones at the highest priority yet; after ``update_priorities`` one transition of priority
+    64 against 1 for the others is drawn about 64 / (64 + N - 1) of the time, with the
+    smallest importance weight; the priorities survive a save and load."""
+    buffer = ReplayBuffer(capacity=3 * 40, lanes=3, obs_shape=(3,), action_shape=(2,), prioritized=True, alpha=1.0,
+                          beta=0.5)
+    plain = fill(buffer, 3, 100)
+    rng = np.random.default_rng(0)
+    batch = buffer.sample(4000, rng)
+    assert as_plain(batch) <= set(plain) and len(as_plain(batch)) == len(buffer)
+    assert np.allclose(batch.weights, 1.0)  # all at the same (highest) priority
+    slots = np.unique(batch.slots)
+    assert len(slots) == len(buffer)
+    buffer.update_priorities(slots, np.where(slots == slots[0], 64.0, 1.0))
+    batch = buffer.sample(20000, rng)
+    share = np.mean(batch.slots == slots[0])
+    expected = 64 / (64 + len(slots) - 1)
+    assert abs(share - expected) < 0.1 * expected, (share, expected)
+    assert batch.weights.max() == 1.0 and np.allclose(batch.weights[batch.slots == slots[0]], (64.0) ** -0.5)
+    again = ReplayBuffer(capacity=3 * 40, lanes=3, obs_shape=(3,), action_shape=(2,), prioritized=True, alpha=1.0,
+                         beta=0.5)
+    again.load_state(buffer.state())
+    x, y = buffer.sample(64, np.random.default_rng(3)), again.sample(64, np.random.default_rng(3))
+    assert np.array_equal(x.slots, y.slots) and np.array_equal(x.weights, y.weights)
+    with pytest.raises(ValueError, match="was not prioritised"):
+        again.load_state(ReplayBuffer(capacity=3 * 40, lanes=3, obs_shape=(3,), action_shape=(2,)).state())

@@ -1,5 +1,5 @@
-"""Replay buffers for off-policy RL: transitions stored once, sampled uniformly (n-step
-optional) or from several sources at set shares, saved as safetensors. No Ray here."""
+"""Replay buffers for off-policy RL: transitions stored once, sampled uniformly or by priority
+(n-step optional) or from several sources at set shares, saved as safetensors. No Ray here."""
 
 from m2flow.replay.buffer import ReplayBuffer, Transitions, sample_mixed
 

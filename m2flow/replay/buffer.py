@@ -12,7 +12,10 @@ all the overhead there is: HalfCheetah's 1,000-step episodes make it 0.1% of the
 
 ``sample`` draws transitions uniformly (n-step returns optional: the rewards of up to ``n``
 steps of the same episode, discounted, and the observation after them), as numpy arrays;
-observations come back as they were stored (raw), for the learner to normalise.
+observations come back as they were stored (raw), for the learner to normalise. With
+``prioritized``, in proportion to ``priority ** alpha`` instead (Schaul et al. 2016: a new
+transition gets the highest priority yet, ``update_priorities`` sets them from TD errors), with
+importance weights ``(P / P_min) ** -beta`` over the batch.
 ``sample_mixed`` draws from several buffers at set shares (RLPD's half online, half
 demonstrations). ``save``/``load`` write and read the whole content as safetensors (no
 pickle), so that a run resumed from a checkpoint samples exactly what it would have.
@@ -25,6 +28,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
+
+from m2flow.replay.priorities import SumTree
 
 ARRAYS = ("obs", "actions", "rewards", "terminated", "starts")
 
@@ -40,13 +45,17 @@ class Transitions:
     rewards: np.ndarray
     next_obs: np.ndarray
     discounts: np.ndarray
+    weights: np.ndarray | None = None  # prioritised: each transition's importance weight (at most 1)
+    slots: np.ndarray | None = None  # prioritised: where they are, for ``update_priorities``
 
     def __len__(self) -> int:
         return len(self.rewards)
 
     @staticmethod
     def concat(parts: Sequence[Transitions]) -> Transitions:
-        return Transitions(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Transitions)})
+        """The parts one after the other (weights and slots only where every part has them)."""
+        return Transitions(**{f.name: None if any(getattr(p, f.name) is None for p in parts)
+                              else np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Transitions)})
 
 
 class ReplayBuffer:
@@ -56,7 +65,8 @@ class ReplayBuffer:
 
     def __init__(self, capacity: int, lanes: int, obs_shape: Sequence[int], action_shape: Sequence[int],
                  obs_dtype: np.dtype | str = np.float32, action_dtype: np.dtype | str = np.float32,
-                 n_step: int = 1, gamma: float = 0.99):
+                 n_step: int = 1, gamma: float = 0.99, prioritized: bool = False, alpha: float = 0.6,
+                 beta: float = 0.4):
         if lanes < 1 or capacity < 2 * lanes:
             raise ValueError(f"replay buffer: capacity {capacity} cannot hold 2 slots for each of {lanes} lane(s)")
         if n_step < 1:
@@ -71,6 +81,10 @@ class ReplayBuffer:
         self.head = np.zeros(lanes, np.int64)  # slots written to each lane so far
         self._expected: np.ndarray | None = None  # the next observations the last add announced
         self._ended = np.ones(lanes, bool)  # each lane's last step ended its episode (or none came yet)
+        # prioritised: priority ** alpha of every slot (lane-major), 0 for one that begins no
+        # transition (a pad, or the newest slot of a lane: its next observation not yet written)
+        self.priorities = SumTree(lanes * self.size) if prioritized else None
+        self.alpha, self.beta, self.max_priority = alpha, beta, 1.0
 
     # -- filling ---------------------------------------------------------------------
     def add(self, obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
@@ -90,7 +104,12 @@ class ReplayBuffer:
             raise ValueError("replay buffer: an env's observation is not the next observation its last step gave "
                              "(pass the final observation as next_obs where an episode ends, and step every lane)")
         lanes = np.arange(self.lanes)
+        if self.priorities is not None and going_on.any():  # the last step's next observation is this one
+            e = lanes[going_on]
+            self.priorities.set(e * self.size + (self.head[e] - 1) % self.size, self.max_priority ** self.alpha)
         slot = self.head % self.size
+        if self.priorities is not None:  # sampleable once its next observation is written (a pad: now)
+            self.priorities.set(lanes * self.size + slot, np.where(ended, self.max_priority ** self.alpha, 0.0))
         self.obs[lanes, slot] = obs
         self.actions[lanes, slot] = actions
         self.rewards[lanes, slot] = rewards
@@ -105,6 +124,8 @@ class ReplayBuffer:
             self.rewards[e, pad] = 0.0
             self.terminated[e, pad] = False
             self.starts[e, pad] = False
+            if self.priorities is not None:
+                self.priorities.set(e * self.size + pad, 0.0)
             self.head[e] += 1
         self._expected, self._ended = next_obs.copy(), ended
 
@@ -140,9 +161,39 @@ class ReplayBuffer:
         return total
 
     def sample(self, n: int, rng: np.random.Generator) -> Transitions:
-        """``n`` transitions drawn uniformly (with replacement) from all that can be sampled."""
+        """``n`` transitions drawn (with replacement) from all that can be sampled: uniformly, or
+        prioritised (module docstring)."""
+        if self.priorities is not None:
+            return self._sample_prioritized(n, rng)
         lanes, positions = self._draw(n, rng)
         return self._gather(lanes, positions)
+
+    def _sample_prioritized(self, n: int, rng: np.random.Generator) -> Transitions:
+        tree = self.priorities
+        if tree.total <= 0:
+            raise ValueError("replay buffer: no transition to sample yet")
+        slots = tree.find(rng.uniform(0.0, tree.total, size=n))
+        for _ in range(100):  # a draw rounded onto a slot of priority 0: drawn again
+            zero = tree.values()[slots] <= 0
+            if not zero.any():
+                break
+            slots[zero] = tree.find(rng.uniform(0.0, tree.total, size=int(zero.sum())))
+        lanes, slot = slots // self.size, slots % self.size
+        positions = self.head[lanes] - 1 - (self.head[lanes] - 1 - slot) % self.size
+        batch = self._gather(lanes, positions)
+        p = tree.values()[slots]
+        batch.weights = ((p / p.min()) ** -self.beta).astype(np.float32)
+        batch.slots = slots
+        return batch
+
+    def update_priorities(self, slots: np.ndarray, td_errors: np.ndarray, eps: float = 1e-6) -> None:
+        """Priorities ``|td_error| + eps`` for the transitions a prioritised ``sample`` gave
+        (``Transitions.slots``); a slot overwritten since is left as it is."""
+        priority = np.abs(np.asarray(td_errors, np.float64)) + eps
+        keep = self.priorities.values()[slots] > 0
+        self.max_priority = max(self.max_priority, float(priority.max(initial=0.0)))
+        if keep.any():
+            self.priorities.set(np.asarray(slots)[keep], priority[keep] ** self.alpha)
 
     def _draw(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Lanes and absolute positions of ``n`` transitions: uniform over every (lane, position)
@@ -192,7 +243,8 @@ class ReplayBuffer:
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, name).nbytes for name in ARRAYS) + self.head.nbytes
+        tree = 0 if self.priorities is None else self.priorities.tree.nbytes
+        return sum(getattr(self, name).nbytes for name in ARRAYS) + self.head.nbytes + tree
 
     # -- checkpoints -----------------------------------------------------------------
     def state(self) -> dict[str, np.ndarray]:
@@ -203,10 +255,16 @@ class ReplayBuffer:
         state["ended"] = self._ended.copy()
         if self._expected is not None:
             state["expected"] = self._expected
+        if self.priorities is not None:
+            values = self.priorities.values().reshape(self.lanes, self.size)
+            state["priorities"] = np.ascontiguousarray(values[:, :used])
+            state["max_priority"] = np.array(self.max_priority)
         return state
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         used = state["obs"].shape[1]
+        if self.priorities is not None and "priorities" not in state:
+            raise ValueError("replay buffer: the saved buffer was not prioritised; this one is")
         if (state["head"] > used).any() and used != self.size:  # wrapped: positions map to slots modulo its size
             raise ValueError(f"replay buffer: the saved buffer wrapped around {used} slots a lane; this one has "
                              f"{self.size}: load it into a buffer of the same capacity")
@@ -221,6 +279,11 @@ class ReplayBuffer:
         self.head = state["head"].astype(np.int64)
         self._ended = state["ended"].astype(bool)
         self._expected = state["expected"].copy() if "expected" in state else None
+        if self.priorities is not None:
+            values = np.zeros((self.lanes, self.size))
+            values[:, :used] = state["priorities"]
+            self.priorities.set(np.arange(self.lanes * self.size), values.reshape(-1))
+            self.max_priority = float(state["max_priority"])
 
     def save(self, path: str | Path) -> Path:
         from safetensors.numpy import save_file
