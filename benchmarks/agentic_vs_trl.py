@@ -55,16 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (
-    Run,
-    json_safe,
-    loaded,
-    log,
-    record_readings,
-    run_child,
-    side_order,
-    spread,
-)
+from common import Run, append_record, json_safe, loaded, log, ratio_figures, run_child, side_order, spread
 from reasoning_vs_trl import ratio_table, trl_clock
 
 PRESET = "agentic/tool_arith_smollm2"
@@ -315,28 +306,19 @@ def main() -> None:
 
 
 def record(report: dict, command: str) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import benchmark_table as table
-
-    readings = record_readings(report, str(ROOT))
-    figures = []
-    for variant, label in (("m2flow_collocated", "as shipped"), ("m2flow_collocated_all_rows", "every row forwarded")):
-        s = report["ratios_trl_over_m2flow"].get(variant, {}).get("vs_fastest_trl", {}).get("spread")
-        if s:
-            figures.append({"label": f"{label}, TRL / m2flow s/step", "value": s["median"], "low": s["min"],
-                            "high": s["max"], "n": s["n"], "unit": "x"})
+    ratios = {f"{label}, TRL / m2flow s/step":
+              report["ratios_trl_over_m2flow"].get(variant, {}).get("vs_fastest_trl", {}).get("spread")
+              for variant, label in (("m2flow_collocated", "as shipped"),
+                                     ("m2flow_collocated_all_rows", "every row forwarded"))}
     calls = {v: spread([x["tool_calls"] for x in report["runs"][v]], 2) for v in report["runs"]}
     model = {"smollm2": "SmolLM2-135M"}.get(report["model"], report["model"])
-    line = {"comparison": f"agentic_vs_trl/{model}",
-            "title": f"Multi-turn GRPO step with a calculator against TRL's GRPOTrainer(tools=) "
-                     f"({', '.join(v for v in report['runs'] if v.startswith('trl'))}; {model}, "
-                     f"4 prompts x 8, 3 turns, fp32 on CPU)",
-            "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M"), "commit": readings["commit"],
-            "command": command.replace("python ", ".venv/bin/python ", 1), "load": readings["load"],
-            "matmul_gflops": readings["matmul_gflops"], "figures": figures,
-            "note": f"after {report['sft_steps']} warm-start steps; tool calls per trajectory (median over rounds): "
-                    + ", ".join(f"{v} {c['median']}" for v, c in calls.items() if c)}
-    table.append_run(json_safe(line))
+    append_record(report, str(ROOT), command, f"agentic_vs_trl/{model}",
+                  f"Multi-turn GRPO step with a calculator against TRL's GRPOTrainer(tools=) "
+                  f"({', '.join(v for v in report['runs'] if v.startswith('trl'))}; {model}, "
+                  f"4 prompts x 8, 3 turns, fp32 on CPU)",
+                  ratio_figures(ratios),
+                  f"after {report['sft_steps']} warm-start steps; tool calls per trajectory (median over rounds): "
+                  + ", ".join(f"{v} {c['median']}" for v, c in calls.items() if c))
 
 
 if __name__ == "__main__":
