@@ -36,11 +36,11 @@ class SACLearner:
                  tau: float = 0.005, target_entropy: float | None = None, init_alpha: float = 1.0,
                  actor_reduce: str = "min", fused: bool = True, seed: int = 0,
                  actor_hidden: Sequence[int] | None = None, batch_renorm: dict | None = None,
-                 betas: tuple[float, float] = (0.9, 0.999)):
+                 betas: tuple[float, float] = (0.9, 0.999), target_critics: bool = True):
         torch.manual_seed(seed)
         self.actor = SquashedGaussianActor(obs_dim, low, high, actor_hidden or hidden, batch_renorm).eval()
         self.critic = QEnsemble(obs_dim, len(low), hidden, critics, layer_norm, batch_renorm).eval()
-        self.target = copy.deepcopy(self.critic).requires_grad_(False)
+        self.target = copy.deepcopy(self.critic).requires_grad_(False) if target_critics else None
         self.log_alpha = torch.tensor(float(np.log(init_alpha)), requires_grad=True)
         self.target_entropy = -float(len(low)) if target_entropy is None else float(target_entropy)
         self.tau, self.target_subset, self.actor_reduce = tau, target_subset, actor_reduce
@@ -124,9 +124,9 @@ class CrossQLearner(SACLearner):
                  actor_hidden: Sequence[int] = (256, 256), lr: float = 1e-3, policy_delay: int = 3,
                  batch_renorm: dict | None = None, betas: tuple[float, float] = (0.5, 0.999), **kwargs: Any):
         renorm = {"momentum": 0.01, "eps": 1e-3, "warmup_steps": 100_000} | (batch_renorm or {})
+        # no target critics: the critics' own values of the next actions make the target
         super().__init__(obs_dim, low, high, hidden, lr=lr, actor_hidden=actor_hidden, batch_renorm=renorm,
-                         betas=betas, **kwargs)
-        self.target = None  # none: the critics' own values of the next actions make the target
+                         betas=betas, target_critics=False, **kwargs)
         self.policy_delay = policy_delay
 
     def update(self, obs: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor, next_obs: torch.Tensor,

@@ -153,9 +153,9 @@ class ReplayBuffer:
     def __len__(self) -> int:
         """Transitions that can be sampled: slots that are no pad and whose next slot is written
         (counted over the whole buffer: for reports, not for every step)."""
-        total = 0
+        total, stored = 0, self._stored()
         for e in range(self.lanes):
-            first, last = int(self.head[e] - self._stored()[e]), int(self.head[e]) - 2  # positions
+            first, last = int(self.head[e] - stored[e]), int(self.head[e]) - 2  # positions
             if last >= first:
                 total += int(self.starts[e, np.arange(first, last + 1) % self.size].sum())
         return total
@@ -198,7 +198,8 @@ class ReplayBuffer:
     def _draw(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Lanes and absolute positions of ``n`` transitions: uniform over every (lane, position)
         whose next slot is written, pads rejected (which keeps it uniform over transitions)."""
-        candidates = np.maximum(self._stored() - 1, 0)
+        stored = self._stored()
+        candidates = np.maximum(stored - 1, 0)
         total = int(candidates.sum())
         if total == 0:
             raise ValueError("replay buffer: no transition to sample yet")
@@ -209,7 +210,7 @@ class ReplayBuffer:
                 break
             flat = rng.integers(0, total, size=need + need // 4 + 8)
             lane = np.searchsorted(bounds, flat, side="right")
-            position = self.head[lane] - self._stored()[lane] + (flat - (bounds[lane] - candidates[lane]))
+            position = self.head[lane] - stored[lane] + (flat - (bounds[lane] - candidates[lane]))
             keep = self.starts[lane, position % self.size]
             lane, position = lane[keep][:need], position[keep][:need]
             got_lanes.append(lane)
