@@ -23,6 +23,7 @@ from omegaconf import MISSING
 # tests/test_config.py asserts that each equals the code's own list.
 EMBODIED_ALGORITHMS = ("ppo", "grpo")  # m2flow.workers.actor.ActorWorker: grpo (no critic), else ppo
 ACTIVATIONS = ("tanh", "relu")  # m2flow.models.policies.ACTIVATIONS
+POLICY_KINDS = ("actor_critic", "squashed_gaussian")  # m2flow.models.policies.build_policy
 REASONING_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo")  # m2flow.workers.lm_actor.ALGORITHMS
 BACKENDS = ("torch", "vllm")  # m2flow.engines.BACKENDS
 DTYPES = ("float32", "bfloat16", "float16")  # m2flow.workers.lm_common.DTYPES
@@ -154,6 +155,10 @@ class PolicyConfig:
     log_std_init: float = opt(0.0, "initial log standard deviation of continuous actions")
     ortho_init: bool = opt(True, "orthogonal init (SB3 default); false: PyTorch's default init")
     chunk: int = opt(1, "actions per inference (action chunks)", within=AT_LEAST_1)
+    kind: str = opt("actor_critic", "actor_critic (PPO, GRPO: a policy and a value MLP) | squashed_gaussian (SAC, "
+                                    "CrossQ, RLPD: a Gaussian tanh-squashed to the action bounds, ReLU, no value)",
+                    choices=POLICY_KINDS)
+    batch_renorm: bool = opt(False, "squashed_gaussian: batch renormalisation in the MLP (CrossQ's)")
 
 
 @dataclass

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from m2flow.algorithms.sac import actor_loss, alpha_loss, critic_loss, polyak, subset_min, td_target
-from m2flow.models.continuous import QEnsemble, SquashedGaussianActor
+from m2flow.models.continuous import CROSSQ_RENORM, QEnsemble, SquashedGaussianActor
 
 
 class SACLearner:
@@ -36,12 +36,13 @@ class SACLearner:
                  tau: float = 0.005, target_entropy: float | None = None, init_alpha: float = 1.0,
                  actor_reduce: str = "min", fused: bool = True, seed: int = 0,
                  actor_hidden: Sequence[int] | None = None, batch_renorm: dict | None = None,
-                 betas: tuple[float, float] = (0.9, 0.999), target_critics: bool = True):
+                 betas: tuple[float, float] = (0.9, 0.999), target_critics: bool = True, device: str = "cpu"):
         torch.manual_seed(seed)
-        self.actor = SquashedGaussianActor(obs_dim, low, high, actor_hidden or hidden, batch_renorm).eval()
-        self.critic = QEnsemble(obs_dim, len(low), hidden, critics, layer_norm, batch_renorm).eval()
+        self.device = torch.device(device)
+        self.actor = SquashedGaussianActor(obs_dim, low, high, actor_hidden or hidden, batch_renorm).eval().to(device)
+        self.critic = QEnsemble(obs_dim, len(low), hidden, critics, layer_norm, batch_renorm).eval().to(device)
         self.target = copy.deepcopy(self.critic).requires_grad_(False) if target_critics else None
-        self.log_alpha = torch.tensor(float(np.log(init_alpha)), requires_grad=True)
+        self.log_alpha = torch.tensor(float(np.log(init_alpha)), requires_grad=True, device=device)
         self.target_entropy = -float(len(low)) if target_entropy is None else float(target_entropy)
         self.tau, self.target_subset, self.actor_reduce = tau, target_subset, actor_reduce
         self.generator = torch.Generator().manual_seed(seed)  # the target subsets'
@@ -84,13 +85,13 @@ class SACLearner:
                 "entropy": -logp.detach().mean(), "q": q.detach().mean()}
 
     def update_from(self, batch: Any) -> dict[str, torch.Tensor]:
-        """``update`` on a ``Transitions`` batch of numpy arrays."""
-        return self.update(*(torch.from_numpy(np.ascontiguousarray(getattr(batch, k))) for k in
-                             ("obs", "actions", "rewards", "next_obs", "discounts")))
+        """``update`` on a ``Transitions`` batch of numpy arrays (moved to the learner's device)."""
+        return self.update(*(torch.from_numpy(np.ascontiguousarray(getattr(batch, k), np.float32)).to(self.device)
+                             for k in ("obs", "actions", "rewards", "next_obs", "discounts")))
 
     @torch.no_grad()
     def act(self, obs: np.ndarray, deterministic: bool = False) -> np.ndarray:
-        return self.actor(torch.as_tensor(obs, dtype=torch.float32), deterministic)[0].numpy()
+        return self.actor(torch.as_tensor(obs, dtype=torch.float32, device=self.device), deterministic)[0].cpu().numpy()
 
     def state(self) -> dict[str, Any]:
         target = self.target.state_dict() if self.target is not None else None
@@ -123,7 +124,7 @@ class CrossQLearner(SACLearner):
     def __init__(self, obs_dim: int, low: Sequence[float], high: Sequence[float], hidden: Sequence[int] = (1024, 1024),
                  actor_hidden: Sequence[int] = (256, 256), lr: float = 1e-3, policy_delay: int = 3,
                  batch_renorm: dict | None = None, betas: tuple[float, float] = (0.5, 0.999), **kwargs: Any):
-        renorm = {"momentum": 0.01, "eps": 1e-3, "warmup_steps": 100_000} | (batch_renorm or {})
+        renorm = CROSSQ_RENORM | (batch_renorm or {})
         # no target critics: the critics' own values of the next actions make the target
         super().__init__(obs_dim, low, high, hidden, lr=lr, actor_hidden=actor_hidden, batch_renorm=renorm,
                          betas=betas, target_critics=False, **kwargs)

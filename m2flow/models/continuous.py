@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 from m2flow.algorithms.sac import squashed_gaussian
 
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0  # the log standard deviation's clamp, as Stable-Baselines3's
+CROSSQ_RENORM = {"momentum": 0.01, "eps": 1e-3, "warmup_steps": 100_000}  # sb3-contrib's CrossQ defaults
 
 
 class EnsembleLinear(nn.Module):
@@ -122,7 +124,7 @@ class SquashedGaussianActor(nn.Module):
     def __init__(self, obs_dim: int, low: Sequence[float], high: Sequence[float], hidden: Sequence[int] = (256, 256),
                  batch_renorm: dict | None = None):
         super().__init__()
-        low_t, high_t = torch.as_tensor(low, dtype=torch.float32), torch.as_tensor(high, dtype=torch.float32)
+        low_t, high_t = (torch.tensor(np.asarray(b, dtype=np.float32)) for b in (low, high))
         if not (torch.isfinite(low_t).all() and torch.isfinite(high_t).all() and (high_t > low_t).all()):
             raise ValueError(f"a squashed Gaussian policy needs finite action bounds low < high, got {low} and {high}")
         action_dim = low_t.numel()
@@ -144,3 +146,7 @@ class SquashedGaussianActor(nn.Module):
         h = self.trunk(obs)
         log_std = self.log_std(h).clamp(LOG_STD_MIN, LOG_STD_MAX)
         return squashed_gaussian(self.mean(h), log_std, self.scale, self.bias, deterministic)
+
+    def act(self, obs: Tensor, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+        """An embodied policy's interface (``models.policies``): actions and their log-density."""
+        return self(obs.float(), deterministic)

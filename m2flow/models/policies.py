@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from m2flow.config.schema import PolicyConfig
+from m2flow.models.continuous import CROSSQ_RENORM, SquashedGaussianActor
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU}
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -211,7 +212,8 @@ def build_policy(obs_space: gym.Space, action_space: gym.Space, cfg: Mapping) ->
 
     Observations: a flat Box feeds the MLPs; a rank-3 uint8 Box is an image and gets a
     NatureCNN trunk (channels first or last, told apart by the smallest dim as SB3 does).
-    Actions: a flat Box gives a Gaussian policy, a Discrete a categorical one.
+    Actions: a flat Box gives a Gaussian policy, a Discrete a categorical one; with
+    ``kind: squashed_gaussian``, SAC's actor (``models.continuous.SquashedGaussianActor``).
     ``cfg``: the ``policy`` config section (``config.schema.PolicyConfig``); a key it lacks
     takes that section's default (SB3's choices).
     """
@@ -232,6 +234,12 @@ def build_policy(obs_space: gym.Space, action_space: gym.Space, cfg: Mapping) ->
         encoder=encoder,
         ortho_init=bool(cfg["ortho_init"]),
     )
+    if cfg["kind"] == "squashed_gaussian":
+        if not (isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1) or encoder is not None:
+            raise NotImplementedError(f"a squashed Gaussian policy takes flat observations and a flat Box of "
+                                      f"actions, not {obs_space} and {action_space}")
+        return SquashedGaussianActor(obs_dim, action_space.low, action_space.high, tuple(cfg["hidden"]),
+                                     CROSSQ_RENORM if cfg["batch_renorm"] else None)
     if isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1:
         return GaussianMLPPolicy(
             obs_dim, action_space.shape[0], log_std_init=float(cfg["log_std_init"]), **common

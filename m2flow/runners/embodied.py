@@ -49,6 +49,14 @@ WORKFLOW = Workflow(
             "hybrid": ((("env",), 0.5), (("rollout",), None))})
 
 
+def check(d: dict, training: bool = True) -> None:
+    """The rules between keys (``check_embodied``); PPO and GRPO train an actor-critic policy."""
+    check_embodied(d, training)
+    if d["policy"]["kind"] != "actor_critic":
+        raise ConfigError("policy.kind", f"the embodied flow (PPO, GRPO) trains an actor_critic policy; "
+                                         f"{d['policy']['kind']} is the replay flow's (flow: replay)")
+
+
 def steps_per_update(cfg: DictConfig) -> int:
     """Env steps an update collects: every env steps ``rollout_steps`` times, ``chunk`` actions each."""
     return cfg.runner.rollout_steps * cfg.env.num_envs * cfg.policy.chunk
@@ -338,7 +346,7 @@ def play(cfg: DictConfig, weights: dict[str, Any], obs_stats: dict | None, episo
 
 
 FLOW = Flow(
-    "embodied", WORKFLOW, WORKERS, EmbodiedRunner, config=EmbodiedConfig, check=check_embodied,
+    "embodied", WORKFLOW, WORKERS, EmbodiedRunner, config=EmbodiedConfig, check=check,
     length_key="runner.total_env_steps", stateful=("env", "rollout", "actor"),
     shape=shape, knobs=knobs, length=length, probe_sizes=probe_sizes, duration="update_s", probe_updates=3,
     # the updates a checkpoint counts are of runner.rollout_steps x env.num_envs x policy.chunk env steps

@@ -217,6 +217,7 @@ class Communicator:
     """One per worker process: sends, a mailbox for receives, pairwise NCCL groups."""
 
     def __init__(self, address: tuple[str, int]):
+        self.received = 0  # messages taken (the watchdog counts them as progress)
         self.address = address
         self.log: deque[CommRecord] = deque(maxlen=1024)
         self._peers: dict[tuple[str, int], tuple[Any, PeerInfo]] = {}
@@ -347,6 +348,7 @@ class Communicator:
             if not self._mail_cv.wait_for(lambda: box.ready, timeout):
                 raise TimeoutError(f"{self.address[0]}:{self.address[1]} got nothing from {src[0]}:{src[1]} (tag {tag!r}) in {timeout}s")
             env, reader = box.ready.popleft()
+            self.received += 1
         packed = env.packed
         nccl = self.pairs.recv(tuple(src), packed.data) if packed.transport == "nccl" else None
         obj = unpack(packed, reader, nccl)

@@ -227,6 +227,10 @@ class WorkerGroup:
     def trace_events(self) -> list[dict]:
         return [e for events in ray.get([a._m2flow_trace.remote() for a in self.actors]) for e in events]
 
+    def received(self, timeout_s: float | None = None) -> list[int]:
+        """Messages each rank has taken from other workers (point to point, broadcasts)."""
+        return ray.get([a._m2flow_received.remote() for a in self.actors], timeout=timeout_s)
+
     def pids(self) -> list[int]:
         return ray.get([a._m2flow_ping.remote() for a in self.actors])
 

@@ -1,7 +1,8 @@
 """Hang diagnosis: a run in which nothing moves for ``timeout_s`` is stopped, with a report.
 
-Progress is anything the driver or the channels and device locks see happen: a step ending
-(``beat``), an item put into or taken from a channel, a device lock changing hands. A thread
+Progress is anything the driver or the channels, device locks and workers see happen: a step
+ending (``beat``), an item put into or taken from a channel, a device lock changing hands, a
+worker taking a message from another (point to point). A thread
 of the driver polls those counts; when none has changed for ``timeout_s`` it writes a report
 (every rank's Python stacks, what each is doing, what each channel holds and who waits on it,
 who holds and who waits for each device lock), kills the worker processes, so that the
@@ -132,6 +133,11 @@ class Watchdog:
                 counts.append((name, s["puts"], s["gets"]))
             except Exception:  # noqa: BLE001 -- a channel that does not answer moves nothing
                 counts.append((name, None))
+        for g in self.groups:  # messages between workers: a flow's own exchange (the replay flow's)
+            try:
+                counts.append((g.name, tuple(g.received(self.answer_s))))
+            except Exception:  # noqa: BLE001 -- a group that does not answer moves nothing
+                counts.append((g.name, None))
         for d in self.lock_devices:
             try:
                 counts.append((d, lock_state(d)["acquisitions"]))

@@ -142,6 +142,11 @@ class Worker:
         return os.getpid()
 
     @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_received(self) -> int:
+        """Messages this worker has taken from others (progress the driver does not see)."""
+        return self.comm.received
+
+    @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_stacks(self) -> dict:
         """Every thread's Python stack, innermost frame last (hang reports): answered by the IO
         thread while the main one is busy or stuck."""

@@ -24,7 +24,7 @@ class PolicyReplica:
     def __init__(self, cfg: dict, observation_space, action_space, rank: int):
         torch.manual_seed(cfg["seed"] + 7919 * (rank + 1))  # action sampling, reproducible per rank
         self.policy = build_policy(observation_space, action_space, cfg["policy"])
-        self.policy.requires_grad_(False)
+        self.policy.requires_grad_(False).eval()  # acting: batch statistics (CrossQ's) stay the trained ones
         self.version = -1  # no weights yet: acting before the first sync is an error
 
     def load(self, message: dict) -> int:
