@@ -35,9 +35,9 @@ MAX_LINES = 150
 RUN_KEYS = ("comparison", "title", "date", "time", "commit", "command", "load", "matmul_gflops", "figures", "note")
 FIGURE_KEYS = ("label", "value", "low", "high", "n", "unit")
 # the table's order: comparisons grouped by the start of their id, in the record's order within a group
-ORDER = ("embodied_vs_sb3/", "embodied/", "sac_update/", "reasoning_vs_trl/", "agentic_vs_trl/", "grpo/", "rollout_engine/",
-         "continuous_rollout/", "turns/", "reasoning_modes/", "precision/", "async_grpo/", "planner/", "runtime",
-         "micro", "soak/")
+ORDER = ("embodied_vs_sb3/", "embodied/", "sac_vs_sb3/", "sac_update/", "reasoning_vs_trl/", "agentic_vs_trl/", "grpo/",
+         "rollout_engine/", "continuous_rollout/", "turns/", "reasoning_modes/", "precision/", "async_grpo/", "planner/",
+         "runtime", "micro", "soak/")
 
 
 # ------------------------------------------------------------------------------ the record
