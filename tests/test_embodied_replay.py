@@ -3,7 +3,13 @@ learns, and the same check fails with lr=0; a run resumed from its checkpoint co
 exactly (networks, optimisers, sampling streams and the replay buffer's content); collected
 beside the learner, the acting weights lag by one update at most; its config errors."""
 
+import os
+import signal
+import threading
+import time
+
 import pytest
+import ray
 
 from m2flow.config import load_config
 from m2flow.config.validate import ConfigError, validate
@@ -43,11 +49,15 @@ def test_sac_learns_pendulum_and_not_with_lr_0(cluster, pool, tmp_path, lr, lear
     assert sum(row["episodes"] for row in history[1:]) == 2 * (1500 // 200)  # 2 envs, 200-step episodes
 
 
-def test_resume_continues_exactly(cluster, pool, tmp_path):
+def test_resume_and_restarts_continue_exactly(cluster, pool, tmp_path):
     """A run resumed from its checkpoint at round N reaches the same learner at 2N, bitwise:
-    networks, optimisers, entropy coefficient, the buffer's content and every sampling stream."""
-    common = [*ONE, "runner.total_env_steps=600", "algorithm.learning_starts=100", "env.kwargs.max_episode_steps=70"]
-    straight, history = _run(cluster, pool, tmp_path / "a", *common, "runner.checkpoint_every=6")
+    networks, optimisers, entropy coefficient, the buffer's content and every sampling stream.
+    So does a run whose env worker and learner are killed (SIGKILL) after checkpoint 3: the run
+    restarts from it, its buffer holds what it held there, and the rounds after it are collected
+    again, once (the buffer's content equal to the straight run's: nothing twice, nothing lost)."""
+    common = [*ONE, "runner.total_env_steps=600", "algorithm.learning_starts=100", "env.kwargs.max_episode_steps=70",
+              "runner.checkpoint_every=1", "runner.max_restarts=1"]
+    straight, history = _run(cluster, pool, tmp_path / "a", *common)
     half = tmp_path / "a" / "checkpoints" / "update_000006.safetensors"
     resumed, rest = _run(cluster, pool, tmp_path / "b", *common, f"runner.resume={half}")
     assert resumed == straight
@@ -57,6 +67,34 @@ def test_resume_continues_exactly(cluster, pool, tmp_path):
     last = checkpoints.load(tmp_path / "a" / "checkpoints" / "update_000012.safetensors")
     summary, _ = score(load_config(PRESET, common), last, 4)
     assert summary["mean_return"] == history[-1]["eval_return"]
+
+    out = tmp_path / "c"
+    runner = ReplayRunner(load_config(PRESET, [*common, f"runner.out_dir={out}", "runner.progress=false"]), cluster, pool)
+
+    killed = []
+
+    def kill_both():
+        while not (out / "checkpoints" / "update_000003.safetensors").exists():
+            time.sleep(0.02)
+        for group in (runner.groups["env"], runner.groups["actor"]):
+            killed.append(ray.get(group.actors[0]._m2flow_ping.remote()))
+            os.kill(killed[-1], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_both, daemon=True)
+    try:
+        killer.start()
+        killed_history = runner.train()
+        killer.join(timeout=5)
+        hit = runner.groups["actor"].weights_hash().wait()[0]
+        now = runner.groups["env"].pids() + runner.groups["actor"].pids()
+    finally:
+        runner.close()
+    assert len(killed) == 2 and not set(killed) & set(now)  # both ran in fresh processes after the restart
+    log = (out / "log.txt").read_text()
+    assert log.count("restart ") == 1 and "died" in log
+    assert [r["update"] for r in killed_history if "update" in r] == list(range(12))  # rounds 3-11 again, once
+    assert killed_history[-1]["env_steps"] == history[-1]["env_steps"] == 600
+    assert hit == straight
 
 
 @pytest.mark.parametrize("lag, every", [(1, 1), (0, 4)])
