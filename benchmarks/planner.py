@@ -5,6 +5,7 @@ against the best measured plan.
 Workloads (``--workloads``):
   halfcheetah  embodied/ppo_halfcheetah (2048 env steps per update)
   ant          embodied/ppo_ant
+  sac_halfcheetah  replay/sac_halfcheetah with 2 envs, in rounds of 200 env steps, learning from the first
   smollm2      reasoning/grpo_arith_smollm2 with 16 prompts x 8 samples per step (64 new
                tokens at most, as in the placement runs of docs/benchmark-runs.md), every row
                forwarded (``algorithm.skip_inert_rows=false``): skipping the rows of zero
@@ -59,6 +60,10 @@ WORKLOADS = {
     "smollm2": ("reasoning/grpo_arith_smollm2", ["data.prompts_per_step=16", "rollout.n=8", "rollout.max_new_tokens=64",
                                                   "algorithm.max_tokens_per_micro_batch=1152",
                                                   "algorithm.skip_inert_rows=false"]),
+    # 2 envs (profiling runs every component on both slots first), rounds of 200 env steps (and 200
+    # gradient steps), learning from the first (the profiler's runs too)
+    "sac_halfcheetah": ("replay/sac_halfcheetah", ["env.num_envs=2", "runner.rollout_steps=100",
+                                                   "runner.eval_every=0"]),
     "tiny": ("reasoning/grpo_arith_tiny", []),  # smoke runs
     "cartpole": ("embodied/ppo_cartpole", []),
 }

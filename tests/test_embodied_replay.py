@@ -136,6 +136,19 @@ def test_a_missing_demonstrations_file_stops_the_run_before_it_starts(tmp_path):
                                           "algorithm.demonstrations=/nonexistent.safetensors"]))
 
 
+def test_plans_the_flow_cannot_run_are_refused_in_one_line():
+    from m2flow.flow import Plan
+    from m2flow.runners.replay import WORKFLOW, check_plan
+
+    cfg = load_config(PRESET)
+    check_plan(cfg, Plan.for_mode(WORKFLOW, "collocated", 2))  # env ranks on both devices, the learner across them
+    with pytest.raises(ConfigError, match="placement: the replay flow steps its envs in one batch per env rank; "
+                                          "the plan has 2 stages"):
+        check_plan(cfg, Plan.for_mode(WORKFLOW, "collocated", 1, stages=2))  # 2 envs a rank: 1 a stage
+    with pytest.raises(ConfigError, match="placement: the replay flow runs the rollout in the env workers"):
+        check_plan(cfg, Plan.for_mode(WORKFLOW, "collocated", 2, fuse=False))
+
+
 def test_the_embodied_flow_refuses_the_squashed_gaussian_policy():
     with pytest.raises(ConfigError, match="policy.kind: the embodied flow"):
         validate(load_config("embodied/ppo_cartpole", ["policy.kind=squashed_gaussian"]))

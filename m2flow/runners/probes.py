@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from m2flow.config.validate import ConfigError
 from m2flow.flow import Plan, PlanError
 from m2flow.runners.schedule import Schedule
 from m2flow.runners.start import gpu_slots_of
@@ -67,6 +68,12 @@ def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
 
     sized = ", ".join(f"{k} {v}" for k, v in (variant or variant_overrides).items())
     out = [ProbeRun("collocated", "collocated", of("collocated", n), every)]
+    try:  # the probe every fit starts from: a config that cannot run it cannot be profiled
+        out[0].plan.check(wf, n, s.components, gpu_slots=gpu_slots_of(s.cfg, kind))
+        s.check(out[0].plan)
+    except ValueError as e:
+        raise ConfigError("placement", f"profiling runs every component on all {n} devices first (collocated), "
+                                       f"which this config cannot: {e}") from None
     if n > 1 and s.sized_on_one_device:
         out.append(ProbeRun(f"collocated on device 0, {sized}", "sized",
                             of("collocated", 1, trainer_devices_per_proc=1, **variant),

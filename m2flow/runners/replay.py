@@ -137,6 +137,9 @@ def check_plan(cfg: DictConfig, plan: Plan) -> None:
     learner rank (``Workflow.single_rank`` makes it one whatever its devices; a custom plan may
     not split it)."""
     embodied.env_layout(cfg, plan)
+    if plan.stages != 1:
+        raise ConfigError("placement", f"the replay flow steps its envs in one batch per env rank; the plan has "
+                                       f"{plan.stages} stages")
     if "rollout" in plan.components and not plan.fused(WORKFLOW):
         raise ConfigError("placement", "the replay flow runs the rollout in the env workers: place env and rollout "
                                        "on the same devices (placement.fuse=true)")
@@ -196,6 +199,17 @@ class ReplayMetrics(embodied.EmbodiedMetrics):
     """
 
 
+# -- the scheduler's view -----------------------------------------------------------------------
+def knobs(cfg: DictConfig) -> dict[str, Any]:
+    return {"stages": [1]}  # one env batch per env rank (each row is every env's step)
+
+
+def length(cfg: DictConfig, updates: int) -> dict[str, Any]:
+    """A run of ``updates`` rounds, learning from the first env step: a profiling run measures
+    the learner's gradient steps, not the warm-up's random ones."""
+    return embodied.length(cfg, updates) | {"algorithm.learning_starts": 0}
+
+
 # -- m2flow eval ----------------------------------------------------------------------------------
 def score(cfg: DictConfig, ckpt: dict, episodes: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``m2flow eval``: ``play`` with the checkpoint's learner's policy (raw observations)."""
@@ -212,7 +226,7 @@ WORKFLOW = dataclasses.replace(embodied.WORKFLOW, name="replay", single_rank=("a
 FLOW = Flow(
     "replay", WORKFLOW, {"env": ReplayEnvWorker, "rollout": RolloutWorker, "actor": LearnerWorker}, ReplayRunner,
     config=ReplayConfig, check=check, length_key="runner.total_env_steps", stateful=("env", "rollout", "actor"),
-    shape=embodied.shape, knobs=embodied.knobs, length=embodied.length, probe_sizes=embodied.probe_sizes,
+    shape=embodied.shape, knobs=knobs, length=length, probe_sizes=embodied.probe_sizes,
     duration="update_s", probe_updates=3,
     resume_keys=("algorithm.name", "env.id", "env.num_envs", "policy.hidden", "policy.batch_renorm",
                  "algorithm.critics", "algorithm.critic_hidden", "algorithm.buffer_size", "runner.rollout_steps",

@@ -86,8 +86,10 @@ class Schedule:
 
     def updates_after(self, rows: int) -> int:
         """Gradient steps the learner has taken once ``rows`` rows are in: ``utd_ratio`` per env
-        step of each row that takes the env steps past ``learning_starts``."""
-        quiet = self.learning_starts // self.num_envs  # rows after which env steps <= learning_starts
+        step of each row that takes the env steps past ``learning_starts`` (and is not the first)."""
+        # rows after which env steps <= learning_starts; one at least: the buffer holds a
+        # transition once the observation after it is in, with the next row
+        quiet = max(1, self.learning_starts // self.num_envs)
         return self.utd_ratio * self.num_envs * max(0, rows - quiet)
 
     def required(self, rows: int) -> int:
