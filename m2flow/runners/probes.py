@@ -58,22 +58,23 @@ def probes(s: Schedule, n: int, kind: str) -> list[ProbeRun]:
             return one if fits(one) else p
         return p
 
-    def fits(p: Plan) -> bool:
+    def unfit(p: Plan) -> ValueError | None:
+        """Why the plan cannot run (PlanError, ConfigError), or None."""
         try:
             p.check(wf, n, s.components, gpu_slots=gpu_slots_of(s.cfg, kind))
             s.check(p)
-            return True
-        except ValueError:  # PlanError and ConfigError among them
-            return False
+        except ValueError as e:
+            return e
+        return None
+
+    def fits(p: Plan) -> bool:
+        return unfit(p) is None
 
     sized = ", ".join(f"{k} {v}" for k, v in (variant or variant_overrides).items())
     out = [ProbeRun("collocated", "collocated", of("collocated", n), every)]
-    try:  # the probe every fit starts from: a config that cannot run it cannot be profiled
-        out[0].plan.check(wf, n, s.components, gpu_slots=gpu_slots_of(s.cfg, kind))
-        s.check(out[0].plan)
-    except ValueError as e:
+    if (why := unfit(out[0].plan)) is not None:  # the probe every fit starts from: without it, no profile
         raise ConfigError("placement", f"profiling runs every component on all {n} devices first (collocated), "
-                                       f"which this config cannot: {e}") from None
+                                       f"which this config cannot: {why}")
     if n > 1 and s.sized_on_one_device:
         out.append(ProbeRun(f"collocated on device 0, {sized}", "sized",
                             of("collocated", 1, trainer_devices_per_proc=1, **variant),

@@ -39,7 +39,7 @@ from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners import embodied
 from m2flow.runners.flow import Flow
 from m2flow.runtime.group import GroupHandle, wait
-from m2flow.workers.replay import DEFAULTS, LearnerWorker, ReplayEnvWorker
+from m2flow.workers.replay import DEFAULTS, LearnerWorker, ReplayEnvWorker, resolved_algorithm
 from m2flow.workers.rollout import RolloutWorker
 
 ALGORITHMS = tuple(DEFAULTS)  # sac | rlpd | crossq
@@ -127,7 +127,7 @@ def check(d: Mapping, training: bool = True) -> None:
     if a["buffer_size"] < 2 * env["num_envs"]:
         raise ConfigError("algorithm.buffer_size", f"must hold 2 transitions per env at least "
                                                    f"({2 * env['num_envs']}), got {a['buffer_size']}")
-    critics = a["critics"] or DEFAULTS[a["name"]]["critics"]
+    critics = resolved_algorithm(a)["critics"]
     if a["target_subset"] is not None and a["target_subset"] > critics:
         raise ConfigError("algorithm.target_subset", f"draws {a['target_subset']} of {critics} critics")
 

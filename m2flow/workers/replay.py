@@ -217,9 +217,6 @@ class LearnerWorker(Worker):
         self.broadcast({"flat": flat, "version": version}, (self.group, self.rank), envs)
         self.envs_pushed_to = True
 
-    def push_weights(self, groups: list[str]) -> None:
-        """Weights go to the env workers from ``train`` itself (no receiver of the runner's sync)."""
-
     def policy_weights(self) -> dict[str, Any]:
         """The policy's weights alone (an evaluation's)."""
         return {k: v.cpu() for k, v in self.learner.actor.state_dict().items()}
@@ -265,7 +262,8 @@ class LearnerWorker(Worker):
         sources = [(self.buffer, 1.0 - a["demo_share"]), (self.demonstrations, a["demo_share"])] \
             if self.demonstrations is not None else None
         lags: Counter[int] = Counter()
-        sums: dict[str, torch.Tensor] = {}
+        totals: dict[str, torch.Tensor] = {}  # each statistic summed over the steps that report it
+        counts: Counter[str] = Counter()
         pushing = 0.0  # seconds sending weights
         for t in range(steps):
             with clock.idle():
@@ -279,8 +277,8 @@ class LearnerWorker(Worker):
                 batch = sample_mixed(sources, a["batch_size"], self.rng) if sources else \
                     self.buffer.sample(a["batch_size"], self.rng)
                 for k, v in self.learner.update_from(batch).items():
-                    sums[k] = sums[k] + v if k in sums else v
-                    sums[f"{k}#"] = sums.get(f"{k}#", 0) + 1
+                    totals[k] = totals[k] + v if k in totals else v
+                    counts[k] += 1
                 if self.learner.updates % schedule.weights_every == 0:
                     t0 = time.perf_counter()
                     self._push(envs)
@@ -288,7 +286,7 @@ class LearnerWorker(Worker):
         if max(lags) > schedule.max_lag + schedule.weights_every - 1:
             raise RuntimeError(f"the learner got env steps of weights {sorted(lags)} updates behind its own, "
                                f"runner.max_staleness is {schedule.max_lag} (weights every {schedule.weights_every})")
-        stats = {k: float(v) / sums[f"{k}#"] for k, v in sums.items() if not k.endswith("#")}
+        stats = {k: float(v) / counts[k] for k, v in totals.items()}
         stats["weight_push_s"] = pushing
         stats |= {"updates": self.learner.updates,
                   "buffer_transitions": int(np.minimum(self.buffer.head, self.buffer.size).sum())}
