@@ -1,3 +1,4 @@
+import gc
 import os
 import subprocess
 import sys
@@ -74,6 +75,14 @@ def pytest_collection_modifyitems(items):
     for i, item in enumerate(items):
         first.setdefault(_module(item), i)
     items[:] = sorted(items, key=lambda item: (*rank(_module(item)), first[_module(item)]))
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported: their objects, and the libraries', leave the collector's
+    sight, so that the full collections the suite's runs set off skip them (as each worker
+    process does with its modules: ``m2flow.runtime.worker``)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _next_module_wants(fixture: str) -> bool:

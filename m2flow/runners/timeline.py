@@ -115,33 +115,36 @@ def summary(events: list[dict[str, Any]]) -> str:
 
 def render(events: list[dict[str, Any]], path: str | Path, window: tuple[float, float], title: str = "") -> Path:
     """A PNG of ``window`` (microseconds, wall clock): a row per process, its spans coloured by
-    state; waits drawn over the calls they happen in."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    state; waits drawn over the calls they happen in. Margins are set in inches from the
+    labels' lengths (a layout engine measuring every text costs a run's end more than the
+    drawing)."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
 
     names = processes(events)
     lo, hi = window
-    spans = [(names.get(e["pid"], str(e["pid"])), state_of(e), e["ts"], e["ts"] + e["dur"]) for e in events
-             if e.get("ph") == "X" and state_of(e) and e["ts"] < hi and e["ts"] + e["dur"] > lo]
-    rows = sorted({p for p, *_ in spans})
-    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 1.4))
-    for order in (("computing", "syncing weights"), STATES[2:]):  # calls first, their waits over them
-        for p, state, a, b in spans:
-            if state in order:
-                a, b = max(a, lo), min(b, hi)
-                ax.barh(rows.index(p), (b - a) / 1e6, left=(a - lo) / 1e6, height=0.7, color=COLOURS[state], linewidth=0)
+    bars: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)  # (process, state) -> (start, width)
+    for e in events:
+        if e.get("ph") == "X" and (state := state_of(e)) and e["ts"] < hi and e["ts"] + e["dur"] > lo:
+            a, b = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+            bars[(names.get(e["pid"], str(e["pid"])), state)].append(((a - lo) / 1e6, (b - a) / 1e6))
+    rows = sorted({p for p, _ in bars})
+    width, height = 11.0, 0.45 * len(rows) + 1.5
+    left = 0.3 + 0.075 * max((len(r) for r in rows), default=4)  # inches: the longest name at 10 pt
+    fig = Figure(figsize=(width, height))
+    fig.subplots_adjust(left=left / width, right=1 - 0.25 / width, bottom=0.9 / height, top=1 - 0.4 / height)
+    ax = fig.add_subplot()
+    for state in STATES:  # calls first, their waits over them
+        for i, p in enumerate(rows):
+            if bars.get((p, state)):
+                ax.broken_barh(bars[(p, state)], (i - 0.35, 0.7), facecolors=COLOURS[state], linewidth=0)
     ax.set_yticks(range(len(rows)), rows)
-    ax.invert_yaxis()
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first process on top
     ax.set_xlim(0, (hi - lo) / 1e6)
     ax.set_xlabel("seconds")
     ax.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[s]) for s in STATES]
-    ax.legend(handles, STATES, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * len(rows) ** 0.5), ncol=6,
-              fontsize=8, frameon=False)
-    fig.tight_layout()
+    fig.legend([Rectangle((0, 0), 1, 1, color=COLOURS[s]) for s in STATES], STATES, loc="lower center", ncol=6,
+               fontsize=8, frameon=False)
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
