@@ -43,6 +43,8 @@ class Peer(Worker):
         channel.put(item, timeout=timeout)
 
     def put_tensor(self, channel, n):
+        import torch  # here: the other methods' processes start without it
+
         channel.put({"x": torch.arange(n, dtype=torch.float32), "step": 3})
         channel.flush()
 

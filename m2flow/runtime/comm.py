@@ -28,23 +28,26 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
-import torch
 
 from m2flow.runtime import payload, shm
 from m2flow.runtime.names import NAMESPACE, shm_prefix
 from m2flow.runtime.pairs import Pairs
 from m2flow.runtime.pipes import _frame, _pipe_path, open_pipe, read_pipe
 from m2flow.runtime.trace import get_tracer
+
+if TYPE_CHECKING:  # imported where tensors are handled: a worker that sends none starts without it
+    import torch
 
 INLINE_BYTES = 64 * 1024
 
@@ -99,7 +102,8 @@ def node_id() -> str:
 
 def local_peer_info(pipe: str | None = None) -> PeerInfo:
     gpus: tuple[str, ...] = ()
-    if torch.cuda.is_available():
+    torch = sys.modules.get("torch")  # a process that never imported it holds no CUDA tensor
+    if torch is not None and torch.cuda.is_available():
         gpus = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
     return PeerInfo(node_id(), os.getpid(), gpus, pipe)
 
@@ -122,6 +126,8 @@ def pack_flat(skeleton: Any, tensors: list[torch.Tensor], *, same_node: bool = T
         cuda = [t for t in tensors if t.is_cuda]
         cpu_part = _pack_cpu(None, [tensors[i] for i in cpu_index], same_node, readers) if cpu_index else None
         if same_gpu:
+            import torch.multiprocessing.reductions
+
             # a snapshot (a leaf, as the tensor was): the receiver maps it, not the sender's live memory
             handles = [torch.multiprocessing.reductions.reduce_tensor(
                 t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(t.requires_grad)) for t in cuda]
@@ -172,6 +178,8 @@ def unpack(p: Packed, reader: int = 0, nccl_tensors: list[torch.Tensor] | None =
 
 
 def _cpu_tensors(p: Packed, reader: int) -> list[torch.Tensor]:
+    import torch  # tensors arrive: the receiver makes them too
+
     if p.transport == "rpc":
         return [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in p.data]
     if p.transport == "shm":

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
 import ray
-import torch
 
 from m2flow.runtime.worker import CALLS_GROUP, IO_GROUP
 
@@ -68,14 +68,21 @@ def _split(args: tuple, kwargs: dict, n: int, mode: str) -> list[tuple[tuple, di
     return [(tuple(c[i] for c in chunks_a), {k: c[i] for k, c in chunks_k.items()}) for i in range(n)]
 
 
+def _is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor; none can be where torch was never imported (a
+    driver or worker that handles none starts without it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _share(value: Any) -> Any:
-    nbytes = value.nbytes if isinstance(value, (torch.Tensor, np.ndarray)) else 0
+    nbytes = value.nbytes if isinstance(value, np.ndarray) or _is_tensor(value) else 0
     return ray.put(value) if nbytes > _SHARE_BYTES else value
 
 
 def _chunks(value: Any, n: int) -> list:
-    if isinstance(value, torch.Tensor):
-        return list(torch.tensor_split(value, n))
+    if _is_tensor(value):
+        return list(value.tensor_split(n))
     if isinstance(value, np.ndarray):
         return np.array_split(value, n)
     if isinstance(value, (list, tuple)):
@@ -93,8 +100,8 @@ def _gather(results: list, mode: str) -> Any:
     if mode == "first":
         return results[0]
     first = results[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(results)
+    if _is_tensor(first):
+        return sys.modules["torch"].cat(results)
     if isinstance(first, np.ndarray):
         return np.concatenate(results)
     if isinstance(first, (list, tuple)):

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:  # NCCL pairs carry CUDA tensors: torch is there when one is used
+    import torch
 
 from m2flow.runtime import listen
 
@@ -90,6 +91,8 @@ class Pairs:
                 pg.send([t.contiguous()], peer_rank, 0).wait()
 
     def recv(self, src: tuple[str, int], meta: list) -> list[torch.Tensor]:
+        import torch
+
         pg, peer_rank, _ = self.group(src)
         out = []
         for shape, dtype in meta:

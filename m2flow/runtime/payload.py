@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 from functools import cache
-from typing import Any, NamedTuple
+import sys
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class _Slot(int):
@@ -37,7 +39,12 @@ def _field_names(cls: type) -> tuple[str, ...]:
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     """Returns (skeleton, tensors). A tensor seen twice is listed once, so aliasing survives."""
     tensors: list[torch.Tensor] = []
-    return _strip(obj, tensors, {}), tensors
+    torch = sys.modules.get("torch")  # not imported: nothing here is a tensor
+    return _strip(obj, tensors, {}, torch.Tensor if torch is not None else _NoTensor), tensors
+
+
+class _NoTensor:
+    """The tensor type where torch is not imported: nothing is an instance of it."""
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
@@ -47,30 +54,30 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
 
 # Module-level recursion, not nested closures: a closure that calls itself is a reference
 # cycle, which would keep the tensors alive until the garbage collector happens to run.
-def _strip(x: Any, tensors: list[torch.Tensor], seen: dict[int, _Slot]) -> Any:
+def _strip(x: Any, tensors: list[torch.Tensor], seen: dict[int, _Slot], tensor: type) -> Any:
     t = type(x)
     # Exact-type checks first: they are the common case and much cheaper than isinstance.
-    if t is torch.Tensor or isinstance(x, torch.Tensor):
+    if t is tensor or isinstance(x, tensor):
         slot = seen.get(id(x))
         if slot is None:
             slot = seen[id(x)] = _Slot(len(tensors))
             tensors.append(x)
         return slot
     if t is dict:
-        return {k: _strip(v, tensors, seen) for k, v in x.items()}
+        return {k: _strip(v, tensors, seen, tensor) for k, v in x.items()}
     if t is list:
-        return [_strip(v, tensors, seen) for v in x]
+        return [_strip(v, tensors, seen, tensor) for v in x]
     if t is tuple:
-        return tuple([_strip(v, tensors, seen) for v in x])
+        return tuple([_strip(v, tensors, seen, tensor) for v in x])
     if hasattr(t, "__dataclass_fields__"):
         names = _field_names(t)
-        return _Node(t, names, tuple([_strip(getattr(x, n), tensors, seen) for n in names]))
+        return _Node(t, names, tuple([_strip(getattr(x, n), tensors, seen, tensor) for n in names]))
     if isinstance(x, dict):
         empty = copy.copy(x)
         empty.clear()
-        return _Node(empty, tuple(x), tuple([_strip(v, tensors, seen) for v in x.values()]))
+        return _Node(empty, tuple(x), tuple([_strip(v, tensors, seen, tensor) for v in x.values()]))
     if isinstance(x, (list, tuple)):
-        return _Node(t, (), tuple([_strip(v, tensors, seen) for v in x]))
+        return _Node(t, (), tuple([_strip(v, tensors, seen, tensor) for v in x]))
     return x
 
 

@@ -17,7 +17,6 @@ import select
 import struct
 from typing import Callable
 
-import torch
 from ray import cloudpickle
 
 from m2flow.runtime import shm
@@ -41,6 +40,8 @@ def cleanup_pipes(prefix: str) -> None:
 def _frame(message: tuple) -> bytes:
     body = cloudpickle.dumps(message, protocol=5)  # by value where the receiver cannot import a class
     if _FRAME.size + len(body) > select.PIPE_BUF:
+        import torch
+
         ref = shm.process_pool().write([torch.frombuffer(bytearray(body), dtype=torch.uint8)])
         body = cloudpickle.dumps(("shm", ref), protocol=5)
     return _FRAME.pack(len(body)) + body

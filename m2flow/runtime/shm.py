@@ -26,11 +26,14 @@ import threading
 import weakref
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from m2flow.runtime.names import shm_prefix
+
+if TYPE_CHECKING:  # imported where tensors are handled: a process that only names segments (the
+    import torch  # cluster's sweep, a worker that sends none) starts without it
 
 SHM_DIR = "/dev/shm"
 HEADER = 4096  # one page: the data starts page-aligned
@@ -338,6 +341,8 @@ def _release(f: _SegmentFile, reader: int) -> None:
 @cache
 def _dtypes(name: str) -> tuple[torch.dtype, np.dtype]:
     """A torch dtype, and the numpy dtype its bytes are mapped as."""
+    import torch
+
     dtype = getattr(torch, name)
     try:
         return dtype, torch.empty(0, dtype=dtype).numpy().dtype
@@ -347,6 +352,8 @@ def _dtypes(name: str) -> tuple[torch.dtype, np.dtype]:
 
 def _view(buffer: mmap.mmap | np.ndarray, offset: int, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor on `buffer`'s memory; it keeps `buffer` alive."""
+    import torch
+
     dtype, np_dtype = _dtypes(dtype_name)
     t = torch.from_numpy(np.ndarray(shape, np_dtype, buffer=buffer, offset=offset))
     return t if t.dtype == dtype else t.view(dtype)

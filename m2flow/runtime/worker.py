@@ -116,12 +116,14 @@ class Worker:
             usable = _usable_cores()
             cores = sorted({usable[c % len(usable)] for d in info.devices for c in d.cores})
             _pin_process(cores)
-            import torch
-
             # As many threads as the devices' share of those cores: where slots share cores, a
             # process on two half-core slots computes with one thread, not two beside another
-            # slot's process on the same cores (threads beyond the cores wait spinning).
-            torch.set_num_threads(min(len(cores), max(1, round(sum(d.core_share * len(d.cores) for d in info.devices)))))
+            # slot's process on the same cores (threads beyond the cores wait spinning). Torch
+            # imported later (a worker that imports it in its __init__) reads the variable.
+            threads = min(len(cores), max(1, round(sum(d.core_share * len(d.cores) for d in info.devices))))
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            if "torch" in sys.modules:
+                sys.modules["torch"].set_num_threads(threads)
         set_process_name(f"{info.group}:{info.rank}")
         self.comm = Communicator((info.group, info.rank))
         self._group_sizes: dict[str, int] = {}
