@@ -178,9 +178,11 @@ def unpack(p: Packed, reader: int = 0, nccl_tensors: list[torch.Tensor] | None =
 
 
 def _cpu_tensors(p: Packed, reader: int) -> list[torch.Tensor]:
-    import torch  # tensors arrive: the receiver makes them too
-
     if p.transport == "rpc":
+        if not p.data:  # no tensor: torch stays unimported where it is (a tool worker)
+            return []
+        import torch  # tensors arrive: the receiver makes them too
+
         return [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in p.data]
     if p.transport == "shm":
         return shm.open_tensors(p.data, reader)
