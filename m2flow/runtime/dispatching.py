@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import ray
 
+from m2flow.runtime.payload import tensor_type
 from m2flow.runtime.worker import CALLS_GROUP, IO_GROUP
 
 # Arguments sent to several ranks above this size go through the object store once.
@@ -68,20 +69,13 @@ def _split(args: tuple, kwargs: dict, n: int, mode: str) -> list[tuple[tuple, di
     return [(tuple(c[i] for c in chunks_a), {k: c[i] for k, c in chunks_k.items()}) for i in range(n)]
 
 
-def _is_tensor(value: Any) -> bool:
-    """Whether ``value`` is a torch tensor; none can be where torch was never imported (a
-    driver or worker that handles none starts without it)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
-
-
 def _share(value: Any) -> Any:
-    nbytes = value.nbytes if isinstance(value, np.ndarray) or _is_tensor(value) else 0
+    nbytes = value.nbytes if isinstance(value, (tensor_type(), np.ndarray)) else 0
     return ray.put(value) if nbytes > _SHARE_BYTES else value
 
 
 def _chunks(value: Any, n: int) -> list:
-    if _is_tensor(value):
+    if isinstance(value, tensor_type()):
         return list(value.tensor_split(n))
     if isinstance(value, np.ndarray):
         return np.array_split(value, n)
@@ -100,7 +94,7 @@ def _gather(results: list, mode: str) -> Any:
     if mode == "first":
         return results[0]
     first = results[0]
-    if _is_tensor(first):
+    if isinstance(first, tensor_type()):
         return sys.modules["torch"].cat(results)
     if isinstance(first, np.ndarray):
         return np.concatenate(results)

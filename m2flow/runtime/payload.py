@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from functools import cache
 import sys
+from functools import cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -39,12 +39,18 @@ def _field_names(cls: type) -> tuple[str, ...]:
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     """Returns (skeleton, tensors). A tensor seen twice is listed once, so aliasing survives."""
     tensors: list[torch.Tensor] = []
-    torch = sys.modules.get("torch")  # not imported: nothing here is a tensor
-    return _strip(obj, tensors, {}, torch.Tensor if torch is not None else _NoTensor), tensors
+    return _strip(obj, tensors, {}, tensor_type()), tensors
 
 
 class _NoTensor:
     """The tensor type where torch is not imported: nothing is an instance of it."""
+
+
+def tensor_type() -> type:
+    """``torch.Tensor``, or where torch was never imported (a process that handles no tensors
+    starts without it) a type nothing is an instance of."""
+    torch = sys.modules.get("torch")
+    return torch.Tensor if torch is not None else _NoTensor
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
