@@ -82,8 +82,8 @@ def test_a_trajectorys_calls_go_to_the_rank_that_keeps_its_state(tool_group):
             assert int(count) == turn and seen.setdefault(key, pid) == pid
     assert len(set(seen.values())) == 2
     held = sum(r.trajectories for r in tool_group_reports("tool-state"))
-    for key in seen:
-        remote.forget(key)
+    for done in [remote.forget(key) for key in seen]:  # sent without waiting: a report may come first
+        done.result(timeout=30)
     assert held == 8 and sum(r.trajectories for r in tool_group_reports("tool-state")) == 0
 
 

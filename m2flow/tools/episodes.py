@@ -83,7 +83,7 @@ class ToolTurns:
     def __init__(self, toolbox: Toolbox, tokenizer: Any, eos_ids: set[int], *, max_turns: int = 4,
                  max_calls: int = 8, timeout: float = 30.0, max_response_tokens: int = 512, threads: int = 8,
                  run: Callable[[tuple[int, int], list], Future] | None = None,
-                 forget: Callable[[tuple[int, int]], None] | None = None):
+                 forget: Callable[[tuple[int, int]], object] | None = None):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.toolbox, self.tokenizer, self.eos_ids = toolbox, tokenizer, set(eos_ids)

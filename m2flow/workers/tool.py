@@ -105,7 +105,8 @@ class RemoteTools:
         trajectory = self.prefix + key
         return self._rank(trajectory).call("run", trajectory, calls)
 
-    def forget(self, key: tuple[int, int]) -> None:
+    def forget(self, key: tuple[int, int]) -> Future:
+        """Sent, not waited for (a rank that died forgot it already); the future says when it is done."""
         trajectory = self.prefix + key
-        self._rank(trajectory).call("forget", trajectory)  # a rank that died forgot it already
+        return self._rank(trajectory).call("forget", trajectory)
 
