@@ -92,6 +92,19 @@ class Schedule:
         quiet = max(1, self.learning_starts // self.num_envs)
         return self.utd_ratio * self.num_envs * max(0, rows - quiet)
 
+    def acted_with(self, version: int) -> bool:
+        """Whether some row's ``required`` is ``version``: the pushes no row will act with (those
+        between two rows' updates) need not be sent. Row ``r`` requires
+        ``floor(max(0, c m - max_lag) / weights_every) * weights_every`` with ``c`` gradient steps
+        a row and ``m = max(0, r - quiet)``: a version past 0 is required when some multiple of
+        ``c`` lies in ``[version + max_lag, version + max_lag + weights_every)``."""
+        if version == 0:
+            return True
+        if version % self.weights_every:
+            return False
+        c, low = self.utd_ratio * self.num_envs, version + self.max_lag
+        return -(-low // c) * c < low + self.weights_every
+
     def required(self, rows: int) -> int:
         """The oldest weights (in learner updates) row ``rows`` may act with: the newest pushed
         (every ``weights_every`` updates) at most ``max_lag`` updates behind the learner's, once
@@ -279,7 +292,7 @@ class LearnerWorker(Worker):
                 for k, v in self.learner.update_from(batch).items():
                     totals[k] = totals[k] + v if k in totals else v
                     counts[k] += 1
-                if self.learner.updates % schedule.weights_every == 0:
+                if schedule.acted_with(self.learner.updates):
                     t0 = time.perf_counter()
                     self._push(envs)
                     pushing += time.perf_counter() - t0
