@@ -3,6 +3,7 @@ learns, and the same check fails with lr=0; a run resumed from its checkpoint co
 exactly (networks, optimisers, sampling streams and the replay buffer's content); collected
 beside the learner, the acting weights lag by one update at most; its config errors."""
 
+import itertools
 import os
 import signal
 import threading
@@ -15,6 +16,7 @@ from m2flow.config import load_config
 from m2flow.config.validate import ConfigError, validate
 from m2flow.runners import checkpoint as checkpoints
 from m2flow.runners.replay import ReplayRunner, score
+from m2flow.workers.replay import Schedule
 
 PRESET = "replay/sac_pendulum_tiny"
 ONE = ["placement.mode=custom", "placement.components.env=0", "placement.components.rollout=0",
@@ -95,6 +97,19 @@ def test_resume_and_restarts_continue_exactly(cluster, pool, tmp_path):
     assert [r["update"] for r in killed_history if "update" in r] == list(range(12))  # rounds 3-11 again, once
     assert killed_history[-1]["env_steps"] == history[-1]["env_steps"] == 600
     assert hit == straight
+
+
+def test_the_learner_sends_exactly_the_weights_some_env_step_acts_with():
+    """``Schedule.acted_with``: the versions the learner sends are those some row's
+    ``required`` names, over envs, warm-ups, update-to-data ratios, pushes and lags; with 2 envs,
+    one gradient step an env step and no lag, one of a row's two updates."""
+    for envs, starts, utd, every, lag in itertools.product([1, 2, 3], [0, 5, 100], [1, 2, 5], [1, 2, 3, 7], [0, 1, 2, 5]):
+        schedule = Schedule(envs, starts, utd, every, lag)
+        required = {schedule.required(rows) for rows in range(400)}
+        versions = range(schedule.updates_after(300))
+        assert [v for v in versions if schedule.acted_with(v)] == sorted(required & set(versions))
+    schedule = Schedule(num_envs=2, learning_starts=100, utd_ratio=1, weights_every=1, max_lag=0)
+    assert [v for v in range(1, 11) if schedule.acted_with(v)] == [2, 4, 6, 8, 10]
 
 
 @pytest.mark.parametrize("lag, every", [(1, 1), (0, 4)])

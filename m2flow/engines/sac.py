@@ -10,7 +10,10 @@ one joint forward pass of the critics over the batch and the next observations' 
 
 Speed (the learner's step is what an off-policy run spends its time on): the critics are one
 batched computation, the optimisers fused (``torch.optim.Adam(fused=True)``), the target step
-one ``_foreach_lerp_``, and the critics take no gradient from the actor's loss."""
+one ``_foreach_lerp_``; each backward pass takes the gradients of its own parameters alone (the
+critics none from the actor's loss), and the actor and the entropy coefficient share one:
+three passes become two (64x64 networks, batch 64, one thread: 1.17x the gradient steps a
+second, 1.05-1.33 over 9 alternating pairs; 256x256, batch 256: 1.06x, 0.89-1.14)."""
 
 from __future__ import annotations
 
@@ -51,16 +54,28 @@ class SACLearner:
         self.actor_opt = torch.optim.Adam(self.actor.parameters(), **adam)
         self.alpha_opt = torch.optim.Adam([self.log_alpha], **adam)
         self.updates = 0
+        self._critic_params = list(self.critic.parameters())
+        self._actor_params = [*self.actor.parameters(), self.log_alpha]
+        self._target_params = list(self.target.parameters()) if self.target is not None else []
+
+    @staticmethod
+    def _step(optimizers: Any, loss: torch.Tensor, params: list[torch.Tensor]) -> None:
+        """The gradients of ``loss`` for ``params`` alone (none accumulated anywhere else), then
+        a step of each optimizer."""
+        for p, g in zip(params, torch.autograd.grad(loss, params)):
+            p.grad = g
+        for opt in optimizers if isinstance(optimizers, tuple) else (optimizers,):
+            opt.step()
 
     def update(self, obs: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor, next_obs: torch.Tensor,
                discounts: torch.Tensor) -> dict[str, torch.Tensor]:
         """One gradient step of each part on a batch (``m2flow.replay.Transitions`` as
         tensors); returns its statistics as 0-dim tensors (read them when they are logged)."""
         new_actions, logp = self.actor(obs)
-        alpha = self.log_alpha.detach().exp()  # this step's, taken before its own update (as SB3's)
-        self.alpha_opt.zero_grad(set_to_none=True)
-        alpha_loss(self.log_alpha, logp, self.target_entropy).backward()
-        self.alpha_opt.step()
+        # This step's entropy coefficient, taken before its own update (as SB3's). SB3 steps it
+        # first; its loss reaches nothing else and its value here is taken already, so it is
+        # stepped at the end with the actor, from one backward pass of the two losses.
+        alpha = self.log_alpha.detach().exp()
 
         with torch.no_grad():
             next_actions, next_logp = self.actor(next_obs)
@@ -68,18 +83,14 @@ class SACLearner:
             target = td_target(rewards, discounts, next_q, next_logp, alpha)
         q = self.critic(obs, actions)
         loss_q = critic_loss(q, target)
-        self.critic_opt.zero_grad(set_to_none=True)
-        loss_q.backward()
-        self.critic_opt.step()
+        self._step(self.critic_opt, loss_q, self._critic_params)
 
-        self.critic.requires_grad_(False)  # the actor's loss moves the actor alone
+        # the actor's loss moves the actor alone: the critics' gradients are not taken
         loss_pi = actor_loss(self.critic(obs, new_actions), logp, alpha, self.actor_reduce)
-        self.actor_opt.zero_grad(set_to_none=True)
-        loss_pi.backward()
-        self.actor_opt.step()
-        self.critic.requires_grad_(True)
+        self._step((self.actor_opt, self.alpha_opt), loss_pi + alpha_loss(self.log_alpha, logp, self.target_entropy),
+                   self._actor_params)
 
-        polyak(self.target.parameters(), self.critic.parameters(), self.tau)
+        polyak(self._target_params, self._critic_params, self.tau)
         self.updates += 1
         return {"critic_loss": loss_q.detach(), "actor_loss": loss_pi.detach(), "alpha": alpha,
                 "entropy": -logp.detach().mean(), "q": q.detach().mean()}

@@ -93,8 +93,9 @@ class ReplayRunnerConfig(EmbodiedRunnerConfig):
     max_staleness: int = opt(0, "learner updates the acting weights may lag the learner's: 0, env and learner "
                                 "alternate; 1, an env step runs while the learner takes the step before it",
                              within=NON_NEGATIVE)
-    weights_every: int = opt(1, "learner updates between the weights sent to the env workers (the acting weights "
-                                "then lag by up to max_staleness + weights_every - 1)", within=AT_LEAST_1)
+    weights_every: int = opt(1, "learner updates between the weights the env workers may act with (those some env "
+                                "step will act with are sent; the acting weights lag by up to max_staleness + "
+                                "weights_every - 1)", within=AT_LEAST_1)
 
 
 @dataclass
