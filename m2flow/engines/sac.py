@@ -1,8 +1,9 @@
 """The SAC learner: the actor, the critic ensemble and its target copy, the entropy
 coefficient, their optimiser, and one gradient step on a batch of transitions, in the order
-Stable-Baselines3's SAC takes it: the entropy coefficient, then the critics against the soft
-TD target of the target critics, then the actor against the updated critics, then the target
-critics' Polyak step. The losses are ``m2flow.algorithms.sac``'s. RLPD's variants are options:
+Stable-Baselines3's SAC takes it: the entropy coefficient (its loss on the batch's actions,
+the step's value taken before its update), then the critics against the soft TD target of
+the target critics, then the actor against the updated critics, then the target critics'
+Polyak step (the same arithmetic, the coefficient stepped together with the actor). The losses are ``m2flow.algorithms.sac``'s. RLPD's variants are options:
 more critics (``critics``), the target's minimum over a random subset of them
 (``target_subset``), LayerNorm in the critics, the actor against the critics' mean.
 ``CrossQLearner``: CrossQ as sb3-contrib defines it (no target critics, batch renormalisation,
