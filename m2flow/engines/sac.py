@@ -3,9 +3,10 @@ coefficient, their optimiser, and one gradient step on a batch of transitions, i
 Stable-Baselines3's SAC takes it: the entropy coefficient (its loss on the batch's actions,
 the step's value taken before its update), then the critics against the soft TD target of
 the target critics, then the actor against the updated critics, then the target critics'
-Polyak step (the same arithmetic, the coefficient stepped together with the actor). The losses are ``m2flow.algorithms.sac``'s. RLPD's variants are options:
-more critics (``critics``), the target's minimum over a random subset of them
-(``target_subset``), LayerNorm in the critics, the actor against the critics' mean.
+Polyak step (the same arithmetic, the coefficient stepped together with the actor). The
+losses are ``m2flow.algorithms.sac``'s. RLPD's variants are options: more critics
+(``critics``), the target's minimum over a random subset of them (``target_subset``),
+LayerNorm in the critics, the actor against the critics' mean.
 ``CrossQLearner``: CrossQ as sb3-contrib defines it (no target critics, batch renormalisation,
 one joint forward pass of the critics over the batch and the next observations' actions).
 
@@ -60,12 +61,12 @@ class SACLearner:
         self._target_params = list(self.target.parameters()) if self.target is not None else []
 
     @staticmethod
-    def _step(optimizers: Any, loss: torch.Tensor, params: list[torch.Tensor]) -> None:
+    def _step(loss: torch.Tensor, params: list[torch.Tensor], *optimizers: torch.optim.Optimizer) -> None:
         """The gradients of ``loss`` for ``params`` alone (none accumulated anywhere else), then
-        a step of each optimizer."""
+        a step of each of ``optimizers``."""
         for p, g in zip(params, torch.autograd.grad(loss, params)):
             p.grad = g
-        for opt in optimizers if isinstance(optimizers, tuple) else (optimizers,):
+        for opt in optimizers:
             opt.step()
 
     def update(self, obs: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor, next_obs: torch.Tensor,
@@ -84,12 +85,12 @@ class SACLearner:
             target = td_target(rewards, discounts, next_q, next_logp, alpha)
         q = self.critic(obs, actions)
         loss_q = critic_loss(q, target)
-        self._step(self.critic_opt, loss_q, self._critic_params)
+        self._step(loss_q, self._critic_params, self.critic_opt)
 
         # the actor's loss moves the actor alone: the critics' gradients are not taken
         loss_pi = actor_loss(self.critic(obs, new_actions), logp, alpha, self.actor_reduce)
-        self._step((self.actor_opt, self.alpha_opt), loss_pi + alpha_loss(self.log_alpha, logp, self.target_entropy),
-                   self._actor_params)
+        self._step(loss_pi + alpha_loss(self.log_alpha, logp, self.target_entropy), self._actor_params,
+                   self.actor_opt, self.alpha_opt)
 
         polyak(self._target_params, self._critic_params, self.tau)
         self.updates += 1
