@@ -154,22 +154,15 @@ class CrossQLearner(SACLearner):
         self.critic.eval()
         target = td_target(rewards, discounts, subset_min(next_q.detach()), next_logp, alpha)
         loss_q = critic_loss(q, target)
-        self.critic_opt.zero_grad(set_to_none=True)
-        loss_q.backward()
-        self.critic_opt.step()
+        self._step(loss_q, self._critic_params, self.critic_opt)
         stats = {"critic_loss": loss_q.detach(), "alpha": alpha, "q": q.detach().mean()}
         if self.updates % self.policy_delay:
             return stats
         self.actor.train()
         new_actions, logp = self.actor(obs)
         self.actor.eval()
-        self.alpha_opt.zero_grad(set_to_none=True)
-        alpha_loss(self.log_alpha, logp, self.target_entropy).backward()
-        self.alpha_opt.step()
-        self.critic.requires_grad_(False)
+        # as SAC's: the entropy coefficient stepped with the actor, the critics' gradients not taken
         loss_pi = actor_loss(self.critic(obs, new_actions), logp, alpha, self.actor_reduce)
-        self.actor_opt.zero_grad(set_to_none=True)
-        loss_pi.backward()
-        self.actor_opt.step()
-        self.critic.requires_grad_(True)
+        self._step(loss_pi + alpha_loss(self.log_alpha, logp, self.target_entropy), self._actor_params,
+                   self.actor_opt, self.alpha_opt)
         return stats | {"actor_loss": loss_pi.detach(), "entropy": -logp.detach().mean()}
